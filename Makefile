@@ -1,0 +1,36 @@
+# Quickstart: `make check` (set up .venv, run the conformance report), `make test` (the suite).
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: check test lint format bench clean
+
+# The pinned CPU build of PyTorch goes in first: a bare `torch` requirement
+# would otherwise pull a CUDA build of several GB.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test,dev,plot]'
+	touch $(STAMP)
+
+check: $(STAMP)
+	$(BIN)/attngrad check
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/benchmark_cpu.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""attngrad: scaled-dot-product attention with hand-written backward passes.
+
+The same gradient formulas (see `attngrad.ops`) run along several execution
+strategies; each is checked against a float64 reference.
+
+>>> import torch, attngrad
+>>> q = torch.randn(1, 4, 32, 16, requires_grad=True)
+>>> attngrad.attention(q, q, q, strategy="explicit").sum().backward()
+"""
+
+from attngrad.api import attention
+from attngrad.ops import (
+    probability_gradient,
+    query_key_gradients,
+    softmax_backward,
+    value_gradient,
+)
+from attngrad.seed import CustomAttention
+from attngrad.strategies import STRATEGIES
+
+__all__ = [
+    "STRATEGIES",
+    "CustomAttention",
+    "attention",
+    "probability_gradient",
+    "query_key_gradients",
+    "softmax_backward",
+    "value_gradient",
+]
+
+__version__ = "0.1.0"

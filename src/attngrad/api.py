@@ -1,0 +1,65 @@
+"""`attention`: a drop-in for `torch.nn.functional.scaled_dot_product_attention`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attngrad.contract import validate_attention, validate_strategy
+from attngrad.masks import Mask
+from attngrad.strategies import IMPLEMENTATIONS, STRATEGIES, resolve
+
+__all__ = ["attention"]
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    r"""Scaled-dot-product attention with a hand-written backward.
+
+    Same arguments and conventions as
+    ``torch.nn.functional.scaled_dot_product_attention``::
+
+        query: [..., Hq, Nq, d]     key: [..., Hkv, Nk, d]     value: [..., Hkv, Nk, dv]
+        attn_mask: broadcastable to [..., Hq, Nq, Nk]; bool (True = attend) or
+                   float (added to the scores; its gradient is returned when it
+                   requires grad, summed over the dims it was broadcast along)
+        returns:   [..., Hq, Nq, dv]
+
+    The seeds' ``[B, N, d]`` layout is the case of no leading dims (the first
+    dim plays the heads).  ``is_causal`` masks key j > query i, aligned to the
+    top-left corner (Nq=2, Nk=4: ``x...`` / ``xx..``).  ``scale`` defaults to
+    1/sqrt(d).  ``enable_gqa`` lets Hq be a multiple of Hkv: query head h uses
+    key/value head h // (Hq/Hkv); dK/dV are summed over each group and k, v
+    are never expanded.  A query row that attends no key gets a zero output and
+    zero gradients.
+
+    ``strategy`` picks the execution path (see ``attngrad.STRATEGIES``):
+    ``"explicit"`` saves P for backward; ``"auto"`` picks for you.
+    ``dropout_p`` must be 0.0 (dropout is not implemented yet).
+
+    >>> q = torch.randn(2, 8, 16, 64)
+    >>> attention(q, q, q, is_causal=True).shape
+    torch.Size([2, 8, 16, 64])
+    """
+    shapes = validate_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+    name = resolve(validate_strategy(strategy, STRATEGIES))
+    q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
+    k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
+    v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)
+    mask = Mask.build(attn_mask, is_causal, shapes)
+    s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
+    o = IMPLEMENTATIONS[name](q, k, v, mask, s)
+    return o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)

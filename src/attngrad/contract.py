@@ -1,0 +1,236 @@
+"""Input checks for `attngrad.attention`.
+
+Every check raises ``ValueError`` or ``TypeError`` that names the argument,
+shows the value it got and suggests a fix.  Nothing here modifies a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Shapes", "validate_attention", "validate_strategy"]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The sizes of one attention call.
+
+    q: [*lead, Hq, Nq, d], k: [*lead, Hkv, Nk, d], v: [*lead, Hkv, Nk, dv].
+    """
+
+    lead: tuple[int, ...]
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    value_dim: int
+
+    @property
+    def batch(self) -> int:
+        """All leading dims flattened into one batch dim."""
+        return math.prod(self.lead)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def score_shape(self) -> tuple[int, ...]:
+        """[*lead, Hq, Nq, Nk], the shape a mask must broadcast to."""
+        return (*self.lead, self.heads_q, self.seq_q, self.seq_k)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}: {t!r:.80}")
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; attention needs a floating-point tensor "
+            f"(float64, float32, float16 or bfloat16). Try {name}.float()."
+        )
+    if t.ndim < 3:
+        raise ValueError(
+            f"{name} must have at least 3 dims [..., heads, seq_len, head_dim], got shape "
+            f"{tuple(t.shape)}. For a single head and batch use {name}.unsqueeze(0)."
+        )
+    return t
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_scale(scale: object) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(
+            f"scale must be a Python float or None, got {type(scale).__name__}: {scale!r:.80}. "
+            "Pass float(scale), or None for 1/sqrt(head_dim)."
+        )
+    if not math.isfinite(scale):
+        raise ValueError(
+            f"scale must be finite, got {scale!r}. Pass None for the default 1/sqrt(head_dim)."
+        )
+
+
+def _check_dropout(dropout_p: object) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r:.80}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(
+            f"dropout_p must be in [0, 1), got {dropout_p!r}. Use 0.0 to disable dropout."
+        )
+    if dropout_p > 0.0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p} is not supported yet: attngrad has no dropout. "
+            "Use dropout_p=0.0."
+        )
+
+
+def _check_same_kind(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but query has {query.dtype}; all three must match. "
+                f"Try {name}.to(query.dtype)."
+            )
+        if t.device != query.device:
+            raise ValueError(
+                f"{name} is on {t.device} but query is on {query.device}; all three must be on "
+                f"one device. Try {name}.to(query.device)."
+            )
+        if t.ndim != query.ndim:
+            raise ValueError(
+                f"{name} has {t.ndim} dims (shape {tuple(t.shape)}) but query has {query.ndim} "
+                f"(shape {tuple(query.shape)}); q, k, v must all be [..., heads, seq_len, head_dim]."
+            )
+
+
+def _shapes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+) -> Shapes:
+    q, k, v = query.shape, key.shape, value.shape
+    if not q[:-3] == k[:-3] == v[:-3]:
+        raise ValueError(
+            f"batch dims differ: query {tuple(q)}, key {tuple(k)}, value {tuple(v)}; "
+            "the dims before [heads, seq_len, head_dim] must be equal."
+        )
+    if k[-3] != v[-3]:
+        raise ValueError(
+            f"key has {k[-3]} heads but value has {v[-3]} (key {tuple(k)}, value {tuple(v)}); "
+            "key and value must have the same number of heads."
+        )
+    if k[-2] != v[-2]:
+        raise ValueError(
+            f"key has seq_len {k[-2]} but value has {v[-2]} (key {tuple(k)}, value {tuple(v)}); "
+            "each key needs one value."
+        )
+    if q[-1] != k[-1]:
+        raise ValueError(
+            f"query head_dim {q[-1]} differs from key head_dim {k[-1]} (query {tuple(q)}, key "
+            f"{tuple(k)}); q @ k^T needs them equal."
+        )
+    if q[-1] == 0 or v[-1] == 0:
+        raise ValueError(
+            f"head_dim must be at least 1, got query {tuple(q)}, value {tuple(v)}."
+        )
+    hq, hkv = q[-3], k[-3]
+    if enable_gqa:
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(
+                f"with enable_gqa=True, query heads ({hq}) must be a multiple of key/value heads "
+                f"({hkv}); query {tuple(q)}, key {tuple(k)}."
+            )
+    elif hq != hkv:
+        hint = " Try enable_gqa=True." if hkv and hq % hkv == 0 else ""
+        raise ValueError(
+            f"query has {hq} heads but key/value have {hkv} (query {tuple(q)}, key {tuple(k)})."
+            + hint
+        )
+    return Shapes(
+        lead=tuple(q[:-3]),
+        heads_q=hq,
+        heads_kv=hkv,
+        seq_q=q[-2],
+        seq_k=k[-2],
+        head_dim=q[-1],
+        value_dim=v[-1],
+    )
+
+
+def _check_mask(
+    attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causal: bool
+) -> None:
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(
+            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
+        )
+    if is_causal:
+        raise ValueError(
+            "is_causal=True and an attn_mask were both given; pass one of them. To combine "
+            "them, build the causal part into the mask: attn_mask & torch.ones(Nq, Nk, "
+            "dtype=torch.bool).tril()."
+        )
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        raise TypeError(
+            f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = attend) or the "
+            f"query's dtype {query.dtype} (added to the scores). "
+            f"Try attn_mask.to(torch.bool) or attn_mask.to({query.dtype})."
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(
+            f"attn_mask is on {attn_mask.device} but query is on {query.device}. "
+            "Try attn_mask.to(query.device)."
+        )
+    target = shapes.score_shape
+    shape = tuple(attn_mask.shape)
+    fits = len(shape) <= len(target) and all(
+        m in (1, t) for m, t in zip(reversed(shape), reversed(target))
+    )
+    if not fits:
+        raise ValueError(
+            f"attn_mask has shape {shape}, which does not broadcast to the scores' shape "
+            f"{target} ([..., heads, seq_q, seq_k]); each mask dim must be 1 or equal the "
+            "matching score dim."
+        )
+
+
+def validate_attention(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+) -> Shapes:
+    """Check the arguments of `attngrad.attention`; return the call's sizes."""
+    q = _check_tensor("query", query)
+    k = _check_tensor("key", key)
+    v = _check_tensor("value", value)
+    _check_same_kind(q, k, v)
+    _check_flag("is_causal", is_causal)
+    _check_flag("enable_gqa", enable_gqa)
+    _check_scale(scale)
+    _check_dropout(dropout_p)
+    shapes = _shapes(q, k, v, bool(enable_gqa))
+    _check_mask(attn_mask, q, shapes, bool(is_causal))
+    return shapes
+
+
+def validate_strategy(strategy: object, available: tuple[str, ...]) -> str:
+    """Check the strategy name against ``available`` (plus "auto")."""
+    if not isinstance(strategy, str) or strategy not in (*available, "auto"):
+        choices = ", ".join(repr(s) for s in ("auto", *available))
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {choices}.")
+    return strategy

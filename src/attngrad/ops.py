@@ -1,0 +1,113 @@
+r"""Local forward and backward ops of scaled-dot-product attention.
+
+Per batch and head, with ``q: [Nq, d]``, ``k: [Nk, d]``, ``v: [Nk, dv]``::
+
+    S = scale * q @ k^T        (+ bias, masked entries = -inf)   [Nq, Nk]
+    P = softmax(S, dim=-1)                                        [Nq, Nk]
+    O = P @ v                                                     [Nq, dv]
+
+and backward from ``dO = dout``::
+
+    dV = P^T @ dO
+    dP = dO @ v^T
+    dS = P * (dP - rowsum(P * dP))      rowsum(P * dP) == rowsum(dO * O) =: Delta
+    dq = scale * dS @ k        dk = scale * dS^T @ q        dbias = dS
+
+Each forward step sits right above the local backward that differentiates it.
+Every op works on any number of leading batch dims (``[..., N, d]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "scores",
+    "query_key_gradients",
+    "softmax",
+    "softmax_backward",
+    "softmax_backward_",
+    "attend",
+    "value_gradient",
+    "probability_gradient",
+]
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """S = scale * q @ k^T.   q: [..., Nq, d], k: [..., Nk, d] -> S: [..., Nq, Nk].
+
+    The scale is applied to q ([Nq, d]) rather than to S ([Nq, Nk]): one pass
+    over N*d elements instead of N*N.
+
+    >>> scores(torch.ones(1, 2, 4), torch.ones(1, 3, 4), 0.5).shape
+    torch.Size([1, 2, 3])
+    """
+    return torch.matmul(q * scale, k.transpose(-2, -1))
+
+
+def query_key_gradients(
+    ds: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of `scores`: dq = scale * dS @ k, dk = scale * dS^T @ q.
+
+    ds: [..., Nq, Nk], q: [..., Nq, d], k: [..., Nk, d] -> (dq: like q, dk: like k).
+    Both branches carry the same scale.
+    """
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    return dq, dk
+
+
+def softmax(s: torch.Tensor, dead_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """P = softmax(S, dim=-1), with rows that attend nothing set to zero.
+
+    s: [..., Nq, Nk] -> P: same shape.  ``dead_rows`` ([..., Nq], bool,
+    broadcastable against the rows of ``s``) marks rows whose every score is
+    -inf; plain softmax would give NaN there (0/0), the attention convention
+    is P = 0 so that O = 0 and every gradient is zero.
+    """
+    p = torch.softmax(s, dim=-1)
+    if dead_rows is not None and bool(dead_rows.any()):
+        p.masked_fill_(dead_rows.unsqueeze(-1), 0.0)
+    return p
+
+
+def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    """In-place `softmax_backward`: overwrites ``dp`` with dS and returns it.
+
+    Used by the strategies on buffers they own; it avoids a second [Nq, Nk]
+    allocation:  dp <- P * dP;  dp <- dp - P * rowsum(dp).
+    """
+    pdp = dp.mul_(p)  # P * dP
+    rowsum = pdp.sum(dim=-1, keepdim=True)  # [..., Nq, 1]
+    return pdp.addcmul_(p, rowsum, value=-1.0)
+
+
+def softmax_backward(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    """Backward of `softmax` along the last dim: dS = P * (dP - rowsum(P * dP)).
+
+    p, dp: [..., Nq, Nk] -> dS: same shape.  Each row of dS sums to zero: the
+    row-sum term removes the component along the normalisation direction.
+    """
+    return softmax_backward_(p, dp.clone())
+
+
+def attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """O = P @ v.   p: [..., Nq, Nk], v: [..., Nk, dv] -> O: [..., Nq, dv]."""
+    return torch.matmul(p, v)
+
+
+def value_gradient(p: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """Backward of `attend` for v: dV = P^T @ dO.
+
+    p: [..., Nq, Nk], dout: [..., Nq, dv] -> dV: [..., Nk, dv].
+    """
+    return torch.matmul(p.transpose(-2, -1), dout)
+
+
+def probability_gradient(dout: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Backward of `attend` for P: dP = dO @ v^T.
+
+    dout: [..., Nq, dv], v: [..., Nk, dv] -> dP: [..., Nq, Nk].
+    """
+    return torch.matmul(dout, v.transpose(-2, -1))

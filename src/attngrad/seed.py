@@ -1,0 +1,72 @@
+"""The teaching `CustomAttention` of the course chapter attngrad grows from.
+
+Single head, no mask, no dropout, q/k/v of one shape [B, N, d]; it runs the
+"explicit" strategy (saves q, k, v, P) with the chapter's input contract.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.function import FunctionCtx
+
+from attngrad.masks import Mask
+from attngrad.strategies.explicit import explicit_backward, explicit_forward
+
+__all__ = ["CustomAttention"]
+
+_NO_MASK = Mask(bias=None, drop=None, causal=False, heads_kv=1)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k, v must be 3-D [batch, seq_len, head_dim] tensors, got {shapes}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must share batch and seq_len, got {shapes}")
+    if q.size(-1) != k.size(-1) or v.size(-1) != q.size(-1):
+        raise ValueError(f"q, k, v must share head_dim, got {shapes}")
+    if q.device != k.device or k.device != v.device:
+        raise ValueError(
+            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}; "
+            "move them with .to(q.device)"
+        )
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise TypeError(
+            f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+            "cast them with .to(q.dtype)"
+        )
+
+
+class CustomAttention(torch.autograd.Function):
+    """Scaled-dot-product attention with a hand-written backward.
+
+    q, k, v: [B, N, d] of one dtype and device -> O: [B, N, d].
+
+    >>> q = torch.randn(1, 3, 4, dtype=torch.float64, requires_grad=True)
+    >>> CustomAttention.apply(q, q, q).shape
+    torch.Size([1, 3, 4])
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _check(q, k, v)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        o, p = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), _NO_MASK, scale)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return o.squeeze(1)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, p = ctx.saved_tensors  # type: ignore[attr-defined]
+        if dout.shape != q.shape:
+            raise ValueError(
+                f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
+            )
+        needs = (*ctx.needs_input_grad, False)  # type: ignore[attr-defined]
+        dq, dk, dv, _ = explicit_backward(
+            dout.unsqueeze(1), q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), p, ctx.scale, needs  # type: ignore[attr-defined]
+        )
+        return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))
