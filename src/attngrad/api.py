@@ -6,9 +6,14 @@ import math
 
 import torch
 
-from attngrad.contract import validate_attention, validate_strategy
+from attngrad.contract import (
+    validate_attention,
+    validate_blocks,
+    validate_strategy,
+    validate_window,
+)
 from attngrad.masks import Mask
-from attngrad.strategies import IMPLEMENTATIONS, STRATEGIES, resolve
+from attngrad.strategies import IMPLEMENTATIONS, STRATEGIES, TILED, resolve
 
 __all__ = ["attention"]
 
@@ -24,6 +29,9 @@ def attention(
     enable_gqa: bool = False,
     *,
     strategy: str = "auto",
+    window: tuple[int | None, int | None] | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     r"""Scaled-dot-product attention with a hand-written backward.
 
@@ -44,8 +52,27 @@ def attention(
     are never expanded.  A query row that attends no key gets a zero output and
     zero gradients.
 
-    ``strategy`` picks the execution path (see ``attngrad.STRATEGIES``):
-    ``"explicit"`` saves P for backward; ``"auto"`` picks for you.
+    Beyond SDPA:
+
+    * ``window=(left, right)``: query i attends key j only when
+      i - left <= j <= i + right (None = unbounded on that side); combines
+      with ``is_causal`` and ``attn_mask``.  ``(2, 0)`` with Nq = Nk = 4::
+
+          j:  0 1 2 3
+          i=0 x . . .
+          i=1 x x . .
+          i=2 x x x .
+          i=3 . x x x
+
+    * ``strategy``: the execution path, one of ``attngrad.STRATEGIES`` or
+      ``"auto"``.  ``"explicit"`` saves P for backward (O(N^2) memory);
+      ``"recompute"`` saves lse and rebuilds P whole in backward;
+      ``"flash"`` tiles both passes with an online softmax (O(N) memory).
+      ``"auto"`` takes flash when Nq * Nk >= 2**20 or block sizes are given,
+      else explicit.
+    * ``block_q``, ``block_k``: tile sizes of the tiled strategies (default:
+      chosen from the shape).
+
     ``dropout_p`` must be 0.0 (dropout is not implemented yet).
 
     >>> q = torch.randn(2, 8, 16, 64)
@@ -55,11 +82,16 @@ def attention(
     shapes = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
-    name = resolve(validate_strategy(strategy, STRATEGIES))
+    validate_strategy(strategy, STRATEGIES)
+    validate_blocks(block_q, block_k, strategy)
+    band = validate_window(window)
+    tiling = {} if block_q is None and block_k is None else {"block_q": block_q, "block_k": block_k}
+    name = resolve(strategy, shapes, bool(tiling))
     q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
     k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
     v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)
-    mask = Mask.build(attn_mask, is_causal, shapes)
+    mask = Mask.build(attn_mask, is_causal, band, shapes)
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
-    o = IMPLEMENTATIONS[name](q, k, v, mask, s)
+    options = tiling if name in TILED else {}
+    o = IMPLEMENTATIONS[name](q, k, v, mask, s, **options)
     return o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)

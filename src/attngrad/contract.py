@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shapes", "validate_attention", "validate_strategy"]
+__all__ = [
+    "Shapes",
+    "validate_attention",
+    "validate_blocks",
+    "validate_strategy",
+    "validate_window",
+]
 
 
 @dataclass(frozen=True)
@@ -234,3 +240,40 @@ def validate_strategy(strategy: object, available: tuple[str, ...]) -> str:
         choices = ", ".join(repr(s) for s in ("auto", *available))
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {choices}.")
     return strategy
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_window(window: object) -> tuple[int | None, int | None] | None:
+    """``window=(left, right)``: ints >= 0 or None (unbounded on that side)."""
+    if window is None:
+        return None
+    ok = (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(w is None or (_is_int(w) and w >= 0) for w in window)
+    )
+    if not ok:
+        raise ValueError(
+            f"window must be (left, right) with each an int >= 0 or None, got {window!r}. "
+            "Query i attends key j when i - left <= j <= i + right; e.g. window=(128, 0) "
+            "for the last 129 keys, or window=(128, None) for everything from i - 128 on."
+        )
+    left, right = window
+    return (left, right)
+
+
+def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
+    """Tile sizes: positive ints, and only for the tiled strategies."""
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int or None (chosen from the shape), got {value!r}")
+        if strategy not in ("flash", "auto"):
+            raise ValueError(
+                f"{name}={value} only applies to the tiled strategy 'flash', not {strategy!r}. "
+                "Drop it or pass strategy='flash'."
+            )

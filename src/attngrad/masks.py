@@ -1,22 +1,37 @@
-"""Masks in one canonical form: an additive bias, a keep mask and a causal flag.
+"""Masks in one canonical form: an additive bias, a keep mask and a band.
 
 `attention` accepts SDPA's conventions (a bool mask, True = attend; a float
-mask added to the scores; ``is_causal`` aligned to the top-left corner).
-`Mask.build` turns them into 4-D tensors ``[Bm, Hm, Nqm, Nkm]`` (each dim 1 or
-the full size, so they stay broadcast views) that every strategy applies the
-same way, to the whole score matrix or to one tile of it.
+mask added to the scores; ``is_causal`` aligned to the top-left corner) and a
+sliding ``window=(left, right)``.  `Mask.build` turns them into:
 
-Causal, top-left aligned (query i attends key j when j <= i), Nq=3, Nk=5::
+* ``bias`` / ``keep``: 4-D tensors ``[Bm, Hm, Nqm, Nkm]``, each dim 1 or the
+  full size, so they stay broadcast views of what the caller passed;
+* a band: query i attends key j only when ``lo(i) <= j <= hi(i)``, from
+  ``is_causal`` (hi(i) = i) and the window (lo(i) = i - left, hi(i) = i + right).
 
-    j: 0 1 2 3 4
-    i=0 x . . . .
-    i=1 x x . . .
-    i=2 x x x . .
+Every strategy applies them the same way, to the whole score matrix or to one
+tile of it; the band also tells the tiled strategies which tiles to skip.
+
+Causal, top-left aligned, Nq=3, Nk=5 (x = attend)::
+
+    j:   0 1 2 3 4
+    i=0  x . . . .
+    i=1  x x . . .
+    i=2  x x x . .
+
+Window (left=1, right=1), Nq=Nk=5, alone and with is_causal::
+
+    j:   0 1 2 3 4          j:   0 1 2 3 4
+    i=0  x x . . .          i=0  x . . . .
+    i=1  x x x . .          i=1  x x . . .
+    i=2  . x x x .          i=2  . x x . .
+    i=3  . . x x x          i=3  . . x x .
+    i=4  . . . x x          i=4  . . . x x
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,77 +59,137 @@ def _to_4d(attn_mask: torch.Tensor, shapes: Shapes) -> torch.Tensor:
     return m.expand(*shapes.lead, *m.shape[-3:]).reshape(shapes.batch, *m.shape[-3:])
 
 
-def _tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
-    """t[..., rows, cols], leaving broadcast (size-1) dims whole."""
+def tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+    """t[..., rows, cols], leaving broadcast (size-1) dims whole; a view."""
     return t[..., rows if t.shape[-2] > 1 else _ALL, cols if t.shape[-1] > 1 else _ALL]
 
 
 @dataclass(frozen=True)
 class Mask:
-    """What a query may attend to, for every strategy.
+    """What each query may attend to, in the form every strategy applies.
 
     bias: [Bm, Hm, Nqm, Nkm] float added to the scores, or None.
-    drop: [Bm, Hm, Nqm, Nkm] bool, True where a score is masked out, or None.
-    causal: query i attends key j only when j <= i (top-left aligned).
-    heads_kv: key/value heads; mask heads are grouped to match (GQA).
+    keep: [Bm, Hm, Nqm, Nkm] bool, True where a score is kept, or None.
+    left, right: the band lo(i) = i - left <= j <= i + right = hi(i); None is
+        unbounded (is_causal sets right = min(right, 0)).
+    heads_kv: key/value heads; the mask's heads are grouped to match (GQA).
+    seq_q, seq_k: Nq and Nk.
     """
 
     bias: torch.Tensor | None
-    drop: torch.Tensor | None
-    causal: bool
+    keep: torch.Tensor | None
+    left: int | None
+    right: int | None
     heads_kv: int
+    seq_q: int
+    seq_k: int
 
     @staticmethod
-    def build(attn_mask: torch.Tensor | None, is_causal: bool, shapes: Shapes) -> Mask:
-        """From SDPA-style arguments (already validated)."""
-        bias = drop = None
+    def build(
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        window: tuple[int | None, int | None] | None,
+        shapes: Shapes,
+    ) -> Mask:
+        """From `attention`'s (already validated) arguments."""
+        bias = keep = None
         if attn_mask is not None:
             m = _to_4d(attn_mask, shapes)
             if m.dtype == torch.bool:
-                drop = ~m
+                keep = m
             else:
                 bias = m
-        return Mask(bias=bias, drop=drop, causal=is_causal, heads_kv=shapes.heads_kv)
-
-    def with_bias(self, bias: torch.Tensor | None) -> Mask:
-        """The same mask with ``bias`` in place of its own (a detached copy inside forward)."""
-        return Mask(bias=bias, drop=self.drop, causal=self.causal, heads_kv=self.heads_kv)
-
-    def apply_(self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL) -> torch.Tensor:
-        """Mask a tile of scores in place.
-
-        s: [B, Hkv, G, r, c], the scores of query rows ``rows`` against key
-        columns ``cols`` (slices with explicit start when not whole).
-        """
-        if self.bias is not None:
-            s.add_(_tile(group_heads(self.bias, self.heads_kv), rows, cols))
-        if self.drop is not None:
-            s.masked_fill_(_tile(group_heads(self.drop, self.heads_kv), rows, cols), float("-inf"))
-        if self.causal:
-            s.masked_fill_(self._causal_drop(s, rows, cols), float("-inf"))
-        return s
+        left, right = window if window is not None else (None, None)
+        if is_causal:
+            right = 0 if right is None else min(right, 0)
+        return Mask(bias, keep, left, right, shapes.heads_kv, shapes.seq_q, shapes.seq_k)
 
     @staticmethod
-    def _causal_drop(s: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
-        """[r, c] bool, True where key index > query index."""
-        r0 = rows.start or 0
-        c0 = cols.start or 0
-        i = torch.arange(r0, r0 + s.shape[-2], device=s.device)
-        j = torch.arange(c0, c0 + s.shape[-1], device=s.device)
-        return j.unsqueeze(0) > i.unsqueeze(1)
+    def none(heads_kv: int, seq_q: int, seq_k: int) -> Mask:
+        """Attend everything."""
+        return Mask(None, None, None, None, heads_kv, seq_q, seq_k)
 
-    def dead_rows(self) -> torch.Tensor | None:
-        """[Bm, Hkv|1, G|1, Nqm] bool, True for query rows that attend no key.
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(bias, keep): what a strategy passes to autograd and saves for backward."""
+        return self.bias, self.keep
 
-        Computed on the masks' own (broadcast) shapes.  A causal mask alone
-        leaves none dead: row i always attends key 0.
+    def with_tensors(self, bias: torch.Tensor | None, keep: torch.Tensor | None) -> Mask:
+        """The same mask over other (e.g. saved) bias and keep tensors."""
+        return replace(self, bias=bias, keep=keep)
+
+    # -- the band ---------------------------------------------------------
+
+    @property
+    def banded(self) -> bool:
+        return self.left is not None or self.right is not None
+
+    def key_span(self, rows: slice) -> tuple[int, int]:
+        """[c0, c1): the keys rows [rows.start, rows.stop) can attend under the band.
+
+        Tiles outside it are entirely masked and the tiled strategies skip
+        them: with is_causal that is about half of all tiles.
         """
-        alive = None
-        if self.drop is not None:
-            alive = ~self.drop
+        r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
+        c0 = 0 if self.left is None else max(0, r0 - self.left)
+        c1 = self.seq_k if self.right is None else min(self.seq_k, r1 + self.right)
+        return c0, max(c0, c1)
+
+    def band_covers(self, rows: slice, cols: slice) -> bool:
+        """True when every (i, j) of the tile lies inside the band (no band mask needed)."""
+        r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
+        c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
+        inside_left = self.left is None or c0 >= (r1 - 1) - self.left
+        inside_right = self.right is None or c1 - 1 <= r0 + self.right
+        return inside_left and inside_right
+
+    def band_drop(self, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
+        """[r, c] bool, True where key j lies outside the band of query i."""
+        r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
+        c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
+        offset = torch.arange(c0, c1, device=device).unsqueeze(0) - torch.arange(
+            r0, r1, device=device
+        ).unsqueeze(1)  # j - i
+        drop = torch.zeros_like(offset, dtype=torch.bool)
+        if self.left is not None:
+            drop |= offset < -self.left
+        if self.right is not None:
+            drop |= offset > self.right
+        return drop
+
+    # -- applying ----------------------------------------------------------
+
+    def apply_(self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL) -> torch.Tensor:
+        """Mask a tile of scores in place and return it.
+
+        s: [B, Hkv, G, r, c], the scores of query rows ``rows`` against key
+        columns ``cols`` (slices with explicit bounds when not whole).
+        """
+        if self.bias is not None:
+            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
+        if self.keep is not None:
+            keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
+            s.masked_fill_(keep.logical_not(), float("-inf"))
+        if self.banded and not self.band_covers(rows, cols):
+            s.masked_fill_(self.band_drop(rows, cols, s.device), float("-inf"))
+        return s
+
+    def dead_rows(self, device: torch.device) -> torch.Tensor | None:
+        """[Bm, Hkv|1, G|1, Nq|1] bool, True for query rows that attend no key; None if none can be.
+
+        Computed from the masks, never from the scores.  For the strategies
+        that hold a whole score matrix; the tiled ones see dead rows as l = 0.
+        """
+        alive = self.keep
         if self.bias is not None:
             finite = self.bias != float("-inf")
             alive = finite if alive is None else alive & finite
+        # With left unbounded, row i always reaches key min(i, Nk-1) (right >= 0).
+        if self.left is not None and self.seq_k > 0:
+            band = ~self.band_drop(_ALL, _ALL, device)
+            alive = band if alive is None else alive & band
         if alive is None:
             return None
+        while alive.ndim < 4:
+            alive = alive.unsqueeze(0)
         return group_heads(~alive.any(dim=-1), self.heads_kv)

@@ -22,15 +22,28 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "compute_dtype",
     "scores",
     "query_key_gradients",
+    "probabilities",
     "softmax",
     "softmax_backward",
     "softmax_backward_",
+    "softmax_lse",
     "attend",
     "value_gradient",
     "probability_gradient",
 ]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the strategies compute in: float64 for float64 inputs, else float32.
+
+    16-bit inputs are upcast tile by tile (scores, softmax and accumulators in
+    float32, like the fused GPU kernels); results are cast back to the input
+    dtype, and saved tensors keep it (lse stays float32).
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -70,6 +83,33 @@ def softmax(s: torch.Tensor, dead_rows: torch.Tensor | None = None) -> torch.Ten
     if dead_rows is not None and bool(dead_rows.any()):
         p.masked_fill_(dead_rows.unsqueeze(-1), 0.0)
     return p
+
+
+def softmax_lse(
+    s: torch.Tensor, dead_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """P = `softmax` (S) and lse = logsumexp(S, dim=-1): [..., Nq, Nk] -> (P, [..., Nq]).
+
+    lse comes from P's largest entry: P_max = exp(m - lse) with m = max_j S,
+    so lse = m - log(P_max).  P_max >= 1/Nk keeps full relative precision and
+    it costs two row reductions instead of a second exp pass.  A dead row has
+    lse = -inf.
+    """
+    m = s.amax(dim=-1)
+    p = softmax(s, dead_rows)
+    p_max = p.amax(dim=-1)
+    lse = torch.where(p_max > 0, m - torch.log(p_max), float("-inf"))
+    return p, lse
+
+
+def probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """P = exp(S - lse), rebuilt in place in ``s`` from the saved lse.
+
+    s: [..., Nq, Nk] (masked scores), lse: [..., Nq] -> P, the storage of s.
+    A dead row (lse = -inf) becomes 0: its shift is +inf, not -inf.
+    """
+    shift = torch.where(lse == float("-inf"), float("inf"), lse).unsqueeze(-1)
+    return s.sub_(shift).exp_()
 
 
 def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:

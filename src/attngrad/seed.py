@@ -12,12 +12,10 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from attngrad.masks import Mask
+from attngrad.ops import compute_dtype
 from attngrad.strategies.explicit import explicit_backward, explicit_forward
 
 __all__ = ["CustomAttention"]
-
-_NO_MASK = Mask(bias=None, drop=None, causal=False, heads_kv=1)
-
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -53,8 +51,9 @@ class CustomAttention(torch.autograd.Function):
     def forward(ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         _check(q, k, v)
         scale = 1.0 / math.sqrt(q.size(-1))
-        o, p = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), _NO_MASK, scale)
-        ctx.save_for_backward(q, k, v, p)
+        mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
+        o, p, _ = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, scale)
+        ctx.save_for_backward(q, k, v, p.to(q.dtype))
         ctx.scale = scale  # type: ignore[attr-defined]
         return o.squeeze(1)
 
@@ -66,7 +65,7 @@ class CustomAttention(torch.autograd.Function):
                 f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
             )
         needs = (*ctx.needs_input_grad, False)  # type: ignore[attr-defined]
-        dq, dk, dv, _ = explicit_backward(
-            dout.unsqueeze(1), q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), p, ctx.scale, needs  # type: ignore[attr-defined]
-        )
+        p = p.to(compute_dtype(q.dtype))
+        q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
+        dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, ctx.scale, needs)  # type: ignore[attr-defined]
         return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))

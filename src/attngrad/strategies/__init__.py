@@ -2,7 +2,8 @@
 
 Each strategy module exposes ``attention(q, k, v, mask, scale)`` over the
 canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]
-and a `attngrad.masks.Mask`, returning O: [B, Hq, Nq, dv].
+and a `attngrad.masks.Mask`, returning O: [B, Hq, Nq, dv]; the tiled ones
+also take ``block_q`` and ``block_k``.
 """
 
 from __future__ import annotations
@@ -11,23 +12,35 @@ from collections.abc import Callable
 
 import torch
 
-from attngrad.masks import Mask
-from attngrad.strategies import explicit
+from attngrad.contract import Shapes
+from attngrad.strategies import explicit, flash, recompute
 
-__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "resolve"]
+__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "TILED", "resolve"]
 
-Implementation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Mask, float], torch.Tensor]
-
-IMPLEMENTATIONS: dict[str, Implementation] = {
+IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "explicit": explicit.attention,
+    "recompute": recompute.attention,
+    "flash": flash.attention,
 }
 
 STRATEGIES: tuple[str, ...] = tuple(IMPLEMENTATIONS)
 
+TILED = frozenset({"flash"})
 
-def resolve(strategy: str) -> str:
-    """The strategy "auto" stands for; others resolve to themselves.
+# Above this many scores per (batch, head) "auto" prefers flash on CPU: from
+# `attngrad bench`, flash overtakes explicit near N = 1024 (and P alone would
+# take B*H*N*N*4 bytes).
+AUTO_FLASH_SCORES = 1024 * 1024
 
-    "auto" is "explicit" while explicit is the only strategy.
+
+def resolve(strategy: str, shapes: Shapes, tiling_given: bool) -> str:
+    """The strategy "auto" stands for; the others resolve to themselves.
+
+    "auto": flash when block sizes are given or Nq * Nk >= AUTO_FLASH_SCORES,
+    else explicit (short sequences: fewest passes over the small P).
     """
-    return "explicit" if strategy == "auto" else strategy
+    if strategy != "auto":
+        return strategy
+    if tiling_given or shapes.seq_q * shapes.seq_k >= AUTO_FLASH_SCORES:
+        return "flash"
+    return "explicit"

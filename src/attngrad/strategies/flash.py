@@ -1,0 +1,207 @@
+"""Strategy "flash": tiled attention with an online softmax, O(N) saved memory.
+
+Forward walks key tiles for each block of query rows, keeping a running row
+max ``m_i``, running sum ``l_i`` and a rescaled accumulator ``acc``; it writes
+O and lse = m_i + log(l_i) and never holds more than one [block_q, block_k]
+score tile per (batch, head).  Backward recomputes each P tile from lse and
+uses Delta = rowsum(dO * O) in place of rowsum(P * dP):
+
+    P = exp(S - lse)   dV += P^T dO   dP = dO v^T   dS = P * (dP - Delta)
+    dq += scale * dS k   dk += scale * dS^T q   dbias[tile] += dS
+
+Tiles that the causal/window band masks entirely are skipped.
+Saved bytes: b * (2*B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l * B*Hq*Nq (with
+dv = d), plus the caller's mask when given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from attngrad.heads import group_heads
+from attngrad.masks import Mask, tile
+from attngrad.ops import compute_dtype
+
+__all__ = ["FlashAttention", "attention", "choose_blocks", "flash_backward", "flash_forward"]
+
+_NEG_INF = float("-inf")
+
+
+def choose_blocks(
+    seq_q: int, seq_k: int, groups: int, block_q: int | None, block_k: int | None
+) -> tuple[int, int]:
+    """Tile sizes (block_q, block_k) for the shape, unless given.
+
+    On CPU each op on a tile costs a fixed Python/dispatch overhead, so tiles
+    are large: 64 folded rows keep a tile of 1024 keys in L2 (256 KiB per
+    head in float32) while the matmuls stay efficient.
+    """
+    bk = block_k or min(max(seq_k, 1), 1024)
+    bq = block_q or max(1, min(max(seq_q, 1), 256 // groups))
+    return bq, bk
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """[B, Hkv, G, Nq, x] -> rows of every group folded: [B, Hkv, G*r, x] (a copy)."""
+    b, hkv, g, _, x = t.shape
+    return t[:, :, :, rows].reshape(b, hkv, -1, x)
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, x] -> [B*H, n, x] for the in-place batched matmuls; a view."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    scale: float,
+    blocks: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hq, Nq] (float32, or float64).
+
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
+    """
+    b, hq, nq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    g = hq // hkv
+    dtype = compute_dtype(q.dtype)
+    block_q, block_k = blocks
+    q5 = group_heads(q, hkv)  # (B, Hkv, G, Nq, d)
+    k, v = k.to(dtype), v.to(dtype)
+    o = q.new_empty(b, hkv, g, nq, dv)
+    lse = torch.empty(b, hkv, g, nq, dtype=dtype, device=q.device)
+    for r0 in range(0, nq, block_q):
+        rows = slice(r0, min(r0 + block_q, nq))
+        r = rows.stop - r0
+        qb = _rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
+        m_i = torch.full((b, hkv, g * r, 1), _NEG_INF, dtype=dtype, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
+        shift = torch.zeros_like(m_i)
+        c_lo, c_hi = mask.key_span(rows)
+        for c0 in range(c_lo, c_hi, block_k):
+            cols = slice(c0, min(c0 + block_k, c_hi))
+            qk = torch.matmul(qb, k[:, :, cols].transpose(-2, -1))  # (B, Hkv, G*r, c)
+            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols)
+            m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
+            # a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
+            shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+            p = qk.sub_(shift).exp_()
+            alpha = torch.exp(m_i - shift)
+            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            _batched(acc.mul_(alpha)).baddbmm_(_batched(p), _batched(v[:, :, cols]))
+            m_i = m_new
+        o[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
+        lse[:, :, :, rows] = (shift + torch.log(l_i)).view(b, hkv, g, r)
+    return o.view(b, hq, nq, dv), lse.view(b, hq, nq)
+
+
+def flash_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+    blocks: tuple[int, int],
+    bias_meta: tuple[torch.Size, torch.dtype] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq, dk, dv (input dtype) and dbias (its dtype, or None) tile by tile.
+
+    dout, o: [B, Hq, Nq, dv]; lse: [B, Hq, Nq]; q, k, v as in `flash_forward`.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    dtype = compute_dtype(q.dtype)
+    block_q, block_k = blocks
+    do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
+    delta = (do5 * group_heads(o, hkv).to(dtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
+    lse5 = group_heads(lse, hkv).unsqueeze(-1)  # (B, Hkv, G, Nq, 1)
+    shift5 = lse5.masked_fill(lse5 == _NEG_INF, float("inf"))  # dead rows: P = exp(-inf) = 0
+    q5 = group_heads(q, hkv)
+    k, v = k.to(dtype), v.to(dtype)
+    dq = torch.empty(b, hkv, g, nq, d, dtype=dtype, device=q.device)
+    dk = torch.zeros(b, hkv, nk, d, dtype=dtype, device=q.device)
+    dv = torch.zeros(b, hkv, nk, dv_dim, dtype=dtype, device=q.device)
+    dbias = None
+    if bias_meta is not None:
+        dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
+    for r0 in range(0, nq, block_q):
+        rows = slice(r0, min(r0 + block_q, nq))
+        r = rows.stop - r0
+        qb = _rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
+        dob = _rows(do5, rows)  # (B, Hkv, G*r, dv)
+        shift_b, delta_b = _rows(shift5, rows), _rows(delta, rows)  # (B, Hkv, G*r, 1)
+        dq_b = torch.zeros(b, hkv, g * r, d, dtype=dtype, device=q.device)
+        c_lo, c_hi = mask.key_span(rows)
+        for c0 in range(c_lo, c_hi, block_k):
+            cols = slice(c0, min(c0 + block_k, c_hi))
+            kc, vc = k[:, :, cols], v[:, :, cols]
+            qk = torch.matmul(qb, kc.transpose(-2, -1))  # (B, Hkv, G*r, c)
+            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols)
+            p = qk.sub_(shift_b).exp_()
+            _batched(dv[:, :, cols]).baddbmm_(_batched(p).transpose(-2, -1), _batched(dob))
+            dp = torch.matmul(dob, vc.transpose(-2, -1))
+            ds = dp.sub_(delta_b).mul_(p)
+            if dbias is not None:
+                tile(dbias, rows, cols).add_(ds.view(b, hq, r, -1).sum_to_size(tile(dbias, rows, cols).shape))
+            _batched(dq_b).baddbmm_(_batched(ds), _batched(kc))
+            _batched(dk[:, :, cols]).baddbmm_(_batched(ds).transpose(-2, -1), _batched(qb))
+        dq[:, :, :, rows] = dq_b.mul_(scale).view(b, hkv, g, r, d)
+    dbias_out = None if dbias is None or bias_meta is None else dbias.to(bias_meta[1])
+    return dq.view(b, hq, nq, d).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
+
+
+class FlashAttention(torch.autograd.Function):
+    """autograd.Function over q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        mask: Mask,
+        scale: float,
+        blocks: tuple[int, int],
+    ) -> torch.Tensor:
+        o, lse = flash_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
+        ctx.save_for_backward(q, k, v, o, lse, bias, keep)
+        ctx.mask = mask.with_tensors(None, None)  # type: ignore[attr-defined]
+        ctx.scale, ctx.blocks = scale, blocks  # type: ignore[attr-defined]
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)  # type: ignore[attr-defined]
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, o, lse, bias, keep = ctx.saved_tensors  # type: ignore[attr-defined]
+        mask = ctx.mask.with_tensors(bias, keep)  # type: ignore[attr-defined]
+        bias_meta = ctx.bias_meta if ctx.needs_input_grad[3] else None  # type: ignore[attr-defined]
+        dq, dk, dv, dbias = flash_backward(
+            dout, q, k, v, o, lse, mask, ctx.scale, ctx.blocks, bias_meta  # type: ignore[attr-defined]
+        )
+        return dq, dk, dv, dbias, None, None, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    scale: float,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """O: [B, Hq, Nq, dv] for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
+    blocks = choose_blocks(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], block_q, block_k)
+    return FlashAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)  # type: ignore[no-any-return]

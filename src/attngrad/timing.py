@@ -1,0 +1,41 @@
+"""Side-by-side timing: every contender runs once per round, rounds repeat.
+
+Interleaving spreads the machine's noise (other processes, frequency changes)
+over all contenders alike, so their ratio is stable even when absolute times
+are not.  Times are wall-clock seconds; on CUDA, callers synchronize inside
+the timed function.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+__all__ = ["interleaved", "medians"]
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    repeats: int = 7,
+    warmup: int = 1,
+    on_round: Callable[[int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Time each function ``repeats`` times, round-robin, after ``warmup`` rounds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+        if on_round is not None:
+            on_round(r)
+    return times
+
+
+def medians(times: Mapping[str, list[float]]) -> dict[str, float]:
+    """The median of each contender's times."""
+    return {name: statistics.median(ts) for name, ts in times.items()}
