@@ -159,14 +159,17 @@ class Mask:
 
     # -- applying ----------------------------------------------------------
 
-    def apply_(self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL) -> torch.Tensor:
+    def apply_(
+        self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL, unit: float = 1.0
+    ) -> torch.Tensor:
         """Mask a tile of scores in place and return it.
 
         s: [B, Hkv, G, r, c], the scores of query rows ``rows`` against key
-        columns ``cols`` (slices with explicit bounds when not whole).
+        columns ``cols`` (slices with explicit bounds when not whole).  ``unit``
+        scales the bias like the scores were scaled (log2(e) for base-2 scores).
         """
         if self.bias is not None:
-            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
+            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols), alpha=unit)
         if self.keep is not None:
             keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
             s.masked_fill_(keep.logical_not(), float("-inf"))

@@ -14,17 +14,27 @@ and backward from ``dO = dout``::
     dq = scale * dS @ k        dk = scale * dS^T @ q        dbias = dS
 
 Each forward step sits right above the local backward that differentiates it.
+
+The tiled paths keep scores in base 2 — S2 = S * log2(e), with log2(e) folded
+into q's scale and the bias — because exp2 runs about 3x faster than exp on
+CPU and exp(S - lse) == exp2(S2 - lse * log2(e)).
 Every op works on any number of leading batch dims (``[..., N, d]``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+LOG2E = 1.0 / math.log(2.0)  # exp(x) == exp2(x * LOG2E)
+
 __all__ = [
+    "LOG2E",
     "compute_dtype",
     "scores",
     "query_key_gradients",
+    "lse_shift",
     "probabilities",
     "softmax",
     "softmax_backward",
@@ -102,14 +112,21 @@ def softmax_lse(
     return p, lse
 
 
-def probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """P = exp(S - lse), rebuilt in place in ``s`` from the saved lse.
+def lse_shift(lse: torch.Tensor) -> torch.Tensor:
+    """lse * log2(e) as the base-2 shift of `probabilities`: [..., Nq] -> [..., Nq, 1].
 
-    s: [..., Nq, Nk] (masked scores), lse: [..., Nq] -> P, the storage of s.
-    A dead row (lse = -inf) becomes 0: its shift is +inf, not -inf.
+    A dead row (lse = -inf) gets +inf, so that its P is exp2(-inf) = 0, not NaN.
     """
-    shift = torch.where(lse == float("-inf"), float("inf"), lse).unsqueeze(-1)
-    return s.sub_(shift).exp_()
+    return torch.where(lse == float("-inf"), float("inf"), lse * LOG2E).unsqueeze(-1)
+
+
+def probabilities(s2: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """P = exp(S - lse) = exp2(S2 - shift), rebuilt in place in ``s2``.
+
+    s2: [..., Nq, Nk] masked base-2 scores, shift: `lse_shift` [..., Nq, 1]
+    -> P in the storage of s2.
+    """
+    return s2.sub_(shift).exp2_()
 
 
 def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ uses Delta = rowsum(dO * O) in place of rowsum(P * dP):
     P = exp(S - lse)   dV += P^T dO   dP = dO v^T   dS = P * (dP - Delta)
     dq += scale * dS k   dk += scale * dS^T q   dbias[tile] += dS
 
-Tiles that the causal/window band masks entirely are skipped.
+Tiles that the causal/window band masks entirely are skipped.  Scores are
+kept in base 2 (see `attngrad.ops`): exp2 is the cheap exponential on CPU.
 Saved bytes: b * (2*B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l * B*Hq*Nq (with
 dv = d), plus the caller's mask when given.
 """
@@ -21,7 +22,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from attngrad.heads import group_heads
 from attngrad.masks import Mask, tile
-from attngrad.ops import compute_dtype
+from attngrad.ops import LOG2E, compute_dtype, lse_shift
 
 __all__ = ["FlashAttention", "attention", "choose_blocks", "flash_backward", "flash_forward"]
 
@@ -77,7 +78,7 @@ def flash_forward(
     for r0 in range(0, nq, block_q):
         rows = slice(r0, min(r0 + block_q, nq))
         r = rows.stop - r0
-        qb = _rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
+        qb = _rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
         m_i = torch.full((b, hkv, g * r, 1), _NEG_INF, dtype=dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
@@ -85,18 +86,18 @@ def flash_forward(
         c_lo, c_hi = mask.key_span(rows)
         for c0 in range(c_lo, c_hi, block_k):
             cols = slice(c0, min(c0 + block_k, c_hi))
-            qk = torch.matmul(qb, k[:, :, cols].transpose(-2, -1))  # (B, Hkv, G*r, c)
-            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols)
+            qk = torch.matmul(qb, k[:, :, cols].transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
+            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols, unit=LOG2E)
             m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
-            # a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
+            # a row with no key yet keeps m = -inf; shift by 0 so exp2(-inf) = 0, not NaN
             shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            p = qk.sub_(shift).exp_()
-            alpha = torch.exp(m_i - shift)
+            p = qk.sub_(shift).exp2_()
+            alpha = torch.exp2(m_i - shift)
             l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             _batched(acc.mul_(alpha)).baddbmm_(_batched(p), _batched(v[:, :, cols]))
             m_i = m_new
         o[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
-        lse[:, :, :, rows] = (shift + torch.log(l_i)).view(b, hkv, g, r)
+        lse[:, :, :, rows] = ((shift + torch.log2(l_i)) / LOG2E).view(b, hkv, g, r)
     return o.view(b, hq, nq, dv), lse.view(b, hq, nq)
 
 
@@ -123,8 +124,7 @@ def flash_backward(
     block_q, block_k = blocks
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     delta = (do5 * group_heads(o, hkv).to(dtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
-    lse5 = group_heads(lse, hkv).unsqueeze(-1)  # (B, Hkv, G, Nq, 1)
-    shift5 = lse5.masked_fill(lse5 == _NEG_INF, float("inf"))  # dead rows: P = exp(-inf) = 0
+    shift5 = lse_shift(group_heads(lse, hkv))  # (B, Hkv, G, Nq, 1), base 2
     q5 = group_heads(q, hkv)
     k, v = k.to(dtype), v.to(dtype)
     dq = torch.empty(b, hkv, g, nq, d, dtype=dtype, device=q.device)
@@ -136,7 +136,7 @@ def flash_backward(
     for r0 in range(0, nq, block_q):
         rows = slice(r0, min(r0 + block_q, nq))
         r = rows.stop - r0
-        qb = _rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
+        qb = _rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
         dob = _rows(do5, rows)  # (B, Hkv, G*r, dv)
         shift_b, delta_b = _rows(shift5, rows), _rows(delta, rows)  # (B, Hkv, G*r, 1)
         dq_b = torch.zeros(b, hkv, g * r, d, dtype=dtype, device=q.device)
@@ -144,19 +144,25 @@ def flash_backward(
         for c0 in range(c_lo, c_hi, block_k):
             cols = slice(c0, min(c0 + block_k, c_hi))
             kc, vc = k[:, :, cols], v[:, :, cols]
-            qk = torch.matmul(qb, kc.transpose(-2, -1))  # (B, Hkv, G*r, c)
-            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols)
-            p = qk.sub_(shift_b).exp_()
-            _batched(dv[:, :, cols]).baddbmm_(_batched(p).transpose(-2, -1), _batched(dob))
+            qk = torch.matmul(qb, kc.transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
+            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols, unit=LOG2E)
+            p = qk.sub_(shift_b).exp2_()
+            # dk, dv slices are strided across heads: add a fresh product rather
+            # than accumulate in place (in-place batched matmul falls back to one
+            # matmul per head there)
+            dv[:, :, cols] += torch.matmul(p.transpose(-2, -1), dob)
             dp = torch.matmul(dob, vc.transpose(-2, -1))
-            ds = dp.sub_(delta_b).mul_(p)
+            ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, c)
             if dbias is not None:
-                tile(dbias, rows, cols).add_(ds.view(b, hq, r, -1).sum_to_size(tile(dbias, rows, cols).shape))
+                db = tile(dbias, rows, cols)
+                db += ds.view(b, hq, r, -1).sum_to_size(db.shape)
             _batched(dq_b).baddbmm_(_batched(ds), _batched(kc))
-            _batched(dk[:, :, cols]).baddbmm_(_batched(ds).transpose(-2, -1), _batched(qb))
-        dq[:, :, :, rows] = dq_b.mul_(scale).view(b, hkv, g, r, d)
+            dk[:, :, cols] += torch.matmul(ds.transpose(-2, -1), qb)
+        dq[:, :, :, rows] = dq_b.view(b, hkv, g, r, d)
     dbias_out = None if dbias is None or bias_meta is None else dbias.to(bias_meta[1])
-    return dq.view(b, hq, nq, d).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
+    # dk accumulated dS^T (scale * log2(e) * q): one division leaves scale * dS^T q
+    dq, dk = dq.view(b, hq, nq, d).mul_(scale), dk.div_(LOG2E)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
 
 
 class FlashAttention(torch.autograd.Function):
