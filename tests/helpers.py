@@ -110,7 +110,8 @@ def make_problem_inputs(
     """Leaf tensors q, k, v, mask (float masks require grad) and an upstream dout.
 
     Everything is drawn in float64 and then cast, so every dtype sees the same
-    numbers.  ``dead_row`` makes query row 1 (or 0) attend nothing.
+    numbers.  ``dead_row`` makes query row 1 of the mask attend nothing
+    (when the mask has a query-row dim of more than one row).
     """
 
     def randn(*shape: int) -> torch.Tensor:
@@ -124,11 +125,11 @@ def make_problem_inputs(
     mask: torch.Tensor | None = None
     if pb.mask == "bool":
         mask = torch.rand(shape, generator=gen, dtype=torch.float64) > 0.3
-        if dead_row and shape[-2] > 1:
+        if dead_row and len(shape) >= 2 and shape[-2] > 1:
             mask[..., min(1, shape[-2] - 1), :] = False
     elif pb.mask == "float":
         mask = randn(*shape)
-        if dead_row and shape[-2] > 1:
+        if dead_row and len(shape) >= 2 and shape[-2] > 1:
             mask[..., min(1, shape[-2] - 1), :] = float("-inf")
     out: dict[str, torch.Tensor | None] = {
         "q": q.to(dtype).requires_grad_(),

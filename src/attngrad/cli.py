@@ -1,6 +1,7 @@
 """The ``attngrad`` command.
 
-    attngrad check [--strategy NAME ...] [--json PATH] [--seed N] [--no-gradcheck]
+    attngrad check   [--strategy NAME ...] [--json PATH] [--seed N] [--no-gradcheck]
+    attngrad ledger  [--seq-q N ...] [--sweep N ...]   saved bytes and peak memory per path
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from attngrad import ledger
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES
 from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-gradcheck", dest="gradcheck", action="store_false", help="skip gradcheck (faster)"
     )
     check.set_defaults(run=_check)
+    ledger.register(sub)
     return parser
 
 

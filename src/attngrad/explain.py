@@ -1,0 +1,668 @@
+r"""`attngrad explain`: the grad_fn graph of each path and the tensors it saves.
+
+Every path computes the same forward and differentiates it with the same formulas
+(see `attngrad.ops`)::
+
+    dV = P^T dO    dP = dO v^T    dS = P * (dP - rowsum(P * dP))    dq = s dS k    dk = s dS^T q
+
+What differs is the path: which nodes ``O.grad_fn`` chains together, and what each node
+saves between forward and backward.  For a small input this module runs forward on
+
+* ``pytorch-math``: ``softmax(q @ k^T * scale) @ v`` written with plain torch ops,
+* ``sdpa-math``: ``F.scaled_dot_product_attention`` under ``SDPBackend.MATH``,
+* every strategy in `attngrad.STRATEGIES`,
+
+then walks the graph from O in the order the autograd engine runs it and lists, per node,
+each saved tensor: shape, dtype, bytes (numel * element_size) and whether it is one of the
+inputs q, k, v (same storage) or a tensor computed in forward (P, lse, O, ...).  The total is
+cross-checked against the bytes packed by `torch.autograd.graph.saved_tensors_hooks` during
+the same forward.
+
+>>> reports = explain(seq_q=8, seq_k=8)
+>>> [r.path for r in reports][:3]
+['pytorch-math', 'sdpa-math', 'explicit']
+>>> print(format_report(reports))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import importlib
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import Node, saved_tensors_hooks
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attngrad
+from attngrad.strategies import STRATEGIES
+
+__all__ = [
+    "BASELINES",
+    "DTYPES",
+    "NodeReport",
+    "PathReport",
+    "SavedTensor",
+    "backward_order",
+    "explain",
+    "format_report",
+    "register",
+]
+
+BASELINES: tuple[str, ...] = ("pytorch-math", "sdpa-math")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+_INPUTS = ("q", "k", "v")
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a node saved for backward.
+
+    ``slot`` names where the node keeps it (``self``, ``result``, ``saved_tensors[3]``);
+    ``role`` says what it is: ``q``/``k``/``v`` (an input's storage), ``O`` (the output's
+    storage), ``P`` (rows sum to 1), ``S`` (scores), ``lse``, ``q*c copy`` (a copy of q
+    times c, maybe in another dtype), ``mask``, ``scalar`` (0-dim) or ``tensor``.  ``hooked`` is False when the tensor did not
+    pass through ``saved_tensors_hooks`` (PyTorch saves a Python scalar wrapped as a 0-dim
+    tensor without calling the hooks).
+    """
+
+    slot: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    is_input: bool
+    hooked: bool
+    storage: int  # data_ptr of the storage: two saved views of one tensor share it
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One grad_fn node, numbered by the step at which backward runs it (1 = first).
+
+    ``depth`` is the fewest edges from O's grad_fn; ``next_steps`` are the steps of the
+    nodes it sends gradients to; ``none_slots`` counts ``saved_tensors`` entries of a custom
+    autograd.Function that are None (optional inputs not given); ``leaf`` names the input an
+    AccumulateGrad node writes ``.grad`` of.
+    """
+
+    step: int
+    name: str
+    depth: int
+    sequence_nr: int
+    next_steps: tuple[int, ...]
+    saved: tuple[SavedTensor, ...]
+    none_slots: int = 0
+    leaf: str | None = None
+
+
+@dataclass(frozen=True)
+class PathReport:
+    """The graph of one path for q: [B, H, Nq, d], k, v: [B, H, Nk, d].
+
+    ``hooked_count`` / ``hooked_bytes`` are what ``saved_tensors_hooks`` packed during
+    forward; the ``graph_*`` properties are what the walk found on the nodes.
+    """
+
+    path: str
+    description: str
+    shape: tuple[int, int, int, int, int]  # (B, H, Nq, Nk, d)
+    dtype: torch.dtype
+    nodes: tuple[NodeReport, ...]
+    hooked_count: int
+    hooked_bytes: int
+    output_shape: tuple[int, ...] = field(default=())
+
+    @property
+    def saved(self) -> list[SavedTensor]:
+        """Every saved tensor, node by node in backward order (a view saved twice counts twice)."""
+        return [t for n in self.nodes for t in n.saved]
+
+    @property
+    def graph_count(self) -> int:
+        return len(self.saved)
+
+    @property
+    def graph_bytes(self) -> int:
+        """Sum of numel * element_size over every saved tensor of every node."""
+        return sum(t.nbytes for t in self.saved)
+
+    @property
+    def unhooked(self) -> list[SavedTensor]:
+        """Saved tensors the hooks did not see: graph_bytes - hooked_bytes of them."""
+        return [t for t in self.saved if not t.hooked]
+
+    @property
+    def kept(self) -> list[SavedTensor]:
+        """The computed (non-input) tensors kept alive for backward, one per storage.
+
+        Of several saved views of one storage the largest stands for it.  0-dim tensors
+        (a Python scale wrapped as a tensor) are left out: they are no activation memory.
+        """
+        by_storage: dict[int, SavedTensor] = {}
+        for t in self.saved:
+            held = by_storage.get(t.storage)
+            if not t.is_input and t.shape and (held is None or t.nbytes > held.nbytes):
+                by_storage[t.storage] = t
+        return list(by_storage.values())
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes kept alive between forward and backward beyond the inputs q, k, v."""
+        return sum(t.nbytes for t in self.kept)
+
+    @property
+    def inputs_saved(self) -> list[str]:
+        """Which of q, k, v the path saves (by reference: no new memory)."""
+        roles = {t.role for t in self.saved if t.is_input}
+        return [name for name in _INPUTS if name in roles]
+
+
+# --- the order backward runs the graph in ------------------------------------------------
+
+
+def _sequence_nr(node: Node) -> int:
+    return int(node._sequence_nr())  # type: ignore[attr-defined]
+
+
+def backward_order(root: Node) -> list[Node]:
+    """The nodes reachable from ``root`` in the order the autograd engine runs them.
+
+    The engine (single device) keeps a queue of ready nodes (all their inputs' gradients
+    have arrived) and always runs the one with the highest sequence number, i.e. the most
+    recently created; AccumulateGrad nodes carry the largest number (2**64 - 1) and so run
+    as soon as they are ready.  Ties keep the order in which nodes became ready.
+    """
+    deps: dict[Node, int] = {}
+    seen = {root}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            deps[nxt] = deps.get(nxt, 0) + 1
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    tie = itertools.count()
+    ready: list[tuple[int, int, Node]] = [(-_sequence_nr(root), next(tie), root)]
+    order: list[Node] = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            deps[nxt] -= 1
+            if deps[nxt] == 0:
+                heapq.heappush(ready, (-_sequence_nr(nxt), next(tie), nxt))
+    return order
+
+
+def _depths(root: Node) -> dict[Node, int]:
+    """Fewest edges from ``root`` to each node (breadth first)."""
+    depth = {root: 0}
+    frontier = [root]
+    while frontier:
+        following: list[Node] = []
+        for node in frontier:
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in depth:
+                    depth[nxt] = depth[node] + 1
+                    following.append(nxt)
+        frontier = following
+    return depth
+
+
+# --- what a saved tensor is --------------------------------------------------------------
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _scaled_copy(t: torch.Tensor, x: torch.Tensor) -> float | None:
+    """c when ``t`` holds c * x laid out like x (a scaled copy, maybe in another dtype).
+
+    ``t`` may be a strided view (e.g. transposed for a matmul) of that copy: x is viewed
+    with t's strides and offset before the comparison.  None when it is no such copy.
+    """
+    elements = t.untyped_storage().nbytes() // t.element_size()
+    if elements != x.numel() or not x.is_contiguous() or t.numel() == 0:
+        return None
+    if not t.dtype.is_floating_point:
+        return None
+    xv = x.detach().as_strided(t.shape, t.stride(), t.storage_offset()).double()
+    tv = t.detach().double()
+    i = int(xv.abs().argmax())
+    if float(xv.flatten()[i]) == 0.0:
+        return None
+    c = float(tv.flatten()[i] / xv.flatten()[i])
+    tol = 1e-9 if torch.float64 == x.dtype == t.dtype else 1e-2  # 16-bit rounding of c * x
+    return c if torch.allclose(tv, c * xv, rtol=tol, atol=tol) else None
+
+
+def _role(
+    t: torch.Tensor,
+    named: dict[int, str],
+    inputs: dict[str, torch.Tensor],
+    b_h_nq_nk: tuple[int, int, int, int],
+) -> str:
+    """What ``t`` is; see `SavedTensor`.  ``named`` maps storages to q, k, v, O, mask."""
+    if _storage(t) in named:
+        return named[_storage(t)]
+    if t.dim() == 0:
+        return "scalar"
+    if t.dtype == torch.bool:
+        return "mask"
+    for name, x in inputs.items():
+        c = _scaled_copy(t, x)
+        if c is not None:
+            copy = name if c == 1.0 else f"{name}*{c:.3g}"
+            return f"{copy} copy"
+    b, h, nq, nk = b_h_nq_nk
+    if t.numel() == b * h * nq * nk and t.shape[-1] == nk and t.dtype.is_floating_point:
+        rowsum = t.detach().double().sum(dim=-1)
+        return "P" if torch.allclose(rowsum, torch.ones_like(rowsum), atol=1e-2) else "S"
+    if t.numel() == b * h * nq and t.shape[-1] == nq:
+        return "lse"
+    return "tensor"
+
+
+def _layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _take(
+    unmatched: Counter[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]],
+    layout: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype],
+) -> bool:
+    """Whether a packed tensor with this layout is still unmatched; if so, match it."""
+    if unmatched[layout] <= 0:
+        return False
+    unmatched[layout] -= 1
+    return True
+
+
+def _saved_of(node: Node) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """(slot, tensor) pairs a node saved, and how many custom-Function slots are None.
+
+    Built-in nodes expose each saved value as an attribute ``_saved_<name>`` (a tensor, a
+    tuple/list of tensors, or a non-tensor such as a dim or size); a custom
+    autograd.Function's node (a BackwardCFunction) gives ``saved_tensors``.
+    """
+    if isinstance(node, BackwardCFunction):
+        saved = node.saved_tensors
+        found = [(f"saved_tensors[{i}]", t) for i, t in enumerate(saved) if t is not None]
+        return found, sum(t is None for t in saved)
+    found = []
+    for attr in sorted(a for a in dir(node) if a.startswith("_saved_")):
+        value = getattr(node, attr)
+        slot = attr.removeprefix("_saved_")
+        if isinstance(value, torch.Tensor):
+            found.append((slot, value))
+        elif isinstance(value, (tuple, list)):
+            found += [
+                (f"{slot}[{i}]", x) for i, x in enumerate(value) if isinstance(x, torch.Tensor)
+            ]
+    return found, 0
+
+
+# --- the paths -------------------------------------------------------------------------
+
+
+def _pytorch_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q @ k^T * scale) @ v in plain torch ops; ``blocked``: [Nq, Nk] bool, True = -inf."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-2, -1) * scale  # (B, H, Nq, Nk)
+    if blocked is not None:
+        s = s.masked_fill(blocked, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v  # (B, H, Nq, d)
+
+
+def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _description(path: str) -> str:
+    if path == "pytorch-math":
+        return "softmax(q @ k^T * scale) @ v written with plain torch ops"
+    if path == "sdpa-math":
+        return "F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH)"
+    try:
+        doc = importlib.import_module(f"attngrad.strategies.{path}").__doc__ or ""
+    except ImportError:
+        doc = ""
+    first = doc.strip().splitlines()[0] if doc.strip() else ""
+    return first or f'attngrad.attention(..., strategy="{path}")'
+
+
+def _run_path(
+    path: str, base: tuple[torch.Tensor, torch.Tensor, torch.Tensor], is_causal: bool
+) -> PathReport:
+    """Forward ``path`` on fresh leaves copied from ``base`` and report its graph."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in base)
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    # True above the diagonal: key j > query i is masked (top-left aligned, as in SDPA)
+    mask = torch.ones(nq, nk, dtype=torch.bool).triu(1) if is_causal else None
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    forward: Callable[[], torch.Tensor]
+    if path == "pytorch-math":
+        forward = lambda: _pytorch_math(q, k, v, mask)  # noqa: E731
+    elif path == "sdpa-math":
+        forward = lambda: _sdpa_math(q, k, v, is_causal)  # noqa: E731
+    else:
+        forward = lambda: attngrad.attention(q, k, v, is_causal=is_causal, strategy=path)  # noqa: E731
+    with saved_tensors_hooks(pack, lambda t: t):
+        o = forward()
+    if o.grad_fn is None:
+        raise RuntimeError(f"path {path!r} returned an output without grad_fn")
+    root: Node = o.grad_fn
+    inputs = {"q": q, "k": k, "v": v}
+    named = {_storage(x): name for name, x in inputs.items()}
+    named[_storage(o)] = "O"
+    if mask is not None:
+        named[_storage(mask)] = "mask"
+    leaves = {id(x): name for name, x in inputs.items()}
+    # unpacking hands back a new Python tensor over the same memory: match by layout
+    unmatched = Counter(_layout(t) for t in packed)
+
+    order = backward_order(root)
+    step = {node: i + 1 for i, node in enumerate(order)}
+    depth = _depths(root)
+    nodes = []
+    for node in order:
+        found, none_slots = _saved_of(node)
+        saved = tuple(
+            SavedTensor(
+                slot=slot,
+                role=(role := _role(t, named, inputs, (b, h, nq, nk))),
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                nbytes=t.numel() * t.element_size(),
+                is_input=role in _INPUTS,
+                hooked=_take(unmatched, _layout(t)),
+                storage=_storage(t),
+            )
+            for slot, t in found
+        )
+        variable = getattr(node, "variable", None)
+        nodes.append(
+            NodeReport(
+                step=step[node],
+                name=type(node).__name__,  # name() spells AccumulateGrad with its C++ namespace
+                depth=depth[node],
+                sequence_nr=_sequence_nr(node),
+                next_steps=tuple(step[n] for n, _ in node.next_functions if n is not None),
+                saved=saved,
+                none_slots=none_slots,
+                leaf=None if variable is None else leaves.get(id(variable)),
+            )
+        )
+    return PathReport(
+        path=path,
+        description=_description(path),
+        shape=(b, h, nq, nk, d),
+        dtype=q.dtype,
+        nodes=tuple(nodes),
+        hooked_count=len(packed),
+        hooked_bytes=sum(t.numel() * t.element_size() for t in packed),
+        output_shape=tuple(o.shape),
+    )
+
+
+def _check_size(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}; try {name}=8")
+
+
+def explain(
+    batch: int = 1,
+    heads: int = 2,
+    seq_q: int = 8,
+    seq_k: int = 8,
+    head_dim: int = 4,
+    dtype: torch.dtype = torch.float32,
+    is_causal: bool = False,
+    strategies: Sequence[str] | None = None,
+    seed: int = 0,
+) -> list[PathReport]:
+    """One `PathReport` per path for q: [batch, heads, seq_q, head_dim], k, v: [.., seq_k, ..].
+
+    The baselines `BASELINES` come first, then ``strategies`` (default: every one of
+    `attngrad.STRATEGIES`).  Inputs are drawn from a generator seeded with ``seed``;
+    each path gets its own leaf copies of the same values.  Only forward runs.
+    """
+    for name, value in [
+        ("batch", batch),
+        ("heads", heads),
+        ("seq_q", seq_q),
+        ("seq_k", seq_k),
+        ("head_dim", head_dim),
+    ]:
+        _check_size(name, value)
+    if dtype not in DTYPES.values():
+        raise TypeError(f"dtype must be one of {list(DTYPES)}, got {dtype}; try torch.float32")
+    chosen = list(STRATEGIES) if strategies is None else list(strategies)
+    unknown = [s for s in chosen if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, heads, seq_k, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, heads, seq_k, head_dim, generator=gen).to(dtype)
+    return [_run_path(path, (q, k, v), is_causal) for path in [*BASELINES, *chosen]]
+
+
+# --- text ------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: int) -> str:
+    """512 B, 1.5 KiB, 64.0 MiB: exact bytes while small, since the small cases are checked by eye."""
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _per_head(t: SavedTensor, nq: int, nk: int, d: int) -> str:
+    """The tensor's size per (batch, head) in symbols: N×N for P, N for lse, N×d for O."""
+    n_q, n_k = ("N", "N") if nq == nk else ("Nq", "Nk")
+    base = t.role.split("*")[0].split(" ")[0]
+    if base in ("P", "S"):
+        return f"{n_q}×{n_k} per head"
+    if base == "lse":
+        return f"{n_q} per head"
+    if base in ("O", "q"):
+        return f"{n_q}×d per head"
+    if base in ("k", "v"):
+        return f"{n_k}×d per head"
+    if base == "scalar":
+        return "one number"
+    return "shape " + "×".join(map(str, t.shape))
+
+
+def _kept_line(r: PathReport) -> str:
+    _, _, nq, nk, d = r.shape
+    parts = [
+        f"{t.role} ({_per_head(t, nq, nk, d)}, {_dtype_name(t.dtype)}) {_fmt_bytes(t.nbytes)}"
+        for t in r.kept
+    ]
+    return " + ".join(parts) if parts else "nothing"
+
+
+def _format_path(r: PathReport) -> list[str]:
+    lines = [f"== {r.path}: {r.description} =="]
+    width = max((len(n.name) + 2 * n.depth for n in r.nodes), default=0) + 8
+    for n in r.nodes:
+        pad = "  " * (n.depth + 1)
+        head = f"{pad}#{n.step} {n.name}" + (f" -> {n.leaf}.grad" if n.leaf else "")
+        nxt = ", ".join(f"#{s}" for s in n.next_steps)
+        lines.append((f"{head:<{width}}" + (f" then {nxt}" if nxt else "")).rstrip())
+        for t in n.saved:
+            kind = "input" if t.is_input else "computed"
+            shape = "[" + ", ".join(map(str, t.shape)) + "]"
+            note = "" if t.hooked else "  (not seen by hooks)"
+            lines.append(
+                f"{pad}    saved {t.slot:<17} {shape:<15} {_dtype_name(t.dtype):<9}"
+                f" {_fmt_bytes(t.nbytes):>9}  {t.role} ({kind}){note}"
+            )
+        if n.none_slots:
+            lines.append(f"{pad}    saved {n.none_slots} × None (optional inputs not given)")
+    check = "agree" if r.graph_bytes == r.hooked_bytes else "differ"
+    lines.append(
+        f"  total: {r.graph_count} saved tensors, {_fmt_bytes(r.graph_bytes)} found on the graph; "
+        f"saved_tensors_hooks packed {r.hooked_count}, {_fmt_bytes(r.hooked_bytes)} ({check})"
+    )
+    if r.unhooked:
+        extra = sum(t.nbytes for t in r.unhooked)
+        lines.append(
+            f"  the {_fmt_bytes(extra)} difference: {len(r.unhooked)} 0-dim tensor(s) wrapping a "
+            "Python scalar, which PyTorch saves without calling the hooks"
+            if all(not t.shape for t in r.unhooked)
+            else f"  the {_fmt_bytes(extra)} difference: tensors the hooks did not see"
+        )
+    inputs = ", ".join(r.inputs_saved) or "none"
+    lines.append(f"  inputs saved by reference (no new memory): {inputs}")
+    lines.append(
+        f"  kept alive for backward besides the inputs: {_fmt_bytes(r.kept_bytes)} = {_kept_line(r)}"
+    )
+    return lines
+
+
+def _summary(reports: Sequence[PathReport]) -> list[str]:
+    first = reports[0]
+    b, h, nq, nk, d = first.shape
+    base = next((r for r in reports if r.path == "pytorch-math"), first)
+    name_w = max(len(r.path) for r in reports)
+    lines = [
+        "== summary: same formulas, different paths ==",
+        "  every path differentiates the same forward with the same formulas:",
+        "    dV = P^T dO    dP = dO V^T    dS = P∘(dP − rowsum(P∘dP))    dQ = s·dS K    dK = s·dS^T Q",
+        f"  what each path keeps alive between forward and backward besides q, k, v "
+        f"(B={b}, H={h}, Nq={nq}, Nk={nk}, d={d}, {_dtype_name(first.dtype)}):",
+    ]
+    for r in reports:
+        ratio = r.kept_bytes / base.kept_bytes if base.kept_bytes else float("nan")
+        lines.append(
+            f"    {r.path:<{name_w}}  keeps {_kept_line(r)}"
+            f"  = {_fmt_bytes(r.kept_bytes)}, {ratio:.2f}× {base.path}"
+        )
+    recompute_like = [r.path for r in reports if r.path in ("recompute", "flash")]
+    if recompute_like:
+        lines.append(
+            f"  {' and '.join(recompute_like)} pay for the smaller ledger in backward: they "
+            "recompute S = s·q k^T and P = exp(S − lse) instead of reading a saved P"
+        )
+    # the same per-head ledger at a long-context shape, from the same element sizes
+    n, dd = 4096, 64
+    elem = first.dtype.itemsize
+    lse_elem = 8 if first.dtype == torch.float64 else 4
+    lines.append(
+        f"  P grows as N², O and lse as N: at N={n}, d={dd} per head, "
+        f"P = {_fmt_bytes(n * n * elem)}, O = {_fmt_bytes(n * dd * elem)}, "
+        f"lse = {_fmt_bytes(n * lse_elem)}"
+    )
+    return lines
+
+
+def format_report(reports: Sequence[PathReport]) -> str:
+    """Readable text: per path its nodes in backward order (indented by depth from O) with
+    their saved tensors and the totals, then a summary comparing what each path keeps."""
+    if not reports:
+        return ""
+    b, h, nq, nk, d = reports[0].shape
+    lines = [
+        f"attngrad explain: q [{b}, {h}, {nq}, {d}], k, v [{b}, {h}, {nk}, {d}], "
+        f"{_dtype_name(reports[0].dtype)}",
+        "Each path's grad_fn graph from O, #n = the step at which backward runs the node "
+        "(indent = distance from O); under each node the tensors it saved for backward.",
+        "",
+    ]
+    for r in reports:
+        lines += [*_format_path(r), ""]
+    lines += _summary(reports)
+    return "\n".join(lines)
+
+
+# --- command line ----------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    reports = explain(
+        batch=args.batch,
+        heads=args.heads,
+        seq_q=args.seq_q,
+        seq_k=args.seq_k,
+        head_dim=args.head_dim,
+        dtype=DTYPES[args.dtype],
+        is_causal=args.causal,
+        strategies=args.strategy,
+    )
+    print(format_report(reports))
+    return 0
+
+
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``explain`` to ``subparsers``; parsed args carry ``run(args) -> int``."""
+    p = subparsers.add_parser(
+        "explain",
+        help="show each path's grad_fn graph and the tensors it saves for backward",
+        description=(__doc__ or "").strip().splitlines()[0],
+    )
+    p.add_argument("--batch", type=_positive, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=_positive, default=2, help="H (default 2)")
+    p.add_argument("--seq-q", type=_positive, default=8, help="Nq, query length (default 8)")
+    p.add_argument("--seq-k", type=_positive, default=8, help="Nk, key length (default 8)")
+    p.add_argument("--head-dim", type=_positive, default=4, help="d (default 4)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
+    p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
+    p.add_argument(
+        "--strategy",
+        action="append",
+        choices=STRATEGIES,
+        help="explain only this strategy (repeatable; default all); the baselines always run",
+    )
+    p.set_defaults(run=_run)
+    return p

@@ -1,0 +1,335 @@
+"""The memory ledger: what each path saves for backward, predicted and measured.
+
+Predicted saved bytes come from DESIGN.md's formulas (b = bytes per input
+element, l = bytes per lse element: 4, or 8 for float64)::
+
+    explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk       q, k, v, P
+    recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l*B*Hq*Nq          q, k, v, lse
+    flash      b*(B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)) + l*B*Hq*Nq   q, k, v, O, lse
+
+(recompute and flash also keep the caller's mask, when given, to re-apply it).
+Measured saved bytes add up every tensor autograd packs during forward, seen
+through `torch.autograd.graph.saved_tensors_hooks`.  Peak memory of
+forward+backward is measured on CPU by replaying the allocator's events that
+the profiler records (every allocation and free, in order), and on CUDA by the
+allocator's own peak counter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attngrad.api import attention
+from attngrad.progress import Progress
+from attngrad.strategies import STRATEGIES
+
+__all__ = [
+    "BASELINES",
+    "LedgerRow",
+    "measure_peak_bytes",
+    "measure_saved_bytes",
+    "predicted_saved_bytes",
+    "register",
+    "run_ledger",
+]
+
+BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one ledger run: q [B, Hq, Nq, d], k [B, Hkv, Nk, d], v [B, Hkv, Nk, dv]."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    causal: bool = False
+
+
+def predicted_saved_bytes(path: str, layout: Layout, mask_bytes: int = 0) -> int | None:
+    """DESIGN.md's saved-bytes formula for a strategy; None for the baselines."""
+    lo = layout
+    b = torch.finfo(lo.dtype).bits // 8
+    lse = 8 if lo.dtype == torch.float64 else 4
+    q = lo.batch * lo.heads_q * lo.seq_q * lo.head_dim
+    kv = lo.batch * lo.heads_kv * lo.seq_k * (lo.head_dim + lo.value_dim)
+    rows = lo.batch * lo.heads_q * lo.seq_q
+    if path == "explicit":
+        return b * (q + kv) + b * rows * lo.seq_k
+    if path == "recompute":
+        return b * (q + kv) + lse * rows + mask_bytes
+    if path == "flash":
+        return b * (q + rows * lo.value_dim + kv) + lse * rows + mask_bytes
+    return None
+
+
+def _inputs(layout: Layout, device: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    lo = layout
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=lo.dtype)
+
+    q = randn(lo.batch, lo.heads_q, lo.seq_q, lo.head_dim).requires_grad_()
+    k = randn(lo.batch, lo.heads_kv, lo.seq_k, lo.head_dim).requires_grad_()
+    v = randn(lo.batch, lo.heads_kv, lo.seq_k, lo.value_dim).requires_grad_()
+    dout = randn(lo.batch, lo.heads_q, lo.seq_q, lo.value_dim)
+    return q, k, v, dout
+
+
+def path_fn(path: str, layout: Layout) -> Callable[..., torch.Tensor]:
+    """q, k, v -> O along one path: a strategy or an SDPA backend."""
+    gqa = layout.heads_q != layout.heads_kv
+    if path in BASELINES:
+        backend = BASELINES[path]
+
+        def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=layout.causal, enable_gqa=gqa
+                )
+
+        return sdpa
+
+    def strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, is_causal=layout.causal, enable_gqa=gqa, strategy=path)
+
+    return strategy
+
+
+def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Bytes of every tensor autograd saves while ``fn`` runs forward, and its output."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total, out
+
+
+def _cpu_peak(run: Callable[[], object]) -> int:
+    """Peak of live bytes allocated on CPU while ``run`` runs, above the start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def measure_peak_bytes(run: Callable[[], object], device: str = "cpu") -> int:
+    """Peak bytes allocated by ``run`` beyond what was live before it."""
+    if device == "cpu":
+        return _cpu_peak(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@dataclass
+class LedgerRow:
+    """One path of the ledger; bytes throughout."""
+
+    path: str
+    seq_q: int
+    seq_k: int
+    predicted_saved: int | None
+    measured_saved: int
+    peak: int
+    peak_beyond_io: int
+
+    @property
+    def match(self) -> bool | None:
+        return None if self.predicted_saved is None else self.predicted_saved == self.measured_saved
+
+
+def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True) -> LedgerRow:
+    """Predict, then measure saved bytes and (optionally) peak memory of one path."""
+    q, k, v, dout = _inputs(layout, device)
+    fn = path_fn(path, layout)
+    saved, out = measure_saved_bytes(lambda: fn(q, k, v))
+    del out
+    peak_bytes = 0
+    if peak:
+
+        def run() -> None:
+            o = fn(q, k, v)
+            torch.autograd.grad(o, (q, k, v), dout)
+
+        peak_bytes = measure_peak_bytes(run, device)
+    io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
+    return LedgerRow(
+        path=path,
+        seq_q=layout.seq_q,
+        seq_k=layout.seq_k,
+        predicted_saved=predicted_saved_bytes(path, layout),
+        measured_saved=saved,
+        peak=peak_bytes,
+        peak_beyond_io=max(0, peak_bytes - io) if peak else 0,
+    )
+
+
+def run_ledger(
+    layout: Layout, paths: Sequence[str], device: str = "cpu", peak: bool = True
+) -> list[LedgerRow]:
+    """One `LedgerRow` per path at one layout."""
+    return [ledger_row(p, layout, device, peak) for p in paths]
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.2f} MiB"
+
+
+def format_rows(rows: Sequence[LedgerRow]) -> str:
+    """The ledger as a text table."""
+    head = (
+        f"{'path':<11} {'Nq x Nk':>13} {'predicted saved':>17} {'measured saved':>17} "
+        f"{'match':>5} {'peak fwd+bwd':>15} {'beyond I/O':>15}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        match = {None: "-", True: "yes", False: "NO"}[r.match]
+        lines.append(
+            f"{r.path:<11} {f'{r.seq_q} x {r.seq_k}':>13} {_mib(r.predicted_saved):>17} "
+            f"{_mib(r.measured_saved):>17} {match:>5} {_mib(r.peak):>15} {_mib(r.peak_beyond_io):>15}"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[LedgerRow], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), "match"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**asdict(r), "match": r.match})
+
+
+def plot(rows: Sequence[LedgerRow], path: str, title: str) -> None:
+    """Saved bytes vs N, log-log, one line per path (predicted dashed where known)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r.path for r in rows):
+        mine = [r for r in rows if r.path == name]
+        n = [r.seq_q for r in mine]
+        (line,) = ax.plot(n, [r.measured_saved for r in mine], marker="o", label=f"{name} measured")
+        if mine[0].predicted_saved is not None:
+            ax.plot(n, [r.predicted_saved for r in mine], ls="--", color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length N (Nq = Nk)")
+    ax.set_ylabel("bytes saved for backward")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> Layout:
+    return Layout(
+        batch=args.batch,
+        heads_q=args.heads,
+        heads_kv=args.heads_kv or args.heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=args.head_dim,
+        value_dim=args.value_dim or args.head_dim,
+        dtype=DTYPES[args.dtype],
+        causal=args.causal,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    paths = args.path or [*STRATEGIES, *BASELINES]
+    if not args.sweep:
+        layout = _layout(args, args.seq_q, args.seq_k or args.seq_q)
+        rows = []
+        with Progress(len(paths), "ledger") as bar:
+            for p in paths:
+                rows.append(ledger_row(p, layout, args.device, peak=not args.no_peak))
+                bar.step(p)
+        print(format_rows(rows))
+    else:
+        rows = []
+        with Progress(len(paths) * len(args.sweep), "ledger sweep") as bar:
+            for n in args.sweep:
+                for p in paths:
+                    rows.append(ledger_row(p, _layout(args, n, n), args.device, peak=not args.no_peak))
+                    bar.step(f"{p} N={n}")
+        print(format_rows(rows))
+        write_csv(rows, args.csv)
+        print(f"wrote {args.csv}")
+        title = f"saved for backward: B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
+        plot(rows, args.plot, title)
+        print(f"wrote {args.plot}")
+    mismatched = [r for r in rows if r.match is False]
+    for r in mismatched:
+        print(f"MISMATCH {r.path} N={r.seq_q}: predicted {r.predicted_saved} measured {r.measured_saved}")
+    return 1 if mismatched else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``attngrad ledger`` to a subparsers object."""
+    p = sub.add_parser(
+        "ledger",
+        help="saved bytes (predicted vs measured) and peak memory of every path",
+        description="What each path saves between forward and backward, predicted from "
+        "DESIGN.md's formulas and measured, and the peak memory of forward+backward.",
+    )
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8, help="query heads Hq")
+    p.add_argument("--heads-kv", type=int, default=None, help="key/value heads (GQA); default Hq")
+    p.add_argument("--seq-q", type=int, default=1024)
+    p.add_argument("--seq-k", type=int, default=None, help="default: --seq-q")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--value-dim", type=int, default=None, help="default: --head-dim")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--path", action="append", choices=[*STRATEGIES, *BASELINES], help="repeatable; default all"
+    )
+    p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
+    p.add_argument(
+        "--sweep", type=int, nargs="+", metavar="N", help="run over these N (Nq = Nk); writes CSV and PNG"
+    )
+    p.add_argument("--csv", default="results/ledger.csv")
+    p.add_argument("--plot", default="results/ledger.png")
+    p.set_defaults(run=_run)

@@ -1,0 +1,205 @@
+"""`attngrad explain`: the grad_fn graph of each path and the tensors it saves.
+
+The facts checked are the chapter's: which node saves what, how many bytes (against the
+DESIGN.md table and against `saved_tensors_hooks`), and the order backward runs the nodes
+(against the autograd engine itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import attngrad
+from attngrad.explain import (
+    BASELINES,
+    NodeReport,
+    PathReport,
+    backward_order,
+    explain,
+    format_report,
+    register,
+)
+
+# Nq != Nk != d so that a shape mix-up (P^T for P, Nk for Nq) cannot pass; B, H > 1 so
+# that per-head counts are multiplied out.
+B, H, NQ, NK, D = 2, 3, 5, 7, 4
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, PathReport]:
+    return {r.path: r for r in explain(B, H, NQ, NK, D)}
+
+
+def _custom_node(report: PathReport) -> NodeReport:
+    (node,) = [n for n in report.nodes if n.name.endswith("AttentionBackward")]
+    return node
+
+
+def test_paths_are_the_baselines_then_every_strategy(reports: dict[str, PathReport]) -> None:
+    assert list(reports) == [*BASELINES, *attngrad.STRATEGIES]
+
+
+def test_explicit_node_saves_q_k_v_and_the_whole_p(reports: dict[str, PathReport]) -> None:
+    node = _custom_node(reports["explicit"])
+    assert node.name == "ExplicitAttentionBackward"
+    assert [t.role for t in node.saved] == ["q", "k", "v", "P"]
+    assert [t.is_input for t in node.saved] == [True, True, True, False]
+    p = node.saved[3]
+    assert p.shape == (B, H, NQ, NK) and p.nbytes == B * H * NQ * NK * 4
+    assert reports["explicit"].kept_bytes == B * H * NQ * NK * 4
+
+
+def test_recompute_node_saves_lse_of_b_h_n_float32(reports: dict[str, PathReport]) -> None:
+    node = _custom_node(reports["recompute"])
+    assert [t.role for t in node.saved] == ["q", "k", "v", "lse"]
+    lse = node.saved[3]
+    assert lse.shape == (B, H, NQ) and lse.dtype == torch.float32
+    assert lse.nbytes == B * H * NQ * 4
+    assert node.none_slots == 2  # the mask tensors (bias, keep) of a call without a mask
+
+
+def test_flash_node_saves_q_k_v_o_and_lse(reports: dict[str, PathReport]) -> None:
+    node = _custom_node(reports["flash"])
+    assert [t.role for t in node.saved] == ["q", "k", "v", "O", "lse"]
+    assert node.saved[3].shape == (B, H, NQ, D)
+    assert [t.role for t in reports["flash"].kept] == ["O", "lse"]
+
+
+def test_plain_path_softmax_node_saves_its_result_p(reports: dict[str, PathReport]) -> None:
+    (softmax,) = [n for n in reports["pytorch-math"].nodes if n.name == "SoftmaxBackward0"]
+    (result,) = softmax.saved
+    assert (result.slot, result.role, result.shape) == ("result", "P", (B, H, NQ, NK))
+    # the P @ v matmul saves a view of the same P: kept alive once, not twice
+    assert [t.role for t in reports["pytorch-math"].kept] == ["P"]
+
+
+def test_sdpa_math_saves_p_too(reports: dict[str, PathReport]) -> None:
+    roles = [t.role for t in reports["sdpa-math"].kept]
+    assert "P" in roles
+    assert reports["sdpa-math"].kept_bytes >= B * H * NQ * NK * 4
+
+
+@pytest.mark.parametrize("path", [*BASELINES, *attngrad.STRATEGIES])
+def test_hooks_total_equals_graph_total(reports: dict[str, PathReport], path: str) -> None:
+    r = reports[path]
+    # the only tensors hooks never see are Python scalars wrapped as 0-dim tensors (the
+    # `* scale` of the plain path); everything else was packed exactly once
+    assert all(t.shape == () for t in r.unhooked)
+    assert r.graph_count == r.hooked_count + len(r.unhooked)
+    assert r.graph_bytes == r.hooked_bytes + sum(t.nbytes for t in r.unhooked)
+    if path in attngrad.STRATEGIES:
+        assert r.unhooked == [] and r.graph_bytes == r.hooked_bytes
+
+
+@pytest.mark.parametrize(
+    ("dtype", "b", "lse_b"),
+    [(torch.float64, 8, 8), (torch.float32, 4, 4), (torch.float16, 2, 4), (torch.bfloat16, 2, 4)],
+    ids=["float64", "float32", "float16", "bfloat16"],
+)
+def test_saved_bytes_follow_the_design_table(dtype: torch.dtype, b: int, lse_b: int) -> None:
+    # DESIGN.md "Execution strategies": b = input element size, l (lse_b) = lse element size
+    by_path = {r.path: r.graph_bytes for r in explain(B, H, NQ, NK, D, dtype=dtype)}
+    qkv = b * (B * H * NQ * D + 2 * B * H * NK * D)
+    assert by_path["explicit"] == qkv + b * B * H * NQ * NK
+    assert by_path["recompute"] == qkv + lse_b * B * H * NQ
+    assert by_path["flash"] == qkv + b * B * H * NQ * D + lse_b * B * H * NQ
+
+
+def _run_backward_recording(o: torch.Tensor) -> list[object]:
+    """The nodes in the order the engine really runs them, via a pre-hook on each."""
+    assert o.grad_fn is not None
+    ran: list[object] = []
+    stack, seen = [o.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        node.register_prehook(lambda _grads, node=node: ran.append(node))  # type: ignore[misc]
+        stack += [n for n, _ in node.next_functions if n is not None]
+    o.backward(torch.ones_like(o))
+    return ran
+
+
+@pytest.mark.parametrize("path", ["plain", *attngrad.STRATEGIES])
+def test_backward_order_is_the_order_the_engine_runs(path: str) -> None:
+    q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for n in (NQ, NK, NK))
+    if path == "plain":
+        o = torch.softmax(q @ k.transpose(-2, -1) * D**-0.5, dim=-1) @ v
+    else:
+        o = attngrad.attention(q, k, v, strategy=path)
+    assert o.grad_fn is not None
+    predicted = backward_order(o.grad_fn)
+    assert predicted == _run_backward_recording(o)
+
+
+@pytest.mark.parametrize("path", [*BASELINES, *attngrad.STRATEGIES])
+def test_steps_are_a_topological_order(reports: dict[str, PathReport], path: str) -> None:
+    nodes = reports[path].nodes
+    assert [n.step for n in nodes] == list(range(1, len(nodes) + 1))
+    assert all(s > n.step for n in nodes for s in n.next_steps)
+    assert sorted(n.leaf for n in nodes if n.leaf) == ["k", "q", "v"]
+
+
+def test_causal_plain_path_saves_its_mask_the_strategies_none() -> None:
+    by_path = {r.path: r for r in explain(1, 1, 4, 6, 4, is_causal=True)}
+    (fill,) = [n for n in by_path["pytorch-math"].nodes if n.name == "MaskedFillBackward0"]
+    assert [(t.role, t.shape, t.dtype) for t in fill.saved] == [("mask", (4, 6), torch.bool)]
+    for name in attngrad.STRATEGIES:
+        assert "mask" not in {t.role for t in by_path[name].saved}
+
+
+def test_report_text_names_every_path_and_states_the_point(
+    reports: dict[str, PathReport],
+) -> None:
+    text = format_report(list(reports.values()))
+    for name in [*BASELINES, *attngrad.STRATEGIES]:
+        assert f"== {name}:" in text
+    assert "ExplicitAttentionBackward" in text and "SoftmaxBackward0" in text
+    assert "same formulas" in text
+    assert "dV = P^T dO" in text and "dS = P∘(dP − rowsum(P∘dP))" in text
+    summary = text.split("== summary")[1]
+    line = {ln.split()[0]: ln for ln in summary.splitlines() if " keeps " in ln}
+    assert f"P (Nq×Nk per head, float32) {B * H * NQ * NK * 4} B" in line["explicit"]
+    assert f"lse (Nq per head, float32) {B * H * NQ * 4} B" in line["recompute"]
+    # recompute keeps N per head where the plain path keeps N×N: the ratio is 1/Nk
+    assert f"{1 / NK:.2f}× pytorch-math" in line["recompute"]
+    assert "O (Nq×d per head" in line["flash"] and "lse" in line["flash"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attngrad")
+    register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_cli_prints_the_report_and_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["explain", "--seq-q", "3", "--seq-k", "5", "--dtype", "float64"]
+    args = _parser().parse_args([*argv, "--strategy", "flash", "--strategy", "recompute"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "== flash:" in out and "== recompute:" in out and "== explicit:" not in out
+    assert "== pytorch-math:" in out  # the baseline of the ratios always runs
+    assert "q [1, 2, 3, 4], k, v [1, 2, 5, 4], float64" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--seq-q", "0"], ["--dtype", "int8"], ["--strategy", "nope"]],
+    ids=["zero-length", "bad-dtype", "bad-strategy"],
+)
+def test_cli_rejects_bad_options(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["explain", *argv])
+
+
+def test_library_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="seq_q"):
+        explain(seq_q=0)
+    with pytest.raises(ValueError, match="nope"):
+        explain(strategies=["nope"])
+    with pytest.raises(TypeError, match="dtype"):
+        explain(dtype=torch.int32)
