@@ -201,7 +201,7 @@ def run_problem(
     )
     grads = torch.autograd.grad(out, list(leaves.values()), inputs["dout"].to(dtype))  # type: ignore[union-attr]
     result = {"out": out.detach()}
-    for name, g in zip(leaves, grads):
+    for name, g in zip(leaves, grads, strict=True):
         result["d" + name] = g
     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -86,12 +87,15 @@ def test_bad_arguments_exit_with_code_2(argv):
 
 
 def test_module_entry_point_runs_the_check():
+    # one intra-op thread, as in conftest: two cores are shared with the xdist workers
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "attngrad.cli", "check", "--no-gradcheck", "--strategy", "explicit"],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{len(default_cases())} passed, 0 failed" in proc.stdout

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MASK_KINDS
 
 import attngrad
+from helpers import MASK_KINDS
 
 STRATEGIES = attngrad.STRATEGIES
 B, HQ, HKV, NQ, NK, D, DV = 2, 4, 2, 5, 7, 8, 6
@@ -207,7 +207,16 @@ def test_heads_that_cannot_group_get_no_enable_gqa_hint():
         dict(attn_mask=torch.tensor(0.25)),  # a 0-d mask broadcasts to everything
         dict(key=t(B, HQ, NK, D), value=t(B, HQ, NK, DV)),  # enable_gqa=True with equal heads
     ],
-    ids=["scale-0", "scale-negative", "scale-int", "dropout-int-0", "mask-Nk", "mask-full", "mask-0d", "gqa-equal-heads"],
+    ids=[
+        "scale-0",
+        "scale-negative",
+        "scale-int",
+        "dropout-int-0",
+        "mask-Nk",
+        "mask-full",
+        "mask-0d",
+        "gqa-equal-heads",
+    ],
 )
 def test_edge_values_that_are_valid(kwargs):
     out = attngrad.attention(**good(**kwargs), strategy=STRATEGIES[0])
@@ -265,5 +274,5 @@ def test_backward_twice_gives_the_same_gradients(strategy):
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v, mask), dout, retain_graph=True)
     second = torch.autograd.grad(out, (q, k, v, mask), dout)
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)

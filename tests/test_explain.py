@@ -118,7 +118,7 @@ def _run_backward_recording(o: torch.Tensor) -> list[object]:
         if node in seen:
             continue
         seen.add(node)
-        node.register_prehook(lambda _grads, node=node: ran.append(node))  # type: ignore[misc]
+        node.register_prehook(lambda _grads, node=node: ran.append(node))
         stack += [n for n, _ in node.next_functions if n is not None]
     o.backward(torch.ones_like(o))
     return ran

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Problem, assert_close_f64, make_problem_inputs, run_problem, sdpa_math
-from helpers import strategy_fn as bind_strategy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngrad
 from attngrad.reference import reference_attention
+from helpers import Problem, assert_close_f64, make_problem_inputs, run_problem, sdpa_math
+from helpers import strategy_fn as bind_strategy
 
 
 @st.composite
@@ -30,9 +30,7 @@ def problems(draw: st.DrawFn) -> tuple[Problem, bool, int]:
     mask = draw(st.sampled_from(["none", "causal", "bool", "float"]))
     score = (*lead, heads_kv * groups, seq_q, seq_k)
     kept = draw(st.integers(0, len(score)))
-    mask_shape = tuple(
-        1 if draw(st.booleans()) else n for n in score[len(score) - kept :]
-    )
+    mask_shape = tuple(1 if draw(st.booleans()) else n for n in score[len(score) - kept :])
     scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
     # enable_gqa=True is also valid with equal head counts (groups == 1)
     enable_gqa = groups > 1 or draw(st.booleans())
@@ -61,7 +59,7 @@ def _gqa(fn, enable_gqa):
 
 @pytest.mark.parametrize("strategy", attngrad.STRATEGIES)
 @settings(
-    max_examples=60,
+    max_examples=80,
     deadline=None,
     # the autouse seed fixture runs once per test, not per example; harmless
     # here because every example seeds its own generator
@@ -76,4 +74,3 @@ def test_matches_reference_and_sdpa(strategy, case):
     sdpa = run_problem(_gqa(sdpa_math, enable_gqa), pb, inputs)
     assert_close_f64(got, ref, tol=1e-9)
     assert_close_f64(got, sdpa, tol=1e-9)
-

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from attngrad.reference import reference_attention
 from helpers import (
     Problem,
     assert_close_f64,
@@ -16,8 +18,6 @@ from helpers import (
     run_problem,
     sdpa_math,
 )
-
-from attngrad.reference import reference_attention
 
 CASES = [
     Problem((), 3, 3, 6, 9, 8, 8),  # the seeds' [B, N, d] layout

@@ -195,7 +195,7 @@ def test_custom_attention_matches_sdpa_on_larger_batch():
     ref = F.scaled_dot_product_attention(q2, k2, v2)
     ref_grads = torch.autograd.grad(ref, (q2, k2, v2), dout)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=1e-9, rtol=1e-9)
 
 

@@ -78,6 +78,17 @@ def test_harness_names_the_gradient_that_is_wrong():
     assert bad == {"dq", "dk"}
 
 
+def test_harness_gradcheck_verdict_is_false_for_a_wrong_backward():
+    # float64 gradcheck is the harness's second judge; a backward without the
+    # row-sum term must come back as gradcheck_passed=False, not as an exception
+    # escaping run_case (regression: verify.py caught
+    # `torch.autograd.gradcheck.GradcheckError`, an attribute of the gradcheck
+    # *function*, so the except clause itself raised AttributeError)
+    result = run_case("broken", CASE64, fn=_no_row_sum, gradcheck=True)
+    assert result.gradcheck_passed is False
+    assert not result.passed
+
+
 def test_harness_reports_a_crash_with_its_message():
     result = run_case("broken", CASE64, fn=_crashes)
     assert "kernel exploded" in result.message

@@ -2,7 +2,7 @@
 
     attngrad bench [--batch 1 --heads 8 --head-dim 64] [--seq 1024 2048 4096]
                    [--causal {both,yes,no}] [--strategy NAME ...] [--baseline {math,flash} ...]
-                   [--dtype float32] [--repeats 5] [--csv PATH] [--plot PATH]
+                   [--dtype float32] [--repeats 5] [--gemm-size 2048] [--csv PATH] [--plot PATH]
 
 What is measured, for q, k, v: [B, H, N, d] (requires_grad) and every N, causal or not:
 

@@ -1,7 +1,7 @@
 """The ``attngrad`` command.
 
-    attngrad check   [--strategy NAME ...] [--json PATH] [--seed N] [--no-gradcheck]
-    attngrad ledger  [--seq-q N ...] [--sweep N ...]   saved bytes and peak memory per path
+attngrad check   [--strategy NAME ...] [--json PATH] [--seed N] [--no-gradcheck]
+attngrad ledger  [--seq-q N ...] [--sweep N ...]   saved bytes and peak memory per path
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attngrad import ledger
+from attngrad import explain, ledger
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES
 from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
@@ -70,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="conformance grid of every strategy against a float64 reference"
     )
     check.add_argument(
-        "--strategy", action="append", choices=STRATEGIES, help="check only this strategy (repeatable)"
+        "--strategy",
+        action="append",
+        choices=STRATEGIES,
+        help="check only this strategy (repeatable)",
     )
     check.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -79,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(run=_check)
     ledger.register(sub)
+    explain.register(sub)
     return parser
 
 

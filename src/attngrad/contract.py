@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
@@ -144,9 +145,7 @@ def _shapes(
             f"{tuple(k)}); q @ k^T needs them equal."
         )
     if q[-1] == 0 or v[-1] == 0:
-        raise ValueError(
-            f"head_dim must be at least 1, got query {tuple(q)}, value {tuple(v)}."
-        )
+        raise ValueError(f"head_dim must be at least 1, got query {tuple(q)}, value {tuple(v)}.")
     hq, hkv = q[-3], k[-3]
     if enable_gqa:
         if hkv == 0 or hq % hkv != 0:
@@ -171,15 +170,11 @@ def _shapes(
     )
 
 
-def _check_mask(
-    attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causal: bool
-) -> None:
+def _check_mask(attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causal: bool) -> None:
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(
-            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
-        )
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if is_causal:
         raise ValueError(
             "is_causal=True and an attn_mask were both given; pass one of them. To combine "
@@ -200,7 +195,7 @@ def _check_mask(
     target = shapes.score_shape
     shape = tuple(attn_mask.shape)
     fits = len(shape) <= len(target) and all(
-        m in (1, t) for m, t in zip(reversed(shape), reversed(target))
+        m in (1, t) for m, t in zip(reversed(shape), reversed(target[len(target) - len(shape) :]), strict=True)
     )
     if not fits:
         raise ValueError(
@@ -242,7 +237,7 @@ def validate_strategy(strategy: object, available: tuple[str, ...]) -> str:
     return strategy
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -250,19 +245,15 @@ def validate_window(window: object) -> tuple[int | None, int | None] | None:
     """``window=(left, right)``: ints >= 0 or None (unbounded on that side)."""
     if window is None:
         return None
-    ok = (
-        isinstance(window, (tuple, list))
-        and len(window) == 2
-        and all(w is None or (_is_int(w) and w >= 0) for w in window)
-    )
-    if not ok:
+    sides = tuple(window) if isinstance(window, (tuple, list)) else ()
+    bounds = [w for w in sides if w is None or (_is_int(w) and w >= 0)]
+    if len(sides) != 2 or len(bounds) != 2:
         raise ValueError(
             f"window must be (left, right) with each an int >= 0 or None, got {window!r}. "
             "Query i attends key j when i - left <= j <= i + right; e.g. window=(128, 0) "
             "for the last 129 keys, or window=(128, None) for everything from i - 128 on."
         )
-    left, right = window
-    return (left, right)
+    return bounds[0], bounds[1]
 
 
 def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
@@ -271,7 +262,9 @@ def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
         if value is None:
             continue
         if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int or None (chosen from the shape), got {value!r}")
+            raise ValueError(
+                f"{name} must be a positive int or None (chosen from the shape), got {value!r}"
+            )
         if strategy not in ("flash", "auto"):
             raise ValueError(
                 f"{name}={value} only applies to the tiled strategy 'flash', not {strategy!r}. "

@@ -247,8 +247,9 @@ def plot(rows: Sequence[LedgerRow], path: str, title: str) -> None:
         mine = [r for r in rows if r.path == name]
         n = [r.seq_q for r in mine]
         (line,) = ax.plot(n, [r.measured_saved for r in mine], marker="o", label=f"{name} measured")
-        if mine[0].predicted_saved is not None:
-            ax.plot(n, [r.predicted_saved for r in mine], ls="--", color=line.get_color(), alpha=0.6)
+        predicted = [r.predicted_saved for r in mine if r.predicted_saved is not None]
+        if len(predicted) == len(mine):
+            ax.plot(n, predicted, ls="--", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length N (Nq = Nk)")
@@ -291,7 +292,9 @@ def _run(args: argparse.Namespace) -> int:
         with Progress(len(paths) * len(args.sweep), "ledger sweep") as bar:
             for n in args.sweep:
                 for p in paths:
-                    rows.append(ledger_row(p, _layout(args, n, n), args.device, peak=not args.no_peak))
+                    rows.append(
+                        ledger_row(p, _layout(args, n, n), args.device, peak=not args.no_peak)
+                    )
                     bar.step(f"{p} N={n}")
         print(format_rows(rows))
         write_csv(rows, args.csv)
@@ -301,7 +304,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     mismatched = [r for r in rows if r.match is False]
     for r in mismatched:
-        print(f"MISMATCH {r.path} N={r.seq_q}: predicted {r.predicted_saved} measured {r.measured_saved}")
+        print(
+            f"MISMATCH {r.path} N={r.seq_q}: predicted {r.predicted_saved} measured {r.measured_saved}"
+        )
     return 1 if mismatched else 0
 
 
@@ -328,7 +333,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
     p.add_argument(
-        "--sweep", type=int, nargs="+", metavar="N", help="run over these N (Nq = Nk); writes CSV and PNG"
+        "--sweep",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="run over these N (Nq = Nk); writes CSV and PNG",
     )
     p.add_argument("--csv", default="results/ledger.csv")
     p.add_argument("--plot", default="results/ledger.png")

@@ -31,18 +31,18 @@ LOG2E = 1.0 / math.log(2.0)  # exp(x) == exp2(x * LOG2E)
 
 __all__ = [
     "LOG2E",
+    "attend",
     "compute_dtype",
-    "scores",
-    "query_key_gradients",
     "lse_shift",
     "probabilities",
+    "probability_gradient",
+    "query_key_gradients",
+    "scores",
     "softmax",
     "softmax_backward",
     "softmax_backward_",
     "softmax_lse",
-    "attend",
     "value_gradient",
-    "probability_gradient",
 ]
 
 

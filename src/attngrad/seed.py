@@ -17,6 +17,7 @@ from attngrad.strategies.explicit import explicit_backward, explicit_forward
 
 __all__ = ["CustomAttention"]
 
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
@@ -48,24 +49,26 @@ class CustomAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         _check(q, k, v)
         scale = 1.0 / math.sqrt(q.size(-1))
         mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         o, p, _ = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, scale)
         ctx.save_for_backward(q, k, v, p.to(q.dtype))
-        ctx.scale = scale  # type: ignore[attr-defined]
+        ctx.scale = scale
         return o.squeeze(1)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, p = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, p = ctx.saved_tensors
         if dout.shape != q.shape:
             raise ValueError(
                 f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
             )
-        needs = (*ctx.needs_input_grad, False)  # type: ignore[attr-defined]
+        needs = (*ctx.needs_input_grad, False)
         p = p.to(compute_dtype(q.dtype))
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
-        dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, ctx.scale, needs)  # type: ignore[attr-defined]
+        dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
         return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.autograd.gradcheck import GradcheckError
 
 from attngrad.api import attention
 from attngrad.reference import reference_attention
@@ -59,7 +60,9 @@ class Case:
         batch = "x".join(map(str, self.lead)) or "1"
         heads = f"{self.heads_q}" + (f":{self.heads_kv}" if self.heads_kv != self.heads_q else "")
         seq = f"{self.seq_q}" + (f"x{self.seq_k}" if self.seq_k != self.seq_q else "")
-        dims = f"{self.head_dim}" + (f":{self.value_dim}" if self.value_dim != self.head_dim else "")
+        dims = f"{self.head_dim}" + (
+            f":{self.value_dim}" if self.value_dim != self.head_dim else ""
+        )
         dtype = str(self.dtype).removeprefix("torch.")
         return f"B{batch}-H{heads}-N{seq}-d{dims}-{dtype}-{self.mask}"
 
@@ -161,7 +164,10 @@ def outputs_and_grads(
     out = fn(q, k, v, mask, is_causal=case.mask == "causal", enable_gqa=case.gqa)
     grads = torch.autograd.grad(out, leaves, inputs["dout"].to(dtype))  # type: ignore[union-attr]
     names = ("dq", "dk", "dv", "dmask")
-    return {"out": out.detach().double(), **{n: g.double() for n, g in zip(names, grads)}}
+    return {
+        "out": out.detach().double(),
+        **{n: g.double() for n, g in zip(names, grads, strict=False)},
+    }
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -181,7 +187,7 @@ def _gradcheck(fn: AttentionFn, case: Case, inputs: dict[str, torch.Tensor | Non
 
     try:
         return bool(torch.autograd.gradcheck(call, tuple(args), fast_mode=True))
-    except torch.autograd.gradcheck.GradcheckError:
+    except GradcheckError:
         return False
 
 
@@ -200,7 +206,9 @@ def run_case(
     """Judge one strategy (or any SDPA-like ``fn``) on one case."""
     fn = fn or strategy_fn(strategy)
     inputs = make_inputs(case, seed)
-    result = CaseResult(strategy=strategy, case=case.id, dtype=str(case.dtype).removeprefix("torch."))
+    result = CaseResult(
+        strategy=strategy, case=case.id, dtype=str(case.dtype).removeprefix("torch.")
+    )
     ref = outputs_and_grads(reference_attention, case, inputs, torch.float64)
     try:
         got = outputs_and_grads(fn, case, inputs, case.dtype)

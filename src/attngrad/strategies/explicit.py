@@ -110,7 +110,7 @@ class ExplicitAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -122,22 +122,22 @@ class ExplicitAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         o, p, _ = explicit_forward(q, k, v, mask.with_tensors(bias, keep), scale)
         ctx.save_for_backward(q, k, v, p.to(q.dtype))
-        ctx.scale = scale  # type: ignore[attr-defined]
-        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)  # type: ignore[attr-defined]
+        ctx.scale = scale
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         return o
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, p = ctx.saved_tensors  # type: ignore[attr-defined]
-        needs = ctx.needs_input_grad[:4]  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, p = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
         p = p.to(ops.compute_dtype(q.dtype))
-        dq, dk, dv, ds = explicit_backward(dout, q, k, v, p, ctx.scale, needs)  # type: ignore[attr-defined]
-        return dq, dk, dv, bias_gradient(ds, ctx.bias_meta), None, None, None  # type: ignore[attr-defined]
+        dq, dk, dv, ds = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
+        return dq, dk, dv, bias_gradient(ds, ctx.bias_meta), None, None, None
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
 ) -> torch.Tensor:
     """O: [B, Hq, Nq, dv] for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-    return ExplicitAttention.apply(q, k, v, *mask.tensors, mask, scale)  # type: ignore[no-any-return]
+    return ExplicitAttention.apply(q, k, v, *mask.tensors, mask, scale)

@@ -17,6 +17,8 @@ dv = d), plus the caller's mask when given.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
@@ -24,7 +26,14 @@ from attngrad.heads import group_heads
 from attngrad.masks import Mask, tile
 from attngrad.ops import LOG2E, compute_dtype, lse_shift
 
-__all__ = ["FlashAttention", "attention", "choose_blocks", "flash_backward", "flash_forward"]
+__all__ = [
+    "FlashAttention",
+    "attention",
+    "choose_blocks",
+    "flash_backward",
+    "flash_forward",
+    "schedule",
+]
 
 _NEG_INF = float("-inf")
 
@@ -43,9 +52,22 @@ def choose_blocks(
     return bq, bk
 
 
+def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[slice]]]:
+    """The tiles to visit: each block of query rows with the key tiles it needs.
+
+    Key tiles outside ``mask.key_span(rows)`` (entirely masked by the causal or
+    window band) are left out; the last tile of a span may be short.
+    """
+    block_q, block_k = blocks
+    for r0 in range(0, mask.seq_q, block_q):
+        rows = slice(r0, min(r0 + block_q, mask.seq_q))
+        c_lo, c_hi = mask.key_span(rows)
+        yield rows, [slice(c0, min(c0 + block_k, c_hi)) for c0 in range(c_lo, c_hi, block_k)]
+
+
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     """[B, Hkv, G, Nq, x] -> rows of every group folded: [B, Hkv, G*r, x] (a copy)."""
-    b, hkv, g, _, x = t.shape
+    b, hkv, _, _, x = t.shape
     return t[:, :, :, rows].reshape(b, hkv, -1, x)
 
 
@@ -70,22 +92,18 @@ def flash_forward(
     hkv, dv = k.shape[1], v.shape[-1]
     g = hq // hkv
     dtype = compute_dtype(q.dtype)
-    block_q, block_k = blocks
     q5 = group_heads(q, hkv)  # (B, Hkv, G, Nq, d)
     k, v = k.to(dtype), v.to(dtype)
     o = q.new_empty(b, hkv, g, nq, dv)
     lse = torch.empty(b, hkv, g, nq, dtype=dtype, device=q.device)
-    for r0 in range(0, nq, block_q):
-        rows = slice(r0, min(r0 + block_q, nq))
-        r = rows.stop - r0
+    for rows, key_tiles in schedule(mask, blocks):
+        r = rows.stop - rows.start
         qb = _rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
         m_i = torch.full((b, hkv, g * r, 1), _NEG_INF, dtype=dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
         shift = torch.zeros_like(m_i)
-        c_lo, c_hi = mask.key_span(rows)
-        for c0 in range(c_lo, c_hi, block_k):
-            cols = slice(c0, min(c0 + block_k, c_hi))
+        for cols in key_tiles:
             qk = torch.matmul(qb, k[:, :, cols].transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
             mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols, unit=LOG2E)
             m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
@@ -121,7 +139,6 @@ def flash_backward(
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
     dtype = compute_dtype(q.dtype)
-    block_q, block_k = blocks
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     delta = (do5 * group_heads(o, hkv).to(dtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
     shift5 = lse_shift(group_heads(lse, hkv))  # (B, Hkv, G, Nq, 1), base 2
@@ -133,16 +150,13 @@ def flash_backward(
     dbias = None
     if bias_meta is not None:
         dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
-    for r0 in range(0, nq, block_q):
-        rows = slice(r0, min(r0 + block_q, nq))
-        r = rows.stop - r0
+    for rows, key_tiles in schedule(mask, blocks):
+        r = rows.stop - rows.start
         qb = _rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
         dob = _rows(do5, rows)  # (B, Hkv, G*r, dv)
         shift_b, delta_b = _rows(shift5, rows), _rows(delta, rows)  # (B, Hkv, G*r, 1)
         dq_b = torch.zeros(b, hkv, g * r, d, dtype=dtype, device=q.device)
-        c_lo, c_hi = mask.key_span(rows)
-        for c0 in range(c_lo, c_hi, block_k):
-            cols = slice(c0, min(c0 + block_k, c_hi))
+        for cols in key_tiles:
             kc, vc = k[:, :, cols], v[:, :, cols]
             qk = torch.matmul(qb, kc.transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
             mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols, unit=LOG2E)
@@ -169,7 +183,7 @@ class FlashAttention(torch.autograd.Function):
     """autograd.Function over q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -181,20 +195,29 @@ class FlashAttention(torch.autograd.Function):
         blocks: tuple[int, int],
     ) -> torch.Tensor:
         o, lse = flash_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
-        ctx.save_for_backward(q, k, v, o, lse, bias, keep)
-        ctx.mask = mask.with_tensors(None, None)  # type: ignore[attr-defined]
-        ctx.scale, ctx.blocks = scale, blocks  # type: ignore[attr-defined]
-        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)  # type: ignore[attr-defined]
+        ctx.save_for_backward(q, k, v, o, lse, bias, keep)  # type: ignore[arg-type]
+        ctx.mask = mask.with_tensors(None, None)
+        ctx.scale, ctx.blocks = scale, blocks
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         return o
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, o, lse, bias, keep = ctx.saved_tensors  # type: ignore[attr-defined]
-        mask = ctx.mask.with_tensors(bias, keep)  # type: ignore[attr-defined]
-        bias_meta = ctx.bias_meta if ctx.needs_input_grad[3] else None  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse, bias, keep = ctx.saved_tensors
+        mask = ctx.mask.with_tensors(bias, keep)
+        bias_meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
         dq, dk, dv, dbias = flash_backward(
-            dout, q, k, v, o, lse, mask, ctx.scale, ctx.blocks, bias_meta  # type: ignore[attr-defined]
+            dout,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            mask,
+            ctx.scale,
+            ctx.blocks,
+            bias_meta,
         )
         return dq, dk, dv, dbias, None, None, None, None
 
@@ -210,4 +233,4 @@ def attention(
 ) -> torch.Tensor:
     """O: [B, Hq, Nq, dv] for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
     blocks = choose_blocks(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], block_q, block_k)
-    return FlashAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)  # type: ignore[no-any-return]
+    return FlashAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)

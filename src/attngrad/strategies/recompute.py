@@ -29,7 +29,7 @@ class RecomputeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -40,26 +40,26 @@ class RecomputeAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         o, _, lse = explicit_forward(q, k, v, mask.with_tensors(bias, keep), scale)
-        ctx.save_for_backward(q, k, v, lse, bias, keep)
-        ctx.mask = mask.with_tensors(None, None)  # type: ignore[attr-defined]
-        ctx.scale = scale  # type: ignore[attr-defined]
-        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)  # type: ignore[attr-defined]
+        ctx.save_for_backward(q, k, v, lse, bias, keep)  # type: ignore[arg-type]
+        ctx.mask = mask.with_tensors(None, None)
+        ctx.scale = scale
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         return o
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, lse, bias, keep = ctx.saved_tensors  # type: ignore[attr-defined]
-        mask = ctx.mask.with_tensors(bias, keep)  # type: ignore[attr-defined]
-        s2 = masked_scores(q, k, mask, ctx.scale, unit=ops.LOG2E)  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, lse, bias, keep = ctx.saved_tensors
+        mask = ctx.mask.with_tensors(bias, keep)
+        s2 = masked_scores(q, k, mask, ctx.scale, unit=ops.LOG2E)
         p = ops.probabilities(s2, ops.lse_shift(lse))
-        needs = ctx.needs_input_grad[:4]  # type: ignore[attr-defined]
-        dq, dk, dv, ds = explicit_backward(dout, q, k, v, p, ctx.scale, needs)  # type: ignore[attr-defined]
-        return dq, dk, dv, bias_gradient(ds, ctx.bias_meta), None, None, None  # type: ignore[attr-defined]
+        needs = ctx.needs_input_grad[:4]
+        dq, dk, dv, ds = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
+        return dq, dk, dv, bias_gradient(ds, ctx.bias_meta), None, None, None
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
 ) -> torch.Tensor:
     """O: [B, Hq, Nq, dv] for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-    return RecomputeAttention.apply(q, k, v, *mask.tensors, mask, scale)  # type: ignore[no-any-return]
+    return RecomputeAttention.apply(q, k, v, *mask.tensors, mask, scale)
