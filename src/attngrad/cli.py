@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attngrad import explain, ledger
+from attngrad import bench, explain, ledger
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES
 from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
@@ -83,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check)
     ledger.register(sub)
     explain.register(sub)
+    bench.register(sub)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""The flash strategy's own machinery: tile sizes, the tile schedule, tile skipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attngrad
+from attngrad.contract import Shapes
+from attngrad.masks import Mask
+from attngrad.reference import reference_attention
+from attngrad.strategies.flash import choose_blocks, schedule
+
+
+def _mask(nq: int, nk: int, causal: bool = False, window=None) -> Mask:
+    shapes = Shapes(lead=(1,), heads_q=1, heads_kv=1, seq_q=nq, seq_k=nk, head_dim=8, value_dim=8)
+    return Mask.build(None, causal, window, shapes)
+
+
+def _tiles(mask: Mask, blocks: tuple[int, int]) -> int:
+    return sum(len(cols) for _, cols in schedule(mask, blocks))
+
+
+def test_schedule_covers_every_key_once_per_row_block():
+    mask = _mask(100, 70)
+    for rows, cols in schedule(mask, (32, 16)):
+        keys = [j for c in cols for j in range(c.start, c.stop)]
+        assert keys == list(range(70)), rows
+
+
+def test_causal_visits_about_half_of_the_tiles():
+    blocks = (64, 64)
+    full = _tiles(_mask(4096, 4096), blocks)
+    causal = _tiles(_mask(4096, 4096, causal=True), blocks)
+    assert full == 64 * 64
+    # the diagonal tiles stay: (64 * 65 / 2) of 64 * 64
+    assert causal == 64 * 65 // 2
+    assert 0.5 <= causal / full <= 0.51
+
+
+def test_window_visits_only_the_band():
+    blocks = (64, 64)
+    window = _tiles(_mask(4096, 4096, window=(128, 0)), blocks)
+    # each row block needs its own tile and the two before it (plus a partial start)
+    assert window <= 3 * 64
+
+
+def test_causal_with_more_queries_than_keys_keeps_every_key_for_late_rows():
+    for rows, cols in schedule(_mask(10, 4, causal=True), (3, 2)):
+        stop = max(c.stop for c in cols)
+        assert stop == min(4, rows.stop)
+
+
+@pytest.mark.parametrize(
+    ("nq", "nk", "groups"), [(4096, 4096, 1), (97, 1, 1), (1, 5000, 8), (300, 300, 4)]
+)
+def test_default_blocks_are_positive_and_bounded(nq, nk, groups):
+    bq, bk = choose_blocks(nq, nk, groups, None, None)
+    assert 1 <= bq <= max(nq, 1) and 1 <= bk <= max(nk, 1)
+    assert bq * groups * bk <= 256 * 1024  # one score tile per (batch, head) stays small
+
+
+def test_given_blocks_are_used():
+    assert choose_blocks(100, 100, 1, 7, 9) == (7, 9)
+
+
+@pytest.mark.parametrize(("bq", "bk"), [(1, 1), (5, 3), (64, 7), (1000, 1000)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_block_size_gives_the_same_answer(bq, bk, causal):
+    q = torch.randn(2, 4, 23, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 19, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 19, 5, dtype=torch.float64, requires_grad=True)
+    kw = dict(is_causal=causal, enable_gqa=True)
+    out = attngrad.attention(q, k, v, strategy="flash", block_q=bq, block_k=bk, **kw)
+    want = reference_attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=1e-10)
+
+
+def test_flash_saves_q_k_v_o_and_lse_only():
+    q = torch.randn(1, 4, 40, 16, requires_grad=True)
+    k = torch.randn(1, 2, 50, 16, requires_grad=True)
+    v = torch.randn(1, 2, 50, 8, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attngrad.attention(q, k, v, enable_gqa=True, strategy="flash")
+    shapes = [tuple(t.shape) for t in saved]
+    assert shapes == [(1, 4, 40, 16), (1, 2, 50, 16), (1, 2, 50, 8), (1, 4, 40, 8), (1, 4, 40)]
+    assert saved[3].data_ptr() == out.data_ptr()  # O is the output itself, not a copy
+    assert saved[4].dtype == torch.float32
+
+
+@pytest.mark.parametrize("block", ["block_q", "block_k"])
+@pytest.mark.parametrize("value", [0, -3, 2.5, "64"], ids=str)
+def test_bad_block_size_names_it(block, value):
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=block):
+        attngrad.attention(q, q, q, strategy="flash", **{block: value})
+
+
+@pytest.mark.parametrize("strategy", ["explicit", "recompute"])
+def test_block_size_for_an_untiled_strategy_is_an_error(strategy):
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="flash"):
+        attngrad.attention(q, q, q, strategy=strategy, block_q=4)
+
+
+def test_auto_takes_flash_for_long_sequences_and_block_sizes():
+    from attngrad.strategies import resolve
+
+    short = Shapes((1,), 8, 8, 256, 256, 64, 64)
+    long = Shapes((1,), 8, 8, 4096, 4096, 64, 64)
+    assert resolve("auto", short, tiling_given=False) == "explicit"
+    assert resolve("auto", long, tiling_given=False) == "flash"
+    assert resolve("auto", short, tiling_given=True) == "flash"
+    assert resolve("recompute", long, tiling_given=False) == "recompute"
