@@ -7,6 +7,7 @@
   ``fill_uninitialized_memory``), as flash-linear-attention's conftest does:
   a kernel that reads memory it never wrote then fails loudly with NaN
   instead of passing on whatever zeros the allocator happened to hand out.
+* One intra-op thread for the session (see below).
 """
 
 from __future__ import annotations
@@ -44,9 +45,3 @@ def _nan_filled_allocations() -> Iterator[None]:
     torch.set_num_threads(threads)
     torch.utils.deterministic.fill_uninitialized_memory = was_filling  # type: ignore[attr-defined]
     torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
-
-
-@pytest.fixture
-def generator(_seed_from_test_id: int) -> torch.Generator:
-    """A CPU generator seeded from the test id, for helpers that take one."""
-    return torch.Generator().manual_seed(_seed_from_test_id)

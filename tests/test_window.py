@@ -31,7 +31,9 @@ def run(fn, q, k, v, mask, **kwargs):
         mask = mask.clone().requires_grad_()
         leaves.append(mask)
     out = fn(*leaves[:3], mask, **kwargs)
-    grads = torch.autograd.grad(out, leaves, torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype))
+    grads = torch.autograd.grad(
+        out, leaves, torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype)
+    )
     return [out, *grads]
 
 
@@ -51,8 +53,16 @@ def test_window_matches_reference_with_band_mask(strategy, window, causal, nq, n
     want = run(reference_attention, q, k, v, keep, enable_gqa=True)
     extra = {"block_q": 3, "block_k": 4} if strategy == "flash" else {}
     got = run(
-        attngrad.attention, q, k, v, None, is_causal=causal, enable_gqa=True,
-        strategy=strategy, window=window, **extra,
+        attngrad.attention,
+        q,
+        k,
+        v,
+        None,
+        is_causal=causal,
+        enable_gqa=True,
+        strategy=strategy,
+        window=window,
+        **extra,
     )
     for g, w in zip(got, want, strict=True):
         assert not g.isnan().any()

@@ -1,0 +1,116 @@
+"""The memory ledger: DESIGN.md's saved-bytes formulas against what autograd saves."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+
+import pytest
+import torch
+
+import attngrad
+from attngrad import ledger
+from attngrad.ledger import Layout, ledger_row, measure_peak_bytes, predicted_saved_bytes
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+LAYOUTS = [
+    # (B, Hq, Hkv, Nq, Nk, d, dv): plain, GQA, Nq != Nk with dv != d, MQA
+    (2, 4, 4, 16, 16, 8, 8),
+    (1, 6, 2, 9, 23, 8, 8),
+    (1, 4, 2, 31, 7, 16, 5),
+    (3, 4, 1, 5, 5, 4, 4),
+]
+
+
+def _layout(sizes, dtype, causal=False) -> Layout:
+    b, hq, hkv, nq, nk, d, dv = sizes
+    return Layout(b, hq, hkv, nq, nk, d, dv, dtype, causal)
+
+
+def _id(sizes) -> str:
+    b, hq, hkv, nq, nk, d, dv = sizes
+    return f"B{b}-H{hq}:{hkv}-N{nq}x{nk}-d{d}:{dv}"
+
+
+@pytest.mark.parametrize("strategy", attngrad.STRATEGIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("sizes", LAYOUTS, ids=_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_predicted_equals_measured_byte_for_byte(strategy, dtype, sizes, causal):
+    row = ledger_row(strategy, _layout(sizes, dtype, causal), peak=False)
+    assert row.measured_saved == row.predicted_saved
+    assert row.match is True
+
+
+def test_formulas_by_hand():
+    # B=1, Hq=8, Hkv=2, Nq=Nk=1024, d=dv=64, float32 (b=4, l=4)
+    lo = Layout(1, 8, 2, 1024, 1024, 64, 64, torch.float32)
+    qkv = 4 * (8 * 1024 * 64 + 2 * 2 * 1024 * 64)
+    assert predicted_saved_bytes("explicit", lo) == qkv + 4 * 8 * 1024 * 1024
+    assert predicted_saved_bytes("recompute", lo) == qkv + 4 * 8 * 1024
+    assert predicted_saved_bytes("flash", lo) == qkv + 4 * 8 * 1024 * 64 + 4 * 8 * 1024
+    # the seeds' C_saved = b(3BNd + BN^2): H = 1, Nq = Nk
+    seed = Layout(2, 1, 1, 100, 100, 16, 16, torch.float64)
+    assert predicted_saved_bytes("explicit", seed) == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100)
+    assert predicted_saved_bytes("recompute", seed) == 8 * 3 * 2 * 100 * 16 + 8 * 2 * 100
+    assert predicted_saved_bytes("sdpa-math", seed) is None
+
+
+def test_peak_memory_counts_allocations():
+    # a 4 MiB tensor held while a 1 MiB one comes and goes: peak 5 MiB, all freed
+    def run():
+        a = torch.empty(1 << 20)
+        b = torch.empty(1 << 18)
+        del b
+        return a.sum()
+
+    assert measure_peak_bytes(run) == pytest.approx(5 * 2**20, rel=0.01)
+
+
+def test_flash_peak_is_far_below_explicit_peak():
+    # N large enough that P (64 MiB) dwarfs a few flash tiles of at most 1 MiB each
+    lo = Layout(1, 1, 1, 4096, 4096, 16, 16, torch.float32)
+    explicit = ledger_row("explicit", lo)
+    flash = ledger_row("flash", lo)
+    p_bytes = 4 * 4096 * 4096
+    assert explicit.peak_beyond_io >= p_bytes  # P itself must be in explicit's peak
+    assert flash.peak_beyond_io < p_bytes / 8
+
+
+def test_cli_table_and_sweep(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    ledger.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["ledger", "--heads", "2", "--heads-kv", "1", "--seq-q", "64", "--head-dim", "8"]
+    )
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    for path in (*attngrad.STRATEGIES, "sdpa-math", "sdpa-flash"):
+        assert path in out
+    assert "NO" not in out
+    csv_path, png_path = tmp_path / "ledger.csv", tmp_path / "ledger.png"
+    args = parser.parse_args(
+        [
+            "ledger",
+            "--heads",
+            "1",
+            "--head-dim",
+            "8",
+            "--no-peak",
+            "--sweep",
+            "16",
+            "32",
+            "64",
+            "--csv",
+            str(csv_path),
+            "--plot",
+            str(png_path),
+        ]
+    )
+    assert args.run(args) == 0
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 3 * (len(attngrad.STRATEGIES) + 2)
+    explicit = {int(r["seq_q"]): int(r["measured_saved"]) for r in rows if r["path"] == "explicit"}
+    # the N^2 term: doubling N grows explicit's saved bytes by more than 2x
+    assert explicit[64] / explicit[32] > 2.5
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
