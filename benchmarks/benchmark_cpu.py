@@ -35,7 +35,9 @@ def sdpa_math(q, k, v, **kwargs):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -57,16 +59,31 @@ def main() -> None:
     }
     times = medians(interleaved(contenders, repeats=args.repeats))
     ratio = times["explicit"] / times["sdpa_math"]
-    print(f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 causal={args.causal}")
+    print(
+        f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 causal={args.causal}"
+    )
     for name, t in times.items():
         print(f"  {name:<10} forward+backward {t * 1e3:8.1f} ms (median of {args.repeats})")
     print(f"  explicit / sdpa_math = {ratio:.3f}  (target <= 0.9)")
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["batch", "heads", "seq", "head_dim", "causal", "contender", "median_s", "ratio_vs_sdpa_math"])
+        writer.writerow(
+            [
+                "batch",
+                "heads",
+                "seq",
+                "head_dim",
+                "causal",
+                "contender",
+                "median_s",
+                "ratio_vs_sdpa_math",
+            ]
+        )
         for name, t in times.items():
-            writer.writerow([*shape, args.causal, name, f"{t:.6f}", f"{t / times['sdpa_math']:.4f}"])
+            writer.writerow(
+                [*shape, args.causal, name, f"{t:.6f}", f"{t / times['sdpa_math']:.4f}"]
+            )
     print(f"wrote {args.csv}")
 
 

@@ -46,7 +46,7 @@ def _check(args: argparse.Namespace) -> int:
     failed = [r for r in results if not r.passed]
     print(
         f"\n{len(results) - len(failed)} passed, {len(failed)} failed "
-        "(max abs error vs float64; rule: float64 <= 1e-9, others <= 2x plain PyTorch + 1 ulp)"
+        "(max abs error vs float64; rule: float64 <= 1e-9, others <= 2x plain PyTorch + a few ulps)"
     )
     if args.json:
         payload = {

@@ -195,7 +195,8 @@ def _check_mask(attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causa
     target = shapes.score_shape
     shape = tuple(attn_mask.shape)
     fits = len(shape) <= len(target) and all(
-        m in (1, t) for m, t in zip(reversed(shape), reversed(target[len(target) - len(shape) :]), strict=True)
+        m in (1, t)
+        for m, t in zip(reversed(shape), reversed(target[len(target) - len(shape) :]), strict=True)
     )
     if not fits:
         raise ValueError(

@@ -15,9 +15,11 @@ and backward from ``dO = dout``::
 
 Each forward step sits right above the local backward that differentiates it.
 
-The tiled paths keep scores in base 2 — S2 = S * log2(e), with log2(e) folded
-into q's scale and the bias — because exp2 runs about 3x faster than exp on
-CPU and exp(S - lse) == exp2(S2 - lse * log2(e)).
+The flash strategy keeps scores in base 2 — S2 = S * log2(e), with log2(e)
+folded into q's scale and the bias — because exp2 runs about 3x faster than
+exp on CPU and exp(S - lse) == exp2(S2 - lse * log2(e)).  Forward and backward
+must then both use base 2: P rebuilt from an lse of the other base differs by
+the rounding of S * log2(e), which float32 gradients notice.
 Every op works on any number of leading batch dims (``[..., N, d]``).
 """
 
@@ -105,6 +107,8 @@ def softmax_lse(
     it costs two row reductions instead of a second exp pass.  A dead row has
     lse = -inf.
     """
+    if s.shape[-1] == 0:  # no keys: every row is dead
+        return torch.softmax(s, dim=-1), s.new_full(s.shape[:-1], float("-inf"))
     m = s.amax(dim=-1)
     p = softmax(s, dead_rows)
     p_max = p.amax(dim=-1)
@@ -112,21 +116,22 @@ def softmax_lse(
     return p, lse
 
 
-def lse_shift(lse: torch.Tensor) -> torch.Tensor:
-    """lse * log2(e) as the base-2 shift of `probabilities`: [..., Nq] -> [..., Nq, 1].
+def lse_shift(lse: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
+    """lse * unit as the row shift that rebuilds P: [..., Nq] -> [..., Nq, 1].
 
-    A dead row (lse = -inf) gets +inf, so that its P is exp2(-inf) = 0, not NaN.
+    ``unit`` is 1 for natural-base scores, LOG2E for base-2 ones.  A dead row
+    (lse = -inf) gets +inf, so that its P is exp(-inf) = 0, not NaN.
     """
-    return torch.where(lse == float("-inf"), float("inf"), lse * LOG2E).unsqueeze(-1)
+    return torch.where(lse == float("-inf"), float("inf"), lse * unit).unsqueeze(-1)
 
 
-def probabilities(s2: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """P = exp(S - lse) = exp2(S2 - shift), rebuilt in place in ``s2``.
+def probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """P = exp(S - lse), rebuilt in place in ``s`` from the saved lse.
 
-    s2: [..., Nq, Nk] masked base-2 scores, shift: `lse_shift` [..., Nq, 1]
-    -> P in the storage of s2.
+    s: [..., Nq, Nk] masked scores, computed exactly as in forward;
+    lse: [..., Nq] -> P in the storage of s.
     """
-    return s2.sub_(shift).exp2_()
+    return s.sub_(lse_shift(lse)).exp_()
 
 
 def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:

@@ -23,20 +23,17 @@ __all__ = [
 ]
 
 
-def masked_scores(
-    q: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float, unit: float = 1.0
-) -> torch.Tensor:
-    """The whole masked score matrix in the compute dtype, times ``unit``.
+def masked_scores(q: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float) -> torch.Tensor:
+    """The whole masked score matrix in the compute dtype.
 
     q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d] -> S: [B, Hkv, G*Nq, Nk] (query heads
-    folded per key/value group, see `attngrad.heads`).  ``unit=ops.LOG2E``
-    gives base-2 scores.
+    folded per key/value group, see `attngrad.heads`).
     """
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dtype = ops.compute_dtype(q.dtype)
-    s = ops.scores(fold_queries(q, hkv).to(dtype), k.to(dtype), scale * unit)  # (B, Hkv, G*Nq, Nk)
-    mask.apply_(s.view(b, hkv, hq // hkv, nq, nk), unit=unit)  # (B, Hkv, G, Nq, Nk)
+    s = ops.scores(fold_queries(q, hkv).to(dtype), k.to(dtype), scale)  # (B, Hkv, G*Nq, Nk)
+    mask.apply_(s.view(b, hkv, hq // hkv, nq, nk))  # (B, Hkv, G, Nq, Nk)
     return s
 
 

@@ -67,8 +67,8 @@ def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[
 
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     """[B, Hkv, G, Nq, x] -> rows of every group folded: [B, Hkv, G*r, x] (a copy)."""
-    b, hkv, _, _, x = t.shape
-    return t[:, :, :, rows].reshape(b, hkv, -1, x)
+    b, hkv, g, _, x = t.shape
+    return t[:, :, :, rows].reshape(b, hkv, g * (rows.stop - rows.start), x)
 
 
 def _batched(t: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ def flash_forward(
         shift = torch.zeros_like(m_i)
         for cols in key_tiles:
             qk = torch.matmul(qb, k[:, :, cols].transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
-            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols, unit=LOG2E)
+            mask.apply_(qk.view(b, hkv, g, r, cols.stop - cols.start), rows, cols, unit=LOG2E)
             m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
             # a row with no key yet keeps m = -inf; shift by 0 so exp2(-inf) = 0, not NaN
             shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
@@ -141,7 +141,7 @@ def flash_backward(
     dtype = compute_dtype(q.dtype)
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     delta = (do5 * group_heads(o, hkv).to(dtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
-    shift5 = lse_shift(group_heads(lse, hkv))  # (B, Hkv, G, Nq, 1), base 2
+    shift5 = lse_shift(group_heads(lse, hkv), LOG2E)  # (B, Hkv, G, Nq, 1), base 2
     q5 = group_heads(q, hkv)
     k, v = k.to(dtype), v.to(dtype)
     dq = torch.empty(b, hkv, g, nq, d, dtype=dtype, device=q.device)
@@ -159,7 +159,7 @@ def flash_backward(
         for cols in key_tiles:
             kc, vc = k[:, :, cols], v[:, :, cols]
             qk = torch.matmul(qb, kc.transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
-            mask.apply_(qk.view(b, hkv, g, r, -1), rows, cols, unit=LOG2E)
+            mask.apply_(qk.view(b, hkv, g, r, cols.stop - cols.start), rows, cols, unit=LOG2E)
             p = qk.sub_(shift_b).exp2_()
             # dk, dv slices are strided across heads: add a fresh product rather
             # than accumulate in place (in-place batched matmul falls back to one
@@ -169,7 +169,7 @@ def flash_backward(
             ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, c)
             if dbias is not None:
                 db = tile(dbias, rows, cols)
-                db += ds.view(b, hq, r, -1).sum_to_size(db.shape)
+                db += ds.view(b, hq, r, cols.stop - cols.start).sum_to_size(db.shape)
             _batched(dq_b).baddbmm_(_batched(ds), _batched(kc))
             dk[:, :, cols] += torch.matmul(ds.transpose(-2, -1), qb)
         dq[:, :, :, rows] = dq_b.view(b, hkv, g, r, d)

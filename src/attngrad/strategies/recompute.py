@@ -1,6 +1,6 @@
 """Strategy "recompute": forward saves q, k, v and lse; backward rebuilds P whole.
 
-Backward recomputes S = scale * q k^T (masked, in base 2), P = exp(S - lse), then runs
+Backward recomputes S = scale * q k^T (masked), P = exp(S - lse), then runs
 the explicit backward ops on it.  Saved bytes: b * (B*Hq*Nq*d + B*Hkv*Nk*(d + dv))
 + l * B*Hq*Nq (l = 4, or 8 for float64), plus the caller's mask when given.
 """
@@ -51,8 +51,8 @@ class RecomputeAttention(torch.autograd.Function):
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, lse, bias, keep = ctx.saved_tensors
         mask = ctx.mask.with_tensors(bias, keep)
-        s2 = masked_scores(q, k, mask, ctx.scale, unit=ops.LOG2E)
-        p = ops.probabilities(s2, ops.lse_shift(lse))
+        # the same masked_scores call as forward: S is bit for bit the one lse came from
+        p = ops.probabilities(masked_scores(q, k, mask, ctx.scale), lse)
         needs = ctx.needs_input_grad[:4]
         dq, dk, dv, ds = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
         return dq, dk, dv, bias_gradient(ds, ctx.bias_meta), None, None, None
