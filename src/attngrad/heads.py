@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fold_queries", "group_heads", "unfold_queries"]
+__all__ = ["fold_queries", "group_heads", "take_rows", "unfold_queries"]
 
 
 def group_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -37,3 +37,13 @@ def unfold_queries(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     """[B, Hkv, G*Nq, x] -> [B, Hq, Nq, x]; a view."""
     b, _, rows, x = t.shape
     return t.view(b, heads_q, rows * t.shape[1] // heads_q, x)
+
+
+def take_rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows of every group, folded: [B, Hkv, G, Nq, x] -> [B, Hkv, G*r, x].
+
+    A view when G = 1, else a copy (the rows of one group are not adjacent to
+    the next group's).
+    """
+    b, hkv, g, _, x = t.shape
+    return t[:, :, :, rows].reshape(b, hkv, g * (rows.stop - rows.start), x)

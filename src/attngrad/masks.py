@@ -38,7 +38,7 @@ import torch
 from attngrad.contract import Shapes
 from attngrad.heads import group_heads
 
-__all__ = ["Mask"]
+__all__ = ["Mask", "add_bias_gradient_", "bias_meta", "tile"]
 
 _ALL = slice(None)
 
@@ -196,3 +196,20 @@ class Mask:
         while alive.ndim < 4:
             alive = alive.unsqueeze(0)
         return group_heads(~alive.any(dim=-1), self.heads_kv)
+
+
+def add_bias_gradient_(
+    dbias: torch.Tensor, ds: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL
+) -> None:
+    """dbias[rows, cols] += dS of one tile, summed over the dims the bias broadcasts.
+
+    dbias: [Bm, Hm, Nqm, Nkm]; ds: [B, Hkv, G, r, c], the tile's dS.
+    """
+    b, hkv, g, r, c = ds.shape
+    db = tile(dbias, rows, cols)
+    db += ds.reshape(b, hkv * g, r, c).sum_to_size(db.shape)
+
+
+def bias_meta(bias: torch.Tensor | None) -> tuple[torch.Size, torch.dtype] | None:
+    """(shape, dtype) of the bias: all a backward needs to return its gradient."""
+    return None if bias is None else (bias.shape, bias.dtype)

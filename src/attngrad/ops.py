@@ -131,7 +131,9 @@ def probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     s: [..., Nq, Nk] masked scores, computed exactly as in forward;
     lse: [..., Nq] -> P in the storage of s.
     """
-    return s.sub_(lse_shift(lse)).exp_()
+    # exp(x) as exp2(x * log2 e), x = S - lse formed first: the extra rounding
+    # is relative to |x|, small wherever P is not, and exp2 is ~3x faster on CPU
+    return s.sub_(lse_shift(lse)).mul_(LOG2E).exp2_()
 
 
 def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from attngrad.masks import Mask
-from attngrad.ops import compute_dtype
 from attngrad.strategies.explicit import explicit_backward, explicit_forward
 
 __all__ = ["CustomAttention"]
@@ -56,7 +55,7 @@ class CustomAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         o, p, _ = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, scale)
-        ctx.save_for_backward(q, k, v, p.to(q.dtype))
+        ctx.save_for_backward(q, k, v, p)
         ctx.scale = scale
         return o.squeeze(1)
 
@@ -67,8 +66,7 @@ class CustomAttention(torch.autograd.Function):
             raise ValueError(
                 f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
             )
-        needs = (*ctx.needs_input_grad, False)
-        p = p.to(compute_dtype(q.dtype))
+        needs = ctx.needs_input_grad
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
         dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
         return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))

@@ -1,8 +1,9 @@
 """Strategy "recompute": forward saves q, k, v and lse; backward rebuilds P whole.
 
-Backward recomputes S = scale * q k^T (masked), P = exp(S - lse), then runs
-the explicit backward ops on it.  Saved bytes: b * (B*Hq*Nq*d + B*Hkv*Nk*(d + dv))
-+ l * B*Hq*Nq (l = 4, or 8 for float64), plus the caller's mask when given.
+Backward recomputes S = scale * q k^T (masked), rebuilds the whole
+P = exp(S - lse), then runs the explicit backward on it.  Saved bytes:
+b * (B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l * B*Hq*Nq (l = 4, or 8 for float64),
+plus the caller's mask when given.
 """
 
 from __future__ import annotations
@@ -11,15 +12,37 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from attngrad import ops
-from attngrad.masks import Mask
+from attngrad.heads import group_heads
+from attngrad.masks import Mask, bias_meta
 from attngrad.strategies.explicit import (
-    bias_gradient,
     explicit_backward,
     explicit_forward,
     masked_scores,
+    row_chunks,
 )
 
-__all__ = ["RecomputeAttention", "attention"]
+__all__ = ["RecomputeAttention", "attention", "rebuild_probabilities"]
+
+
+def rebuild_probabilities(
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, mask: Mask, scale: float
+) -> torch.Tensor:
+    """The whole P = exp(S - lse): [B, Hkv, G*Nq, Nk] in the input dtype, like explicit's.
+
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], lse: [B, Hkv, G*Nq].  S comes from
+    the same `masked_scores` chunks as in forward, so it is bit for bit the S
+    lse was taken from.
+    """
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    q5, kc = group_heads(q, hkv), k.to(ops.compute_dtype(q.dtype))
+    lse5 = lse.view(b, hkv, g, nq)
+    p = q.new_empty(b, hkv, g, nq, nk)
+    for rows in row_chunks(q, nk):
+        s = masked_scores(q5, kc, mask, scale, rows)
+        p[:, :, :, rows] = ops.probabilities(s, lse5[..., rows])
+    return p.view(b, hkv, g * nq, nk)
 
 
 class RecomputeAttention(torch.autograd.Function):
@@ -43,19 +66,17 @@ class RecomputeAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, lse, bias, keep)  # type: ignore[arg-type]
         ctx.mask = mask.with_tensors(None, None)
         ctx.scale = scale
-        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        ctx.bias_meta = bias_meta(bias)
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, lse, bias, keep = ctx.saved_tensors
-        mask = ctx.mask.with_tensors(bias, keep)
-        # the same masked_scores call as forward: S is bit for bit the one lse came from
-        p = ops.probabilities(masked_scores(q, k, mask, ctx.scale), lse)
-        needs = ctx.needs_input_grad[:4]
-        dq, dk, dv, ds = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
-        return dq, dk, dv, bias_gradient(ds, ctx.bias_meta), None, None, None
+        p = rebuild_probabilities(q, k, lse, ctx.mask.with_tensors(bias, keep), ctx.scale)
+        meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
+        grads = explicit_backward(dout, q, k, v, p, ctx.scale, ctx.needs_input_grad, meta)
+        return (*grads, None, None, None)
 
 
 def attention(
