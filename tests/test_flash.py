@@ -123,3 +123,6 @@ def test_auto_takes_flash_for_long_sequences_and_block_sizes():
     assert resolve("auto", long, tiling_given=False) == "flash"
     assert resolve("auto", short, tiling_given=True) == "flash"
     assert resolve("recompute", long, tiling_given=False) == "recompute"
+    causal = Shapes((1,), 8, 8, 512, 512, 64, 64)
+    assert resolve("auto", causal, tiling_given=False) == "explicit"
+    assert resolve("auto", causal, tiling_given=False, banded=True) == "flash"

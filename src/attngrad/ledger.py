@@ -236,30 +236,53 @@ def write_csv(rows: Sequence[LedgerRow], path: str) -> None:
 
 
 def plot(rows: Sequence[LedgerRow], path: str, title: str) -> None:
-    """Saved bytes vs N, log-log, one line per path (predicted dashed where known)."""
+    """Two log-log panels against N, one line per path: saved bytes (predicted as
+    hollow markers where a formula exists) and peak bytes of forward+backward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r.path for r in rows):
-        mine = [r for r in rows if r.path == name]
-        n = [r.seq_q for r in mine]
-        (line,) = ax.plot(n, [r.measured_saved for r in mine], marker="o", label=f"{name} measured")
-        predicted = [r.predicted_saved for r in mine if r.predicted_saved is not None]
-        if len(predicted) == len(mine):
-            ax.plot(n, predicted, ls="--", color=line.get_color(), alpha=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("sequence length N (Nq = Nk)")
-    ax.set_ylabel("bytes saved for backward")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = [("bytes saved for backward", "measured_saved")]
+    if any(r.peak for r in rows):
+        panels.append(("peak of forward+backward", "peak"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    markers = "osD^vx"
+    for ax, (label, field_name) in zip(axes[0], panels, strict=True):
+        for i, name in enumerate(dict.fromkeys(r.path for r in rows)):
+            mine = [r for r in rows if r.path == name]
+            n = [r.seq_q for r in mine]
+            # paths that save the same bytes overlap: thinner lines on top keep each visible
+            (line,) = ax.plot(
+                n,
+                [getattr(r, field_name) for r in mine],
+                marker=markers[i % len(markers)],
+                lw=3.0 - 0.4 * i,
+                ms=7 - i,
+                label=name,
+            )
+            predicted = [r.predicted_saved for r in mine if r.predicted_saved is not None]
+            if field_name == "measured_saved" and len(predicted) == len(mine):
+                ax.plot(
+                    n,
+                    predicted,
+                    ls="none",
+                    marker="o",
+                    ms=12,
+                    mfc="none",
+                    color=line.get_color(),
+                    alpha=0.5,
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("sequence length N (Nq = Nk)")
+        ax.set_ylabel(label + " (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title + "   (hollow circles: DESIGN.md's prediction)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -27,20 +27,25 @@ STRATEGIES: tuple[str, ...] = tuple(IMPLEMENTATIONS)
 
 TILED = frozenset({"flash"})
 
-# Above this many scores per (batch, head) "auto" prefers flash on CPU: from
-# `attngrad bench`, flash overtakes explicit near N = 1024 (and P alone would
-# take B*H*N*N*4 bytes).
-AUTO_FLASH_SCORES = 1024 * 1024
+# "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32): flash's
+# forward+backward overtakes explicit from N = 1024 (Nq * Nk = 2**20) without
+# a band and from N = 512 with is_causal, whose tile skipping halves flash's
+# work while explicit still fills the whole P.  Past these sizes explicit's
+# saved P (B*H*N*N elements) is also the largest tensor of the call.
+AUTO_FLASH_SCORES = 2**20
+AUTO_FLASH_SCORES_BANDED = 2**18
 
 
-def resolve(strategy: str, shapes: Shapes, tiling_given: bool) -> str:
+def resolve(strategy: str, shapes: Shapes, tiling_given: bool, banded: bool = False) -> str:
     """The strategy "auto" stands for; the others resolve to themselves.
 
-    "auto": flash when block sizes are given or Nq * Nk >= AUTO_FLASH_SCORES,
-    else explicit (short sequences: fewest passes over the small P).
+    "auto": flash when block sizes are given or Nq * Nk reaches
+    AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED with is_causal or a window),
+    else explicit (short sequences: fewest passes over a small P).
     """
     if strategy != "auto":
         return strategy
-    if tiling_given or shapes.seq_q * shapes.seq_k >= AUTO_FLASH_SCORES:
+    threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
+    if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
         return "flash"
     return "explicit"
