@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
+from attngrad.contract import DTYPES
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES
 from attngrad.timing import interleaved, medians
@@ -94,12 +95,6 @@ BASELINES: dict[str, SDPBackend] = {
     "flash": SDPBackend.FLASH_ATTENTION,
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 # 2048³: 17 GFLOP, a fraction of a second on a few cores, and large enough for
 # the BLAS to reach its steady rate (blocking overheads fade well before that).

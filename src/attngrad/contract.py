@@ -13,12 +13,22 @@ from typing import TypeGuard
 import torch
 
 __all__ = [
+    "DTYPES",
     "Shapes",
     "validate_attention",
     "validate_blocks",
     "validate_strategy",
     "validate_window",
 ]
+
+
+# The floating dtypes attention accepts, by the names the CLI takes.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from torch.autograd.graph import Node, saved_tensors_hooks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
+from attngrad.contract import DTYPES
 from attngrad.strategies import STRATEGIES
 
 __all__ = [
@@ -58,12 +59,6 @@ __all__ = [
 
 BASELINES: tuple[str, ...] = ("pytorch-math", "sdpa-math")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 _INPUTS = ("q", "k", "v")
 

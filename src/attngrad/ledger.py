@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
+from attngrad.contract import DTYPES
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES
 
@@ -42,12 +43,6 @@ __all__ = [
 ]
 
 BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 @dataclass(frozen=True)
