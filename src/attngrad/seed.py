@@ -54,7 +54,7 @@ class CustomAttention(torch.autograd.Function):
         _check(q, k, v)
         scale = 1.0 / math.sqrt(q.size(-1))
         mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
-        o, p, _ = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, scale)
+        o, p = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, scale)
         ctx.save_for_backward(q, k, v, p)
         ctx.scale = scale
         return o.squeeze(1)
@@ -66,7 +66,7 @@ class CustomAttention(torch.autograd.Function):
             raise ValueError(
                 f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
             )
-        needs = ctx.needs_input_grad
+        mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
-        dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, ctx.scale, needs)
+        dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, mask, ctx.scale, ctx.needs_input_grad)
         return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))

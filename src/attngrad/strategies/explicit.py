@@ -4,10 +4,11 @@ Backward is the four local ops of `attngrad.ops` on the saved P:
 dV = P^T dO, dP = dO v^T, dS = P * (dP - rowsum(P * dP)), dq/dk = scale * dS k / dS^T q.
 Saved bytes: b * (B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b * B*Hq*Nq*Nk.
 
-Both passes walk P in chunks of query rows, whole key range each: a chunk of
-S, dP and dS stays in cache between the matmuls that make and use it, so the
-matmuls run at their cache-resident rate instead of streaming [Nq, Nk]
-matrices through memory.  P itself is written once and read once.
+Both passes walk P in chunks of query rows: a chunk of S, dP and dS stays in
+cache between the matmuls that make and use it, so the matmuls run at their
+cache-resident rate instead of streaming [Nq, Nk] matrices through memory.
+P itself is written once and read once.  A chunk spans only the keys its
+causal/window band allows; the rest of P is zero and never computed.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from attngrad.masks import Mask, add_bias_gradient_, bias_meta
 __all__ = [
     "ExplicitAttention",
     "attention",
+    "chunks",
     "explicit_backward",
     "explicit_forward",
     "masked_scores",
+    "output_and_lse",
     "row_chunks",
 ]
 
@@ -45,18 +48,27 @@ def row_chunks(q: torch.Tensor, nk: int) -> Iterator[slice]:
 
 
 def masked_scores(
-    q5: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float, rows: slice
+    q5: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float, rows: slice, cols: slice
 ) -> torch.Tensor:
-    """Masked scores of query rows ``rows`` against every key, in the compute dtype.
+    """Masked scores of query rows ``rows`` against keys ``cols``, in the compute dtype.
 
     q5: [B, Hkv, G, Nq, d] (grouped query heads), k: [B, Hkv, Nk, d] in the
-    compute dtype -> S: [B, Hkv, G, r, Nk].  Forward and the recompute
+    compute dtype -> S: [B, Hkv, G, r, c].  Forward and the recompute
     backward both call this, so S is bit for bit the same in both.
     """
     b, hkv, g = q5.shape[:3]
-    r = rows.stop - rows.start
-    s = ops.scores(take_rows(q5, rows).to(k.dtype), k, scale)  # (B, Hkv, G*r, Nk)
-    return mask.apply_(s.view(b, hkv, g, r, k.shape[2]), rows)
+    r, c = rows.stop - rows.start, cols.stop - cols.start
+    s = ops.scores(take_rows(q5, rows).to(k.dtype), k[:, :, cols], scale)  # (B, Hkv, G*r, c)
+    return mask.apply_(s.view(b, hkv, g, r, c), rows, cols)
+
+
+def chunks(q: torch.Tensor, mask: Mask) -> Iterator[tuple[slice, slice]]:
+    """(rows, cols): each chunk of query rows with the keys its causal/window band allows.
+
+    Keys outside the band are never computed; their P stays zero.
+    """
+    for rows in row_chunks(q, mask.seq_k):
+        yield rows, slice(*mask.key_span(rows))
 
 
 def _dead(dead: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -66,30 +78,52 @@ def _dead(dead: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return dead[..., rows]
 
 
-def explicit_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """O, P and lse for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
+def output_and_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    scale: float,
+    p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hkv, G*Nq] (compute dtype).
 
-    Returns O: [B, Hq, Nq, dv] and P: [B, Hkv, G*Nq, Nk] (query heads folded per
-    key/value group, see `attngrad.heads`) in the input dtype, and lse:
-    [B, Hkv, G*Nq] in the compute dtype.
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].  Each chunk of
+    P is dropped once O has used it, unless ``p`` ([B, Hkv, G, Nq, Nk], zero
+    outside the band) is given to collect them.
     """
     b, hq, nq, _ = q.shape
-    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    hkv, dv = k.shape[1], v.shape[-1]
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     q5, k, v = group_heads(q, hkv), k.to(dtype), v.to(dtype)
-    p = q.new_empty(b, hkv, g, nq, nk)
     o = q.new_empty(b, hkv, g, nq, dv)
     lse = torch.empty(b, hkv, g, nq, dtype=dtype, device=q.device)
     dead = mask.dead_rows(q.device)
-    for rows in row_chunks(q, nk):
-        r = rows.stop - rows.start
-        p_c, lse_c = ops.softmax_lse(masked_scores(q5, k, mask, scale, rows), _dead(dead, rows))
-        p[:, :, :, rows] = p_c
-        o[:, :, :, rows] = ops.attend(p_c.view(b, hkv, g * r, nk), v).view(b, hkv, g, r, dv)
+    for rows, cols in chunks(q, mask):
+        s = masked_scores(q5, k, mask, scale, rows, cols)  # (B, Hkv, G, r, c)
+        p_c, lse_c = ops.softmax_lse(s, _dead(dead, rows))
+        if p is not None:
+            p[:, :, :, rows, cols] = p_c
+        o_c = ops.attend(p_c.flatten(2, 3), v[:, :, cols])  # (B, Hkv, G*r, dv)
+        o[:, :, :, rows] = o_c.view(b, hkv, g, rows.stop - rows.start, dv)
         lse[:, :, :, rows] = lse_c
-    return o.view(b, hq, nq, dv), p.view(b, hkv, g * nq, nk), lse.view(b, hkv, g * nq)
+    return o.view(b, hq, nq, dv), lse.view(b, hkv, g * nq)
+
+
+def explicit_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O: [B, Hq, Nq, dv] and the whole P: [B, Hkv, G*Nq, Nk], both in the input dtype.
+
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; P has the query
+    heads folded per key/value group (see `attngrad.heads`).
+    """
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
+    o, _ = output_and_lse(q, k, v, mask, scale, p)
+    return o, p.view(b, hkv, g * nq, nk)
 
 
 def explicit_backward(
@@ -98,12 +132,15 @@ def explicit_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     p: torch.Tensor,
+    mask: Mask,
     scale: float,
     needs: tuple[bool, ...],
     bias_meta: tuple[torch.Size, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """(dq, dk, dv, dbias) from dout: [B, Hq, Nq, dv] and P: [B, Hkv, G*Nq, Nk].
 
+    Only the band of ``mask`` is used (to skip keys P is zero for): P already
+    carries every other mask.
     ``needs`` says which of (dq, dk, dv) to compute; the others are None.
     dbias is computed when ``bias_meta`` = (shape, dtype) of the bias is given.
     P is read, never written.  Gradients come back in their inputs' dtypes.
@@ -121,23 +158,26 @@ def explicit_backward(
     dbias = None
     if bias_meta is not None:
         dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
-    for rows in row_chunks(q, nk):
-        r = rows.stop - rows.start
-        p_c = take_rows(p5, rows).to(dtype)  # (B, Hkv, G*r, Nk)
+    if dq is not None and mask.banded:
+        dq.zero_()  # rows with no key in their band get no chunk
+    for rows, cols in chunks(q, mask):
+        r, c = rows.stop - rows.start, cols.stop - cols.start
+        p_c = take_rows(p5[..., cols], rows).to(dtype)  # (B, Hkv, G*r, c)
         do_c = take_rows(do5, rows).to(dtype)  # (B, Hkv, G*r, dv)
         if dv is not None:
-            dv += ops.value_gradient(p_c, do_c)
+            dv[:, :, cols] += ops.value_gradient(p_c, do_c)
         if not need_ds:
             continue
-        ds = ops.softmax_backward_(p_c, ops.probability_gradient(do_c, v))
+        ds = ops.softmax_backward_(p_c, ops.probability_gradient(do_c, v[:, :, cols]))
         if dbias is not None:
-            add_bias_gradient_(dbias, ds.view(b, hkv, g, r, nk), rows)
+            add_bias_gradient_(dbias, ds.view(b, hkv, g, r, c), rows, cols)
         if need_dq or need_dk:
-            dq_c, dk_c = ops.query_key_gradients(ds, take_rows(q5, rows).to(dtype), k, scale)
+            q_c = take_rows(q5, rows).to(dtype)
+            dq_c, dk_c = ops.query_key_gradients(ds, q_c, k[:, :, cols], scale)
             if dq is not None:
                 dq[:, :, :, rows] = dq_c.view(b, hkv, g, r, d)
             if dk is not None:
-                dk += dk_c
+                dk[:, :, cols] += dk_c
     grads = (
         None if dq is None else dq.view(b, hq, nq, d).to(q.dtype),
         None if dk is None else dk.to(q.dtype),
@@ -165,8 +205,9 @@ class ExplicitAttention(torch.autograd.Function):
         mask: Mask,
         scale: float,
     ) -> torch.Tensor:
-        o, p, _ = explicit_forward(q, k, v, mask.with_tensors(bias, keep), scale)
+        o, p = explicit_forward(q, k, v, mask.with_tensors(bias, keep), scale)
         ctx.save_for_backward(q, k, v, p)
+        ctx.band = mask.with_tensors(None, None)
         ctx.scale = scale
         ctx.bias_meta = bias_meta(bias)
         return o
@@ -176,7 +217,7 @@ class ExplicitAttention(torch.autograd.Function):
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, p = ctx.saved_tensors
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
-        grads = explicit_backward(dout, q, k, v, p, ctx.scale, ctx.needs_input_grad, meta)
+        grads = explicit_backward(dout, q, k, v, p, ctx.band, ctx.scale, ctx.needs_input_grad, meta)
         return (*grads, None, None, None)
 
 

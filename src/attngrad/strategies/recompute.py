@@ -15,10 +15,10 @@ from attngrad import ops
 from attngrad.heads import group_heads
 from attngrad.masks import Mask, bias_meta
 from attngrad.strategies.explicit import (
+    chunks,
     explicit_backward,
-    explicit_forward,
     masked_scores,
-    row_chunks,
+    output_and_lse,
 )
 
 __all__ = ["RecomputeAttention", "attention", "rebuild_probabilities"]
@@ -38,10 +38,10 @@ def rebuild_probabilities(
     g = hq // hkv
     q5, kc = group_heads(q, hkv), k.to(ops.compute_dtype(q.dtype))
     lse5 = lse.view(b, hkv, g, nq)
-    p = q.new_empty(b, hkv, g, nq, nk)
-    for rows in row_chunks(q, nk):
-        s = masked_scores(q5, kc, mask, scale, rows)
-        p[:, :, :, rows] = ops.probabilities(s, lse5[..., rows])
+    p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
+    for rows, cols in chunks(q, mask):
+        s = masked_scores(q5, kc, mask, scale, rows, cols)
+        p[:, :, :, rows, cols] = ops.probabilities(s, lse5[..., rows])
     return p.view(b, hkv, g * nq, nk)
 
 
@@ -62,7 +62,7 @@ class RecomputeAttention(torch.autograd.Function):
         mask: Mask,
         scale: float,
     ) -> torch.Tensor:
-        o, _, lse = explicit_forward(q, k, v, mask.with_tensors(bias, keep), scale)
+        o, lse = output_and_lse(q, k, v, mask.with_tensors(bias, keep), scale)
         ctx.save_for_backward(q, k, v, lse, bias, keep)  # type: ignore[arg-type]
         ctx.mask = mask.with_tensors(None, None)
         ctx.scale = scale
@@ -75,7 +75,7 @@ class RecomputeAttention(torch.autograd.Function):
         q, k, v, lse, bias, keep = ctx.saved_tensors
         p = rebuild_probabilities(q, k, lse, ctx.mask.with_tensors(bias, keep), ctx.scale)
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
-        grads = explicit_backward(dout, q, k, v, p, ctx.scale, ctx.needs_input_grad, meta)
+        grads = explicit_backward(dout, q, k, v, p, ctx.mask, ctx.scale, ctx.needs_input_grad, meta)
         return (*grads, None, None, None)
 
 
