@@ -123,6 +123,5 @@ def test_auto_takes_flash_for_long_sequences_and_block_sizes():
     assert resolve("auto", long, tiling_given=False) == "flash"
     assert resolve("auto", short, tiling_given=True) == "flash"
     assert resolve("recompute", long, tiling_given=False) == "recompute"
-    causal = Shapes((1,), 8, 8, 512, 512, 64, 64)
-    assert resolve("auto", causal, tiling_given=False) == "explicit"
-    assert resolve("auto", causal, tiling_given=False, banded=True) == "flash"
+    assert resolve("auto", Shapes((1,), 8, 8, 1023, 1024, 64, 64), tiling_given=False) == "explicit"
+    assert resolve("auto", Shapes((1,), 8, 8, 1024, 1024, 64, 64), tiling_given=False) == "flash"

@@ -27,25 +27,21 @@ STRATEGIES: tuple[str, ...] = tuple(IMPLEMENTATIONS)
 
 TILED = frozenset({"flash"})
 
-# "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32): flash's
-# forward+backward overtakes explicit from N = 1024 (Nq * Nk = 2**20) without
-# a band and from N = 512 with is_causal, whose tile skipping halves flash's
-# work while explicit still fills the whole P.  Past these sizes explicit's
-# saved P (B*H*N*N elements) is also the largest tensor of the call.
+# "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32, with and
+# without is_causal): flash's forward+backward overtakes explicit from N = 1024,
+# i.e. Nq * Nk = 2**20; past it explicit's saved P (B*H*Nq*Nk elements) is also
+# the largest tensor of the call.
 AUTO_FLASH_SCORES = 2**20
-AUTO_FLASH_SCORES_BANDED = 2**18
 
 
-def resolve(strategy: str, shapes: Shapes, tiling_given: bool, banded: bool = False) -> str:
+def resolve(strategy: str, shapes: Shapes, tiling_given: bool) -> str:
     """The strategy "auto" stands for; the others resolve to themselves.
 
-    "auto": flash when block sizes are given or Nq * Nk reaches
-    AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED with is_causal or a window),
+    "auto": flash when block sizes are given or Nq * Nk >= AUTO_FLASH_SCORES,
     else explicit (short sequences: fewest passes over a small P).
     """
     if strategy != "auto":
         return strategy
-    threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
-    if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
+    if tiling_given or shapes.seq_q * shapes.seq_k >= AUTO_FLASH_SCORES:
         return "flash"
     return "explicit"

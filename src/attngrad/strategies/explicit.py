@@ -78,36 +78,38 @@ def _dead(dead: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return dead[..., rows]
 
 
-def output_and_lse(
+def _forward_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: Mask,
     scale: float,
-    p: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hkv, G*Nq] (compute dtype).
+    p: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> torch.Tensor:
+    """O: [B, Hq, Nq, dv] in the input dtype, chunk by chunk, filling ``p`` and ``lse``.
 
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].  Each chunk of
-    P is dropped once O has used it, unless ``p`` ([B, Hkv, G, Nq, Nk], zero
-    outside the band) is given to collect them.
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].  ``p``
+    ([B, Hkv, G, Nq, Nk], zero outside the band) collects P, ``lse``
+    ([B, Hkv, G, Nq]) the row logsumexps; None skips either.
     """
     b, hq, nq, _ = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     q5, k, v = group_heads(q, hkv), k.to(dtype), v.to(dtype)
     o = q.new_empty(b, hkv, g, nq, dv)
-    lse = torch.empty(b, hkv, g, nq, dtype=dtype, device=q.device)
     dead = mask.dead_rows(q.device)
     for rows, cols in chunks(q, mask):
         s = masked_scores(q5, k, mask, scale, rows, cols)  # (B, Hkv, G, r, c)
-        p_c, lse_c = ops.softmax_lse(s, _dead(dead, rows))
+        if lse is None:
+            p_c = ops.softmax(s, _dead(dead, rows))
+        else:
+            p_c, lse[:, :, :, rows] = ops.softmax_lse(s, _dead(dead, rows))
         if p is not None:
             p[:, :, :, rows, cols] = p_c
         o_c = ops.attend(p_c.flatten(2, 3), v[:, :, cols])  # (B, Hkv, G*r, dv)
         o[:, :, :, rows] = o_c.view(b, hkv, g, rows.stop - rows.start, dv)
-        lse[:, :, :, rows] = lse_c
-    return o.view(b, hq, nq, dv), lse.view(b, hkv, g * nq)
+    return o.view(b, hq, nq, dv)
 
 
 def explicit_forward(
@@ -122,8 +124,22 @@ def explicit_forward(
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
-    o, _ = output_and_lse(q, k, v, mask, scale, p)
+    o = _forward_chunks(q, k, v, mask, scale, p, lse=None)
     return o, p.view(b, hkv, g * nq, nk)
+
+
+def output_and_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hkv, G*Nq] (compute dtype).
+
+    Each chunk of P is dropped once O has used it: the whole P never exists.
+    """
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    lse = torch.empty(b, hkv, hq // hkv, nq, dtype=ops.compute_dtype(q.dtype), device=q.device)
+    o = _forward_chunks(q, k, v, mask, scale, None, lse)
+    return o, lse.view(b, hkv, hq // hkv * nq)
 
 
 def explicit_backward(
