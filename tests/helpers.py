@@ -37,7 +37,7 @@ def shape_id(
 ) -> str:
     """A test id built from the shape, e.g. ``B2-H4:2-N7x97-d8-causal``.
 
-    ``B`` lists the leading dims (``Bnone`` for the seeds' ``[H, N, d]``
+    ``B`` lists the leading dims (``Bnone`` for the course chapter's ``[H, N, d]``
     layout); ``H4:2`` is Hq:Hkv (GQA), ``N7x97`` is Nq x Nk, ``d59:24`` is
     head dim : value dim.  Equal pairs are written once.  ``extra`` parts
     (mask kind, dtype...) are appended with dashes.

@@ -90,7 +90,7 @@ def test_gradcheck(strategy, hq, hkv, nq, nk, d, mask, fast):
 # agreement with SDPA MATH in float64, to 1e-9, for out and every gradient
 
 SDPA_CASES = [
-    # the seeds' [B, N, d] layout: no lead dims, the first dim plays the heads
+    # the course chapter's [B, N, d] layout: no lead dims, the first dim plays the heads
     Problem((), 3, 3, 6, 6, 8, 8),
     Problem((), 3, 3, 6, 6, 8, 8, "causal"),
     Problem((), 3, 3, 6, 9, 8, 8, "float", (6, 9)),
@@ -380,7 +380,7 @@ SAVED_CASES = [
     Problem((2,), 6, 2, 5, 7, 8, 6, "causal"),  # GQA: k, v saved unexpanded
     Problem((2,), 4, 2, 5, 7, 8, 6, "float", (4, 5, 7)),  # the bias is not saved
     Problem((2,), 4, 2, 5, 7, 8, 6, "float", (2, 1, 1, 7)),
-    Problem((), 3, 3, 6, 9, 8, 8, "bool", (6, 9)),  # the seeds' [B, N, d] layout
+    Problem((), 3, 3, 6, 9, 8, 8, "bool", (6, 9)),  # the course chapter's [B, N, d] layout
     Problem((2, 3), 4, 1, 4, 9, 8, 8, "float", (3, 1, 4, 9)),  # two lead dims
 ]
 

@@ -1,7 +1,7 @@
 """`attngrad explain`: the grad_fn graph of each path and the tensors it saves.
 
 The facts checked are the chapter's: which node saves what, how many bytes (against the
-DESIGN.md table and against `saved_tensors_hooks`), and the order backward runs the nodes
+saved-bytes formulas and against `saved_tensors_hooks`), and the order backward runs the nodes
 (against the autograd engine itself).
 """
 
@@ -100,7 +100,7 @@ def test_hooks_total_equals_graph_total(reports: dict[str, PathReport], path: st
     ids=["float64", "float32", "float16", "bfloat16"],
 )
 def test_saved_bytes_follow_the_design_table(dtype: torch.dtype, b: int, lse_b: int) -> None:
-    # DESIGN.md "Execution strategies": b = input element size, l (lse_b) = lse element size
+    # the saved-bytes formulas of attngrad.ledger: b = input element size, l (lse_b) = lse element size
     by_path = {r.path: r.graph_bytes for r in explain(B, H, NQ, NK, D, dtype=dtype)}
     qkv = b * (B * H * NQ * D + 2 * B * H * NK * D)
     assert by_path["explicit"] == qkv + b * B * H * NQ * NK

@@ -1,4 +1,4 @@
-"""The memory ledger: DESIGN.md's saved-bytes formulas against what autograd saves."""
+"""The memory ledger: the strategies' saved-bytes formulas (attngrad.ledger) against what autograd saves."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_formulas_by_hand():
     assert predicted_saved_bytes("explicit", lo) == qkv + 4 * 8 * 1024 * 1024
     assert predicted_saved_bytes("recompute", lo) == qkv + 4 * 8 * 1024
     assert predicted_saved_bytes("flash", lo) == qkv + 4 * 8 * 1024 * 64 + 4 * 8 * 1024
-    # the seeds' C_saved = b(3BNd + BN^2): H = 1, Nq = Nk
+    # the course chapter's C_saved = b(3BNd + BN^2): H = 1, Nq = Nk
     seed = Layout(2, 1, 1, 100, 100, 16, 16, torch.float64)
     assert predicted_saved_bytes("explicit", seed) == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100)
     assert predicted_saved_bytes("recompute", seed) == 8 * 3 * 2 * 100 * 16 + 8 * 2 * 100

@@ -20,7 +20,7 @@ from helpers import (
 )
 
 CASES = [
-    Problem((), 3, 3, 6, 9, 8, 8),  # the seeds' [B, N, d] layout
+    Problem((), 3, 3, 6, 9, 8, 8),  # the course chapter's [B, N, d] layout
     Problem((2,), 4, 4, 5, 7, 8, 6, "causal"),
     Problem((2,), 4, 4, 9, 4, 8, 6, "causal"),  # Nq > Nk, top-left aligned
     Problem((2,), 4, 4, 5, 7, 8, 6, "float", (7,)),

@@ -1,8 +1,8 @@
 """The seed chapter's tests, copied as written (only the import line changed),
 then the chapter's input contract on `CustomAttention` and its saved-memory formula.
 
-Source: ../shared/seeds/001_03e5e0640b415f7d.txt, "Attention Backward and
-Custom Autograd".  Docstrings and comments are translated from Chinese.
+Source: the course chapter "Attention Backward and Custom Autograd" that
+attngrad grows from.  Docstrings and comments are translated from Chinese.
 """
 
 from importlib.metadata import version

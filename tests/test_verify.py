@@ -1,7 +1,7 @@
 """The conformance harness must catch broken implementations, not only pass good ones.
 
 Each broken function below is one of the mistakes a hand-written backward
-makes (the learner-mode diagnoses of DESIGN.md); `run_case` must fail it.
+makes (the mistakes a learner's implementation typically makes); `run_case` must fail it.
 """
 
 from __future__ import annotations

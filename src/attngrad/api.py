@@ -44,7 +44,7 @@ def attention(
                    requires grad, summed over the dims it was broadcast along)
         returns:   [..., Hq, Nq, dv]
 
-    The seeds' ``[B, N, d]`` layout is the case of no leading dims (the first
+    The course chapter's ``[B, N, d]`` layout is the case of no leading dims (the first
     dim plays the heads).  ``is_causal`` masks key j > query i, aligned to the
     top-left corner (Nq=2, Nk=4: ``x...`` / ``xx..``).  ``scale`` defaults to
     1/sqrt(d).  ``enable_gqa`` lets Hq be a multiple of Hkv: query head h uses
@@ -68,8 +68,9 @@ def attention(
       ``"auto"``.  ``"explicit"`` saves P for backward (O(N^2) memory);
       ``"recompute"`` saves lse and rebuilds P whole in backward;
       ``"flash"`` tiles both passes with an online softmax (O(N) memory).
-      ``"auto"`` takes flash when Nq * Nk >= 2**20 or block sizes are given,
-      else explicit — where `attngrad bench` finds flash faster on CPU.
+      ``"auto"`` takes flash when Nq * Nk >= 2**21 (2**20 with ``is_causal``
+      or a window) or block sizes are given, else explicit — about where
+      `attngrad bench` finds flash faster on CPU.
     * ``block_q``, ``block_k``: tile sizes of the tiled strategies (default:
       chosen from the shape).
 
@@ -86,7 +87,7 @@ def attention(
     validate_blocks(block_q, block_k, strategy)
     band = validate_window(window)
     tiling = {} if block_q is None and block_k is None else {"block_q": block_q, "block_k": block_k}
-    name = resolve(strategy, shapes, bool(tiling))
+    name = resolve(strategy, shapes, bool(tiling), banded=is_causal or band is not None)
     q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
     k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
     v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)

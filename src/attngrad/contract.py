@@ -157,8 +157,12 @@ def _shapes(
     if q[-1] == 0 or v[-1] == 0:
         raise ValueError(f"head_dim must be at least 1, got query {tuple(q)}, value {tuple(v)}.")
     hq, hkv = q[-3], k[-3]
+    if hq == 0 or hkv == 0:
+        raise ValueError(
+            f"heads (dim -3) must be at least 1, got query {tuple(q)}, key {tuple(k)}."
+        )
     if enable_gqa:
-        if hkv == 0 or hq % hkv != 0:
+        if hq % hkv != 0:
             raise ValueError(
                 f"with enable_gqa=True, query heads ({hq}) must be a multiple of key/value heads "
                 f"({hkv}); query {tuple(q)}, key {tuple(k)}."
@@ -188,8 +192,10 @@ def _check_mask(attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causa
     if is_causal:
         raise ValueError(
             "is_causal=True and an attn_mask were both given; pass one of them. To combine "
-            "them, build the causal part into the mask: attn_mask & torch.ones(Nq, Nk, "
-            "dtype=torch.bool).tril()."
+            "them, build the causal part into the mask: with causal = torch.ones(Nq, Nk, "
+            "dtype=torch.bool).tril(), a bool mask becomes attn_mask & causal and a float mask "
+            "attn_mask.masked_fill(~causal, float('-inf')). (window=(None, 0) also combines "
+            "a causal band with any mask.)"
         )
     if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
         raise TypeError(

@@ -1,6 +1,6 @@
 """The memory ledger: what each path saves for backward, predicted and measured.
 
-Predicted saved bytes come from DESIGN.md's formulas (b = bytes per input
+Predicted saved bytes come from each strategy's formula (b = bytes per input
 element, l = bytes per lse element: 4, or 8 for float64)::
 
     explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk       q, k, v, P
@@ -18,9 +18,11 @@ allocator's own peak counter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,7 +63,7 @@ class Layout:
 
 
 def predicted_saved_bytes(path: str, layout: Layout, mask_bytes: int = 0) -> int | None:
-    """DESIGN.md's saved-bytes formula for a strategy; None for the baselines."""
+    """A strategy's saved-bytes formula (module docstring); None for the baselines."""
     lo = layout
     b = torch.finfo(lo.dtype).bits // 8
     lse = 8 if lo.dtype == torch.float64 else 4
@@ -125,11 +127,25 @@ def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tens
     return total, out
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2: the profiler's C++ side logs a start and a stop line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _cpu_peak(run: Callable[[], object]) -> int:
     """Peak of live bytes allocated on CPU while ``run`` runs, above the start."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
     live = peak = 0
@@ -160,8 +176,8 @@ class LedgerRow:
     seq_k: int
     predicted_saved: int | None
     measured_saved: int
-    peak: int
-    peak_beyond_io: int
+    peak: int | None
+    peak_beyond_io: int | None
 
     @property
     def match(self) -> bool | None:
@@ -174,7 +190,7 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
     fn = path_fn(path, layout)
     saved, out = measure_saved_bytes(lambda: fn(q, k, v))
     del out
-    peak_bytes = 0
+    peak_bytes = beyond_io = None
     if peak:
 
         def run() -> None:
@@ -182,7 +198,8 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
             torch.autograd.grad(o, (q, k, v), dout)
 
         peak_bytes = measure_peak_bytes(run, device)
-    io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
+        io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
+        beyond_io = max(0, peak_bytes - io)
     return LedgerRow(
         path=path,
         seq_q=layout.seq_q,
@@ -190,7 +207,7 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
         predicted_saved=predicted_saved_bytes(path, layout),
         measured_saved=saved,
         peak=peak_bytes,
-        peak_beyond_io=max(0, peak_bytes - io) if peak else 0,
+        peak_beyond_io=beyond_io,
     )
 
 
@@ -239,7 +256,7 @@ def plot(rows: Sequence[LedgerRow], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("bytes saved for backward", "measured_saved")]
-    if any(r.peak for r in rows):
+    if all(r.peak is not None for r in rows):
         panels.append(("peak of forward+backward", "peak"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     markers = "osD^vx"
@@ -274,7 +291,7 @@ def plot(rows: Sequence[LedgerRow], path: str, title: str) -> None:
         ax.set_ylabel(label + " (bytes)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title + "   (hollow circles: DESIGN.md's prediction)")
+    fig.suptitle(title + "   (hollow circles: predicted by the saved-bytes formulas)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -295,31 +312,42 @@ def _layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> Layout:
     )
 
 
+def _row_or_none(path: str, layout: Layout, args: argparse.Namespace) -> LedgerRow | None:
+    """The row of one path; None (with a note) where an SDPA backend rejects the layout."""
+    try:
+        return ledger_row(path, layout, args.device, peak=not args.no_peak)
+    except RuntimeError as e:
+        if path not in BASELINES:
+            raise
+        print(f"{path}: not available for this layout ({str(e).splitlines()[0]})", file=sys.stderr)
+        return None
+
+
 def _run(args: argparse.Namespace) -> int:
     paths = args.path or [*STRATEGIES, *BASELINES]
-    if not args.sweep:
-        layout = _layout(args, args.seq_q, args.seq_k or args.seq_q)
-        rows = []
-        with Progress(len(paths), "ledger") as bar:
-            for p in paths:
-                rows.append(ledger_row(p, layout, args.device, peak=not args.no_peak))
-                bar.step(p)
-        print(format_rows(rows))
-    else:
-        rows = []
-        with Progress(len(paths) * len(args.sweep), "ledger sweep") as bar:
-            for n in args.sweep:
+    sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]
+    rows: list[LedgerRow] = []
+    try:
+        with Progress(len(paths) * len(sizes), "ledger") as bar:
+            for seq_q, seq_k in sizes:
                 for p in paths:
-                    rows.append(
-                        ledger_row(p, _layout(args, n, n), args.device, peak=not args.no_peak)
-                    )
-                    bar.step(f"{p} N={n}")
-        print(format_rows(rows))
-        write_csv(rows, args.csv)
-        print(f"wrote {args.csv}")
-        title = f"saved for backward: B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
-        plot(rows, args.plot, title)
-        print(f"wrote {args.plot}")
+                    row = _row_or_none(p, _layout(args, seq_q, seq_k), args)
+                    if row is not None:
+                        rows.append(row)
+                    bar.step(f"{p} Nq={seq_q} Nk={seq_k}")
+    except (ValueError, TypeError) as e:
+        print(f"attngrad ledger: error: {e}", file=sys.stderr)
+        return 2
+    print(format_rows(rows))
+    csv_path = args.csv or ("results/ledger.csv" if args.sweep else None)
+    if csv_path:
+        write_csv(rows, csv_path)
+        print(f"wrote {csv_path}")
+    plot_path = args.plot or ("results/ledger.png" if args.sweep else None)
+    if plot_path:
+        title = f"B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
+        plot(rows, plot_path, title)
+        print(f"wrote {plot_path}")
     mismatched = [r for r in rows if r.match is False]
     for r in mismatched:
         print(
@@ -328,35 +356,54 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if mismatched else 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``attngrad ledger`` to a subparsers object."""
     p = sub.add_parser(
         "ledger",
         help="saved bytes (predicted vs measured) and peak memory of every path",
         description="What each path saves between forward and backward, predicted from "
-        "DESIGN.md's formulas and measured, and the peak memory of forward+backward.",
+        "the strategies' saved-bytes formulas and measured, and the peak memory of "
+        "forward+backward, beside SDPA's MATH and FLASH_ATTENTION backends.",
     )
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8, help="query heads Hq")
-    p.add_argument("--heads-kv", type=int, default=None, help="key/value heads (GQA); default Hq")
-    p.add_argument("--seq-q", type=int, default=1024)
-    p.add_argument("--seq-k", type=int, default=None, help="default: --seq-q")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--value-dim", type=int, default=None, help="default: --head-dim")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=_positive, default=1, help="batch B (default 1)")
+    p.add_argument("--heads", type=_positive, default=8, help="query heads Hq (default 8)")
+    p.add_argument("--heads-kv", type=_positive, help="key/value heads Hkv for GQA (default Hq)")
+    p.add_argument("--seq-q", type=_positive, default=1024, help="query length Nq (default 1024)")
+    p.add_argument("--seq-k", type=_positive, help="key length Nk (default Nq)")
+    p.add_argument("--head-dim", type=_positive, default=64, help="q/k head dim d (default 64)")
+    p.add_argument("--value-dim", type=_positive, help="value head dim dv (default d)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
+    p.add_argument("--causal", action="store_true", help="is_causal=True")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument(
-        "--path", action="append", choices=[*STRATEGIES, *BASELINES], help="repeatable; default all"
+        "--path",
+        action="append",
+        choices=[*STRATEGIES, *BASELINES],
+        help="a strategy or SDPA backend (repeatable; default all)",
     )
     p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
     p.add_argument(
         "--sweep",
-        type=int,
+        type=_positive,
         nargs="+",
         metavar="N",
-        help="run over these N (Nq = Nk); writes CSV and PNG",
+        help="run over these N (Nq = Nk) instead of --seq-q/--seq-k; writes CSV and PNG",
     )
-    p.add_argument("--csv", default="results/ledger.csv")
-    p.add_argument("--plot", default="results/ledger.png")
+    p.add_argument(
+        "--csv",
+        metavar="PATH",
+        help="write the rows as CSV (default with --sweep: results/ledger.csv)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the log-log plot (default with --sweep: results/ledger.png)",
+    )
     p.set_defaults(run=_run)

@@ -30,6 +30,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}; "
             "move them with .to(q.device)"
         )
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise TypeError(
+            f"q, k, v must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}; "
+            "convert them with .float()"
+        )
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise TypeError(
             f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "

@@ -116,7 +116,7 @@ def default_cases() -> list[Case]:
         dict(lead=(2,), heads_q=2, heads_kv=2, seq_q=33, seq_k=33, head_dim=16, value_dim=16),
         # GQA with Nq != Nk and a value dim unlike the query/key dim
         dict(lead=(1,), heads_q=4, heads_kv=2, seq_q=17, seq_k=47, head_dim=59, value_dim=24),
-        # the seeds' [B, N, d] layout (no leading dims) and two leading dims
+        # the course chapter's [B, N, d] layout (no leading dims) and two leading dims
         dict(lead=(), heads_q=3, heads_kv=3, seq_q=97, seq_k=97, head_dim=8, value_dim=8),
         dict(lead=(2, 2), heads_q=2, heads_kv=1, seq_q=7, seq_k=1, head_dim=8, value_dim=8),
     ]

@@ -27,21 +27,25 @@ STRATEGIES: tuple[str, ...] = tuple(IMPLEMENTATIONS)
 
 TILED = frozenset({"flash"})
 
-# "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32, with and
-# without is_causal): flash's forward+backward overtakes explicit from N = 1024,
-# i.e. Nq * Nk = 2**20; past it explicit's saved P (B*H*Nq*Nk elements) is also
-# the largest tensor of the call.
-AUTO_FLASH_SCORES = 2**20
+# "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32): with
+# is_causal, flash's forward+backward beats explicit's from N = 1024
+# (Nq * Nk = 2**20); without a band the two are within noise of each other at
+# N = 1024 and flash wins from N = 2048, so the unbanded threshold sits between
+# them (2**21).  Past these sizes explicit's saved P (B*H*Nq*Nk elements) is
+# also the largest tensor of the call.
+AUTO_FLASH_SCORES = 2**21
+AUTO_FLASH_SCORES_BANDED = 2**20
 
 
-def resolve(strategy: str, shapes: Shapes, tiling_given: bool) -> str:
+def resolve(strategy: str, shapes: Shapes, tiling_given: bool, banded: bool = False) -> str:
     """The strategy "auto" stands for; the others resolve to themselves.
 
-    "auto": flash when block sizes are given or Nq * Nk >= AUTO_FLASH_SCORES,
-    else explicit (short sequences: fewest passes over a small P).
+    "auto": flash when block sizes are given or Nq * Nk reaches AUTO_FLASH_SCORES
+    (AUTO_FLASH_SCORES_BANDED with is_causal or a window), else explicit.
     """
     if strategy != "auto":
         return strategy
-    if tiling_given or shapes.seq_q * shapes.seq_k >= AUTO_FLASH_SCORES:
+    threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
+    if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
         return "flash"
     return "explicit"

@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from attngrad import ops
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_, bias_meta
+from attngrad.strategies.first_order import first_order_only
 
 __all__ = [
     "ExplicitAttention",
@@ -229,7 +230,7 @@ class ExplicitAttention(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("explicit")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, p = ctx.saved_tensors
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None

@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_, bias_meta
 from attngrad.ops import LOG2E, compute_dtype, lse_shift
+from attngrad.strategies.first_order import first_order_only
 
 __all__ = [
     "FlashAttention",
@@ -197,7 +198,7 @@ class FlashAttention(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("flash")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse, bias, keep = ctx.saved_tensors
         mask = ctx.mask.with_tensors(bias, keep)

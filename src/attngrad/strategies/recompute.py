@@ -9,7 +9,7 @@ plus the caller's mask when given.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from attngrad import ops
 from attngrad.heads import group_heads
@@ -20,6 +20,7 @@ from attngrad.strategies.explicit import (
     masked_scores,
     output_and_lse,
 )
+from attngrad.strategies.first_order import first_order_only
 
 __all__ = ["RecomputeAttention", "attention", "rebuild_probabilities"]
 
@@ -70,7 +71,7 @@ class RecomputeAttention(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("recompute")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, lse, bias, keep = ctx.saved_tensors
         p = rebuild_probabilities(q, k, lse, ctx.mask.with_tensors(bias, keep), ctx.scale)
