@@ -41,7 +41,6 @@ __all__ = [
     "measure_saved_bytes",
     "predicted_saved_bytes",
     "register",
-    "run_ledger",
 ]
 
 BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
@@ -209,13 +208,6 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
         peak=peak_bytes,
         peak_beyond_io=beyond_io,
     )
-
-
-def run_ledger(
-    layout: Layout, paths: Sequence[str], device: str = "cpu", peak: bool = True
-) -> list[LedgerRow]:
-    """One `LedgerRow` per path at one layout."""
-    return [ledger_row(p, layout, device, peak) for p in paths]
 
 
 def _mib(n: int | None) -> str:

@@ -21,7 +21,7 @@ random projection of the Jacobian against finite differences).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -248,15 +248,6 @@ def run_case(
     if gradcheck and case.dtype == torch.float64:
         result.gradcheck_passed = _gradcheck(fn, case, inputs)
     return result
-
-
-def run_grid(
-    strategies: Iterable[str], cases: list[Case], seed: int = 0, gradcheck: bool = True
-) -> Iterator[CaseResult]:
-    """Every strategy on every case, one `CaseResult` at a time."""
-    for strategy in strategies:
-        for case in cases:
-            yield run_case(strategy, case, seed=seed, gradcheck=gradcheck)
 
 
 def format_error(value: float | None) -> str:
