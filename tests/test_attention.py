@@ -421,7 +421,7 @@ def test_explicit_saves_q_k_v_and_p_only(pb, dtype):
         assert s.untyped_storage().nbytes() == t.untyped_storage().nbytes()
         rest.remove(s)
     (p,) = rest
-    assert p.numel() == batch * hq * nq * nk
+    assert p.shape == (batch, hq, nq, nk)  # one [Nq, Nk] matrix per query head, like SDPA's P
     assert p.dtype == dtype
     b = q.element_size()
     expected = b * (batch * hq * nq * d + batch * hkv * nk * d + batch * hkv * nk * dv)

@@ -116,23 +116,22 @@ def _forward_chunks(
 def explicit_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] and the whole P: [B, Hkv, G*Nq, Nk], both in the input dtype.
+    """O: [B, Hq, Nq, dv] and the whole P: [B, Hq, Nq, Nk], both in the input dtype.
 
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; P has the query
-    heads folded per key/value group (see `attngrad.heads`).
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
     """
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
     o = _forward_chunks(q, k, v, mask, scale, p, lse=None)
-    return o, p.view(b, hkv, g * nq, nk)
+    return o, p.view(b, hq, nq, nk)
 
 
 def output_and_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hkv, G*Nq] (compute dtype).
+    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hq, Nq] (compute dtype).
 
     Each chunk of P is dropped once O has used it: the whole P never exists.
     """
@@ -140,7 +139,7 @@ def output_and_lse(
     hkv = k.shape[1]
     lse = torch.empty(b, hkv, hq // hkv, nq, dtype=ops.compute_dtype(q.dtype), device=q.device)
     o = _forward_chunks(q, k, v, mask, scale, None, lse)
-    return o, lse.view(b, hkv, hq // hkv * nq)
+    return o, lse.view(b, hq, nq)
 
 
 def explicit_backward(
@@ -154,7 +153,7 @@ def explicit_backward(
     needs: tuple[bool, ...],
     bias_meta: tuple[torch.Size, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dbias) from dout: [B, Hq, Nq, dv] and P: [B, Hkv, G*Nq, Nk].
+    """(dq, dk, dv, dbias) from dout: [B, Hq, Nq, dv] and P: [B, Hq, Nq, Nk].
 
     Only the band of ``mask`` is used (to skip keys P is zero for): P already
     carries every other mask.
@@ -167,7 +166,7 @@ def explicit_backward(
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     need_dq, need_dk, need_dv = needs[:3]
     need_ds = need_dq or need_dk or bias_meta is not None
-    q5, do5, p5 = group_heads(q, hkv), group_heads(dout, hkv), p.view(b, hkv, g, nq, nk)
+    q5, do5, p5 = group_heads(q, hkv), group_heads(dout, hkv), group_heads(p, hkv)
     k, v = k.to(dtype), v.to(dtype)
     dq = torch.empty(b, hkv, g, nq, d, dtype=dtype, device=q.device) if need_dq else None
     dk = torch.zeros(b, hkv, nk, d, dtype=dtype, device=q.device) if need_dk else None

@@ -28,9 +28,9 @@ __all__ = ["RecomputeAttention", "attention", "rebuild_probabilities"]
 def rebuild_probabilities(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, mask: Mask, scale: float
 ) -> torch.Tensor:
-    """The whole P = exp(S - lse): [B, Hkv, G*Nq, Nk] in the input dtype, like explicit's.
+    """The whole P = exp(S - lse): [B, Hq, Nq, Nk] in the input dtype, like explicit's.
 
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], lse: [B, Hkv, G*Nq].  S comes from
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], lse: [B, Hq, Nq].  S comes from
     the same `masked_scores` chunks as in forward, so it is bit for bit the S
     lse was taken from.
     """
@@ -38,12 +38,12 @@ def rebuild_probabilities(
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     q5, kc = group_heads(q, hkv), k.to(ops.compute_dtype(q.dtype))
-    lse5 = lse.view(b, hkv, g, nq)
+    lse5 = group_heads(lse, hkv)
     p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
     for rows, cols in chunks(q, mask):
         s = masked_scores(q5, kc, mask, scale, rows, cols)
         p[:, :, :, rows, cols] = ops.probabilities(s, lse5[..., rows])
-    return p.view(b, hkv, g * nq, nk)
+    return p.view(b, hq, nq, nk)
 
 
 class RecomputeAttention(torch.autograd.Function):
