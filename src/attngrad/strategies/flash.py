@@ -68,6 +68,14 @@ def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[
         yield rows, [slice(c0, min(c0 + block_k, c_hi)) for c0 in range(c_lo, c_hi, block_k)]
 
 
+def _scratch(buf: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous [*shape] tensor in the front of ``buf``'s storage (a tile's workspace)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return buf.view(-1)[:numel].view(shape)
+
+
 def _batched(t: torch.Tensor) -> torch.Tensor:
     """[B, H, n, x] -> [B*H, n, x] for the in-place batched matmuls; a view."""
     return t.reshape(-1, *t.shape[-2:])
@@ -93,6 +101,8 @@ def flash_forward(
     k, v = k.to(dtype), v.to(dtype)
     o = q.new_empty(b, hkv, g, nq, dv)
     lse = torch.empty(b, hkv, g, nq, dtype=dtype, device=q.device)
+    # one workspace for every score tile: a fresh multi-MiB tensor per tile costs page faults
+    work = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
     for rows, key_tiles in schedule(mask, blocks):
         r = rows.stop - rows.start
         qb = take_rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
@@ -101,8 +111,10 @@ def flash_forward(
         acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
         shift = torch.zeros_like(m_i)
         for cols in key_tiles:
-            qk = torch.matmul(qb, k[:, :, cols].transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
-            mask.apply_(qk.view(b, hkv, g, r, cols.stop - cols.start), rows, cols, unit=LOG2E)
+            c = cols.stop - cols.start
+            qk = _scratch(work, b, hkv, g * r, c)  # (B, Hkv, G*r, c), base 2
+            torch.matmul(qb, k[:, :, cols].transpose(-2, -1), out=qk)
+            mask.apply_(qk.view(b, hkv, g, r, c), rows, cols, unit=LOG2E)
             m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
             # a row with no key yet keeps m = -inf; shift by 0 so exp2(-inf) = 0, not NaN
             shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
@@ -147,6 +159,8 @@ def flash_backward(
     dbias = None
     if bias_meta is not None:
         dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
+    work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
+    work_ds = torch.empty_like(work_p)
     for rows, key_tiles in schedule(mask, blocks):
         r = rows.stop - rows.start
         qb = take_rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
@@ -155,17 +169,20 @@ def flash_backward(
         dq_b = torch.zeros(b, hkv, g * r, d, dtype=dtype, device=q.device)
         for cols in key_tiles:
             kc, vc = k[:, :, cols], v[:, :, cols]
-            qk = torch.matmul(qb, kc.transpose(-2, -1))  # (B, Hkv, G*r, c), base 2
-            mask.apply_(qk.view(b, hkv, g, r, cols.stop - cols.start), rows, cols, unit=LOG2E)
+            c = cols.stop - cols.start
+            qk = _scratch(work_p, b, hkv, g * r, c)  # (B, Hkv, G*r, c), base 2
+            torch.matmul(qb, kc.transpose(-2, -1), out=qk)
+            mask.apply_(qk.view(b, hkv, g, r, c), rows, cols, unit=LOG2E)
             p = qk.sub_(shift_b).exp2_()
             # dk, dv slices are strided across heads: add a fresh product rather
             # than accumulate in place (in-place batched matmul falls back to one
             # matmul per head there)
             dv[:, :, cols] += torch.matmul(p.transpose(-2, -1), dob)
-            dp = torch.matmul(dob, vc.transpose(-2, -1))
+            dp = _scratch(work_ds, b, hkv, g * r, c)
+            torch.matmul(dob, vc.transpose(-2, -1), out=dp)
             ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, c)
             if dbias is not None:
-                add_bias_gradient_(dbias, ds.view(b, hkv, g, r, cols.stop - cols.start), rows, cols)
+                add_bias_gradient_(dbias, ds.view(b, hkv, g, r, c), rows, cols)
             _batched(dq_b).baddbmm_(_batched(ds), _batched(kc))
             dk[:, :, cols] += torch.matmul(ds.transpose(-2, -1), qb)
         dq[:, :, :, rows] = dq_b.view(b, hkv, g, r, d)
