@@ -174,8 +174,6 @@ def explicit_backward(
     dbias = None
     if bias_meta is not None:
         dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
-    if dq is not None and mask.banded:
-        dq.zero_()  # rows with no key in their band get no chunk
     for rows, cols in chunks(q, mask):
         r, c = rows.stop - rows.start, cols.stop - cols.start
         p_c = take_rows(p5[..., cols], rows).to(dtype)  # (B, Hkv, G*r, c)

@@ -17,6 +17,7 @@ dv = d), plus the caller's mask when given.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -70,10 +71,7 @@ def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[
 
 def _scratch(buf: torch.Tensor, *shape: int) -> torch.Tensor:
     """A contiguous [*shape] tensor in the front of ``buf``'s storage (a tile's workspace)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    return buf.view(-1)[:numel].view(shape)
+    return buf.view(-1)[: math.prod(shape)].view(shape)
 
 
 def _batched(t: torch.Tensor) -> torch.Tensor:
@@ -219,7 +217,7 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse, bias, keep = ctx.saved_tensors
         mask = ctx.mask.with_tensors(bias, keep)
-        bias_meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
+        meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
         dq, dk, dv, dbias = flash_backward(
             dout,
             q,
@@ -230,7 +228,7 @@ class FlashAttention(torch.autograd.Function):
             mask,
             ctx.scale,
             ctx.blocks,
-            bias_meta,
+            meta,
         )
         return dq, dk, dv, dbias, None, None, None, None
 
