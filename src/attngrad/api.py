@@ -66,7 +66,8 @@ def attention(
 
     * ``strategy``: the execution path, one of ``attngrad.STRATEGIES`` or
       ``"auto"``.  ``"explicit"`` saves P for backward (O(N^2) memory);
-      ``"recompute"`` saves lse and rebuilds P whole in backward;
+      ``"recompute"`` saves lse and rebuilds P from it in backward, one
+      chunk of query rows at a time;
       ``"flash"`` tiles both passes with an online softmax (O(N) memory).
       ``"auto"`` takes flash when Nq * Nk >= 2**21 (2**20 with ``is_causal``
       or a window) or block sizes are given, else explicit — about where

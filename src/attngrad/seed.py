@@ -12,7 +12,11 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from attngrad.masks import Mask
-from attngrad.strategies.explicit import explicit_backward, explicit_forward
+from attngrad.strategies.explicit import (
+    explicit_backward,
+    explicit_forward,
+    saved_probabilities,
+)
 
 __all__ = ["CustomAttention"]
 
@@ -73,5 +77,8 @@ class CustomAttention(torch.autograd.Function):
             )
         mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
-        dq, dk, dv, _ = explicit_backward(dout, q, k, v, p, mask, ctx.scale, ctx.needs_input_grad)
+        p_chunk = saved_probabilities(p, heads_kv=1)
+        dq, dk, dv, _ = explicit_backward(
+            dout, q, k, v, p_chunk, mask, ctx.scale, ctx.needs_input_grad
+        )
         return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))

@@ -13,7 +13,7 @@ causal/window band allows; the rest of P is zero and never computed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -32,7 +32,11 @@ __all__ = [
     "masked_scores",
     "output_and_lse",
     "row_chunks",
+    "saved_probabilities",
 ]
+
+# P of one chunk: (rows, cols) -> [B, Hkv, G*r, c] in the compute dtype.
+ProbabilityChunks = Callable[[slice, slice], torch.Tensor]
 
 # Bytes of one chunk of scores across all (batch, head) pairs: small enough to
 # stay in this class of CPU's L2/L3 between the matmul that writes it and the
@@ -142,31 +146,40 @@ def output_and_lse(
     return o, lse.view(b, hq, nq)
 
 
+def saved_probabilities(p: torch.Tensor, heads_kv: int) -> ProbabilityChunks:
+    """Chunks of a saved P: [B, Hq, Nq, Nk], for `explicit_backward` (read, never written)."""
+    p5 = group_heads(p, heads_kv)
+    dtype = ops.compute_dtype(p.dtype)
+    return lambda rows, cols: take_rows(p5[..., cols], rows).to(dtype)
+
+
 def explicit_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    p: torch.Tensor,
+    p_chunk: ProbabilityChunks,
     mask: Mask,
     scale: float,
     needs: tuple[bool, ...],
     bias_meta: tuple[torch.Size, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dbias) from dout: [B, Hq, Nq, dv] and P: [B, Hq, Nq, Nk].
+    """(dq, dk, dv, dbias) from dout: [B, Hq, Nq, dv], chunk by chunk of P.
 
-    Only the band of ``mask`` is used (to skip keys P is zero for): P already
-    carries every other mask.
+    ``p_chunk(rows, cols)`` gives P's chunk as [B, Hkv, G*r, c] in the
+    compute dtype: read from the saved P (`saved_probabilities`) or rebuilt
+    from lse (recompute); it is read, never written.  Only the band of
+    ``mask`` is used (to skip keys P is zero for).
     ``needs`` says which of (dq, dk, dv) to compute; the others are None.
     dbias is computed when ``bias_meta`` = (shape, dtype) of the bias is given.
-    P is read, never written.  Gradients come back in their inputs' dtypes.
+    Gradients come back in their inputs' dtypes.
     """
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     need_dq, need_dk, need_dv = needs[:3]
     need_ds = need_dq or need_dk or bias_meta is not None
-    q5, do5, p5 = group_heads(q, hkv), group_heads(dout, hkv), group_heads(p, hkv)
+    q5, do5 = group_heads(q, hkv), group_heads(dout, hkv)
     k, v = k.to(dtype), v.to(dtype)
     dq = torch.empty(b, hkv, g, nq, d, dtype=dtype, device=q.device) if need_dq else None
     dk = torch.zeros(b, hkv, nk, d, dtype=dtype, device=q.device) if need_dk else None
@@ -176,7 +189,7 @@ def explicit_backward(
         dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
     for rows, cols in chunks(q, mask):
         r, c = rows.stop - rows.start, cols.stop - cols.start
-        p_c = take_rows(p5[..., cols], rows).to(dtype)  # (B, Hkv, G*r, c)
+        p_c = p_chunk(rows, cols)  # (B, Hkv, G*r, c)
         do_c = take_rows(do5, rows).to(dtype)  # (B, Hkv, G*r, dv)
         if dv is not None:
             dv[:, :, cols] += ops.value_gradient(p_c, do_c)
@@ -231,7 +244,10 @@ class ExplicitAttention(torch.autograd.Function):
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, p = ctx.saved_tensors
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
-        grads = explicit_backward(dout, q, k, v, p, ctx.band, ctx.scale, ctx.needs_input_grad, meta)
+        p_chunk = saved_probabilities(p, k.shape[1])
+        grads = explicit_backward(
+            dout, q, k, v, p_chunk, ctx.band, ctx.scale, ctx.needs_input_grad, meta
+        )
         return (*grads, None, None, None)
 
 

@@ -1,9 +1,11 @@
-"""Strategy "recompute": forward saves q, k, v and lse; backward rebuilds P whole.
+"""Strategy "recompute": forward saves q, k, v and lse; backward rebuilds P from lse.
 
-Backward recomputes S = scale * q k^T (masked), rebuilds the whole
-P = exp(S - lse), then runs the explicit backward on it.  Saved bytes:
-b * (B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l * B*Hq*Nq (l = 4, or 8 for float64),
-plus the caller's mask when given.
+Backward recomputes S = scale * q k^T (masked) and P = exp(S - lse) one chunk
+of query rows at a time, in the chunks explicit's backward walks, and runs
+explicit's backward ops on each chunk as it is rebuilt: the whole P is never
+held, so the rebuilt chunk is still in cache when the backward matmuls read it.
+Saved bytes: b * (B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l * B*Hq*Nq
+(l = 4, or 8 for float64), plus the caller's mask when given.
 """
 
 from __future__ import annotations
@@ -15,35 +17,34 @@ from attngrad import ops
 from attngrad.heads import group_heads
 from attngrad.masks import Mask, bias_meta
 from attngrad.strategies.explicit import (
-    chunks,
+    ProbabilityChunks,
     explicit_backward,
     masked_scores,
     output_and_lse,
 )
 from attngrad.strategies.first_order import first_order_only
 
-__all__ = ["RecomputeAttention", "attention", "rebuild_probabilities"]
+__all__ = ["RecomputeAttention", "attention", "rebuilt_probabilities"]
 
 
-def rebuild_probabilities(
+def rebuilt_probabilities(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, mask: Mask, scale: float
-) -> torch.Tensor:
-    """The whole P = exp(S - lse): [B, Hq, Nq, Nk] in the input dtype, like explicit's.
+) -> ProbabilityChunks:
+    """Chunks of P = exp(S - lse), rebuilt on demand, for `explicit_backward`.
 
     q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], lse: [B, Hq, Nq].  S comes from
     the same `masked_scores` chunks as in forward, so it is bit for bit the S
     lse was taken from.
     """
-    b, hq, nq, _ = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    g = hq // hkv
+    hkv = k.shape[1]
     q5, kc = group_heads(q, hkv), k.to(ops.compute_dtype(q.dtype))
     lse5 = group_heads(lse, hkv)
-    p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
-    for rows, cols in chunks(q, mask):
-        s = masked_scores(q5, kc, mask, scale, rows, cols)
-        p[:, :, :, rows, cols] = ops.probabilities(s, lse5[..., rows])
-    return p.view(b, hq, nq, nk)
+
+    def p_chunk(rows: slice, cols: slice) -> torch.Tensor:
+        s = masked_scores(q5, kc, mask, scale, rows, cols)  # (B, Hkv, G, r, c)
+        return ops.probabilities(s, lse5[..., rows]).flatten(2, 3)
+
+    return p_chunk
 
 
 class RecomputeAttention(torch.autograd.Function):
@@ -74,9 +75,12 @@ class RecomputeAttention(torch.autograd.Function):
     @first_order_only("recompute")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, lse, bias, keep = ctx.saved_tensors
-        p = rebuild_probabilities(q, k, lse, ctx.mask.with_tensors(bias, keep), ctx.scale)
+        mask = ctx.mask.with_tensors(bias, keep)
+        p_chunk = rebuilt_probabilities(q, k, lse, mask, ctx.scale)
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
-        grads = explicit_backward(dout, q, k, v, p, ctx.mask, ctx.scale, ctx.needs_input_grad, meta)
+        grads = explicit_backward(
+            dout, q, k, v, p_chunk, mask, ctx.scale, ctx.needs_input_grad, meta
+        )
         return (*grads, None, None, None)
 
 
