@@ -8,9 +8,16 @@
   a kernel that reads memory it never wrote then fails loudly with NaN
   instead of passing on whatever zeros the allocator happened to hand out.
 * One intra-op thread for the session (see below).
+* Triton's kernels run on CPU tensors in its interpreter: TRITON_INTERPRET=1
+  unless the environment says otherwise (the GPU script sets 0).  Triton
+  reads it when the kernels are first imported, so it is set here, first.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import zlib
 from collections.abc import Iterator

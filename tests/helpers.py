@@ -18,6 +18,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import attngrad
 
 MASK_KINDS = ("none", "causal", "bool", "float")
+
+# "triton" runs here in Triton's interpreter at about a second per call: the
+# large grids (gradcheck, SDPA agreement, windows, properties, the ledger) run
+# over the tensor-op strategies, and tests/test_triton.py gives triton the same
+# checks on a smaller grid; the other strategy-parametrized tests include it.
+TENSOR_STRATEGIES = tuple(s for s in attngrad.STRATEGIES if s != "triton")
 GRAD_NAMES = ("dq", "dk", "dv", "dmask")
 
 

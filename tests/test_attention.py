@@ -15,6 +15,7 @@ import attngrad
 from attngrad.reference import reference_attention
 from attngrad.verify import Case, run_case, two_x_bound
 from helpers import (
+    TENSOR_STRATEGIES,
     Problem,
     assert_close_f64,
     dtype_name,
@@ -31,6 +32,7 @@ LOW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALL_DTYPES = (torch.float64, *LOW_DTYPES)
 
 by_strategy = pytest.mark.parametrize("strategy", STRATEGIES)
+by_tensor_strategy = pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
 
 
 # ---------------------------------------------------------------------------
@@ -60,7 +62,7 @@ def _gradcheck_params():
         yield pytest.param(hq, hkv, nq, nk, d, mask, fast, id=case_id, marks=marks)
 
 
-@by_strategy
+@by_tensor_strategy
 @pytest.mark.parametrize(("hq", "hkv", "nq", "nk", "d", "mask", "fast"), list(_gradcheck_params()))
 def test_gradcheck(strategy, hq, hkv, nq, nk, d, mask, fast):
     b = 2
@@ -132,7 +134,7 @@ SDPA_CASES = [
 ]
 
 
-@by_strategy
+@by_tensor_strategy
 @pytest.mark.parametrize("pb", SDPA_CASES, ids=lambda pb: pb.id)
 def test_matches_sdpa_math_float64(strategy, pb):
     inputs = make_problem_inputs(pb)
@@ -206,7 +208,7 @@ TWO_X_CASES = [
 ]
 
 
-@by_strategy
+@by_tensor_strategy
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("pb", TWO_X_CASES, ids=lambda pb: pb.id)
 def test_two_x_rule(strategy, dtype, pb):

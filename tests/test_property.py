@@ -9,9 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import attngrad
 from attngrad.reference import reference_attention
-from helpers import Problem, assert_close_f64, make_problem_inputs, run_problem, sdpa_math
+from helpers import (
+    TENSOR_STRATEGIES,
+    Problem,
+    assert_close_f64,
+    make_problem_inputs,
+    run_problem,
+    sdpa_math,
+)
 from helpers import strategy_fn as bind_strategy
 
 
@@ -57,7 +63,7 @@ def _gqa(fn, enable_gqa):
     return call
 
 
-@pytest.mark.parametrize("strategy", attngrad.STRATEGIES)
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
 @settings(
     max_examples=80,
     deadline=None,

@@ -7,6 +7,7 @@ import torch
 
 import attngrad
 from attngrad.reference import reference_attention
+from helpers import TENSOR_STRATEGIES
 
 STRATEGIES = attngrad.STRATEGIES
 
@@ -40,7 +41,7 @@ def run(fn, q, k, v, mask, **kwargs):
 WINDOWS = [(0, 0), (2, 1), (3, None), (None, 2), (1, 5), (30, 30)]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize(("nq", "nk"), [(11, 11), (7, 13), (13, 5)], ids=["N11", "N7x13", "N13x5"])

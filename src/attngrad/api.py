@@ -68,10 +68,13 @@ def attention(
       ``"auto"``.  ``"explicit"`` saves P for backward (O(N^2) memory);
       ``"recompute"`` saves lse and rebuilds P from it in backward, one
       chunk of query rows at a time;
-      ``"flash"`` tiles both passes with an online softmax (O(N) memory).
-      ``"auto"`` takes flash when Nq * Nk >= 2**21 (2**20 with ``is_causal``
-      or a window) or block sizes are given, else explicit — about where
-      `attngrad bench` finds flash faster on CPU.
+      ``"flash"`` tiles both passes with an online softmax (O(N) memory);
+      ``"triton"`` runs the flash algorithm as fused Triton kernels on CUDA
+      (``pip install 'attngrad[gpu]'``; on CPU only under TRITON_INTERPRET=1).
+      ``"auto"`` takes triton on CUDA when Triton is installed; otherwise
+      flash when Nq * Nk >= 2**21 (2**20 with ``is_causal`` or a window) or
+      block sizes are given, else explicit — about where `attngrad bench`
+      finds flash faster on CPU.
     * ``block_q``, ``block_k``: tile sizes of the tiled strategies (default:
       chosen from the shape).
 
@@ -85,10 +88,11 @@ def attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
     validate_strategy(strategy, STRATEGIES)
-    validate_blocks(block_q, block_k, strategy)
     band = validate_window(window)
     tiling = {} if block_q is None and block_k is None else {"block_q": block_q, "block_k": block_k}
-    name = resolve(strategy, shapes, bool(tiling), banded=is_causal or band is not None)
+    banded = is_causal or band is not None
+    name = resolve(strategy, shapes, bool(tiling), banded, query.device)
+    validate_blocks(block_q, block_k, name)
     q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
     k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
     v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)

@@ -15,7 +15,7 @@ import torch
 
 from attngrad import bench, explain, ledger
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES
+from attngrad.strategies import STRATEGIES, available, unavailable_reason
 from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
 
 __all__ = ["main"]
@@ -30,7 +30,15 @@ def _row(r: CaseResult) -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    strategies = args.strategy or list(STRATEGIES)
+    cpu = torch.device("cpu")
+    strategies = args.strategy or list(available(cpu, interpreted=True))
+    for name in args.strategy or STRATEGIES:
+        reason = unavailable_reason(name, cpu)
+        if reason is not None and args.strategy:
+            print(f"attngrad check: error: {reason}", file=sys.stderr)
+            return 2
+        if reason is not None:
+            print(f"{name}: skipped. {reason}", file=sys.stderr)
     cases = default_cases()
     results: list[CaseResult] = []
     torch.manual_seed(args.seed)

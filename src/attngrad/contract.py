@@ -274,7 +274,7 @@ def validate_window(window: object) -> tuple[int | None, int | None] | None:
 
 
 def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
-    """Tile sizes: positive ints, and only for the tiled strategies."""
+    """Tile sizes: positive ints, only for the tiled strategies; powers of two >= 16 for triton."""
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is None:
             continue
@@ -282,8 +282,13 @@ def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
             raise ValueError(
                 f"{name} must be a positive int or None (chosen from the shape), got {value!r}"
             )
-        if strategy not in ("flash", "auto"):
+        if strategy not in ("flash", "triton", "auto"):
             raise ValueError(
-                f"{name}={value} only applies to the tiled strategy 'flash', not {strategy!r}. "
-                "Drop it or pass strategy='flash'."
+                f"{name}={value} only applies to the tiled strategies 'flash' and 'triton', "
+                f"not {strategy!r}. Drop it or pass strategy='flash'."
+            )
+        if strategy == "triton" and (value < 16 or value & (value - 1)):
+            raise ValueError(
+                f"{name}={value}: Triton tiles must be a power of two >= 16, e.g. 16, 32, 64 "
+                "or 128 (or None to choose from the shape)."
             )

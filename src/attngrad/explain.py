@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
 from attngrad.contract import DTYPES
-from attngrad.strategies import STRATEGIES
+from attngrad.strategies import STRATEGIES, available
 
 __all__ = [
     "BASELINES",
@@ -449,7 +449,7 @@ def explain(
     """One `PathReport` per path for q: [batch, heads, seq_q, head_dim], k, v: [.., seq_k, ..].
 
     The baselines `BASELINES` come first, then ``strategies`` (default: every one of
-    `attngrad.STRATEGIES`).  Inputs are drawn from a generator seeded with ``seed``;
+    `attngrad.STRATEGIES` that runs on CPU here, triton in its interpreter included).  Inputs are drawn from a generator seeded with ``seed``;
     each path gets its own leaf copies of the same values.  Only forward runs.
     """
     for name, value in [
@@ -462,7 +462,9 @@ def explain(
         _check_size(name, value)
     if dtype not in DTYPES.values():
         raise TypeError(f"dtype must be one of {list(DTYPES)}, got {dtype}; try torch.float32")
-    chosen = list(STRATEGIES) if strategies is None else list(strategies)
+    if strategies is None:
+        strategies = available(torch.device("cpu"), interpreted=True)
+    chosen = list(strategies)
     unknown = [s for s in chosen if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")

@@ -6,6 +6,7 @@ element, l = bytes per lse element: 4, or 8 for float64)::
     explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk       q, k, v, P
     recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l*B*Hq*Nq          q, k, v, lse
     flash      b*(B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)) + l*B*Hq*Nq   q, k, v, O, lse
+    triton     as flash
 
 (recompute and flash also keep the caller's mask, when given, to re-apply it).
 Measured saved bytes add up every tensor autograd packs during forward, seen
@@ -32,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attngrad.api import attention
 from attngrad.contract import DTYPES
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES
+from attngrad.strategies import STRATEGIES, available, unavailable_reason
 
 __all__ = [
     "BASELINES",
@@ -73,7 +74,7 @@ def predicted_saved_bytes(path: str, layout: Layout, mask_bytes: int = 0) -> int
         return b * (q + kv) + b * rows * lo.seq_k
     if path == "recompute":
         return b * (q + kv) + lse * rows + mask_bytes
-    if path == "flash":
+    if path in ("flash", "triton"):
         return b * (q + rows * lo.value_dim + kv) + lse * rows + mask_bytes
     return None
 
@@ -305,7 +306,15 @@ def _layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> Layout:
 
 
 def _row_or_none(path: str, layout: Layout, args: argparse.Namespace) -> LedgerRow | None:
-    """The row of one path; None (with a note) where an SDPA backend rejects the layout."""
+    """The row of one path; None (with a note) where the path cannot run here.
+
+    That is a strategy this machine cannot run (triton without CUDA) or an
+    SDPA backend that rejects the layout.
+    """
+    reason = unavailable_reason(path, torch.device(args.device)) if path in STRATEGIES else None
+    if reason is not None:
+        print(f"{path}: not available ({reason})", file=sys.stderr)
+        return None
     try:
         return ledger_row(path, layout, args.device, peak=not args.no_peak)
     except RuntimeError as e:
@@ -316,7 +325,7 @@ def _row_or_none(path: str, layout: Layout, args: argparse.Namespace) -> LedgerR
 
 
 def _run(args: argparse.Namespace) -> int:
-    paths = args.path or [*STRATEGIES, *BASELINES]
+    paths = args.path or [*available(torch.device(args.device)), *BASELINES]
     sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]
     rows: list[LedgerRow] = []
     try:

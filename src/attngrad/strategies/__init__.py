@@ -3,7 +3,8 @@
 Each strategy module exposes ``attention(q, k, v, mask, scale)`` over the
 canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]
 and a `attngrad.masks.Mask`, returning O: [B, Hq, Nq, dv]; the tiled ones
-also take ``block_q`` and ``block_k``.
+also take ``block_q`` and ``block_k``.  `unavailable_reason` says why a
+strategy cannot run on a device here (only "triton" ever has a reason).
 """
 
 from __future__ import annotations
@@ -13,19 +14,27 @@ from collections.abc import Callable
 import torch
 
 from attngrad.contract import Shapes
-from attngrad.strategies import explicit, flash, recompute
+from attngrad.strategies import explicit, flash, recompute, triton
 
-__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "TILED", "resolve"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "STRATEGIES",
+    "TILED",
+    "available",
+    "resolve",
+    "unavailable_reason",
+]
 
 IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "explicit": explicit.attention,
     "recompute": recompute.attention,
     "flash": flash.attention,
+    "triton": triton.attention,
 }
 
 STRATEGIES: tuple[str, ...] = tuple(IMPLEMENTATIONS)
 
-TILED = frozenset({"flash"})
+TILED = frozenset({"flash", "triton"})
 
 # "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32): with
 # is_causal, flash's forward+backward beats explicit's from N = 1024
@@ -37,14 +46,48 @@ AUTO_FLASH_SCORES = 2**21
 AUTO_FLASH_SCORES_BANDED = 2**20
 
 
-def resolve(strategy: str, shapes: Shapes, tiling_given: bool, banded: bool = False) -> str:
+def unavailable_reason(strategy: str, device: torch.device) -> str | None:
+    """Why ``strategy`` cannot run on ``device`` tensors here, or None when it can."""
+    return triton.unavailable_reason(device) if strategy == "triton" else None
+
+
+def available(device: torch.device, interpreted: bool = False) -> tuple[str, ...]:
+    """The strategies that run on ``device`` tensors here, in `STRATEGIES` order.
+
+    Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) runs the kernels at
+    numpy speed: it counts only with ``interpreted=True`` (the conformance
+    check's small cases), not for timing or memory runs.
+    """
+    interpreting = device.type == "cpu"
+    return tuple(
+        s
+        for s in STRATEGIES
+        if unavailable_reason(s, device) is None
+        and (interpreted or not (interpreting and s == "triton"))
+    )
+
+
+def resolve(
+    strategy: str,
+    shapes: Shapes,
+    tiling_given: bool,
+    banded: bool = False,
+    device: torch.device | None = None,
+) -> str:
     """The strategy "auto" stands for; the others resolve to themselves.
 
-    "auto": flash when block sizes are given or Nq * Nk reaches AUTO_FLASH_SCORES
+    "auto": triton on CUDA when Triton is installed; otherwise flash when block
+    sizes are given or Nq * Nk reaches AUTO_FLASH_SCORES
     (AUTO_FLASH_SCORES_BANDED with is_causal or a window), else explicit.
     """
     if strategy != "auto":
         return strategy
+    if (
+        device is not None
+        and device.type == "cuda"
+        and unavailable_reason("triton", device) is None
+    ):
+        return "triton"
     threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
     if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
         return "flash"

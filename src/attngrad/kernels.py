@@ -1,0 +1,300 @@
+"""Triton kernels of strategy "triton": the flash algorithm, fused.
+
+Four kernels over contiguous q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d],
+v: [B, Hkv, Nk, dv] (GQA: query head h reads key/value head h // G):
+
+* `attention_forward`   one program per (query block, batch*query head): online
+  softmax over the key tiles the band allows; writes O and lse.
+* `attention_delta`     Delta = rowsum(O * dO), one program per query block.
+* `attention_dkdv`      one program per (key block, batch*kv head): walks the G
+  query heads of its group and the query tiles the band allows; dK and dV
+  are summed in registers and written once (deterministic, no atomics).
+* `attention_dq`        one program per (query block, batch*query head): dQ, and
+  dS itself where the caller needs a bias gradient.
+
+Scores are in base 2 (q k^T * scale * log2 e, bias * log2 e) so the softmax
+uses exp2.  Head dims are padded to a power of two >= 16 inside the kernels
+(masked loads), never in memory.  Every score outside Nq x Nk, the band or the
+keep mask is -inf; a row that attends nothing has l = 0: O = 0, lse = -inf,
+and backward rebuilds its P as exp2(S - inf) = 0.
+
+Import this module only after deciding on TRITON_INTERPRET: Triton reads it
+when the kernels are decorated.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRETED",
+    "attention_delta",
+    "attention_dkdv",
+    "attention_dq",
+    "attention_forward",
+]
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _dot(a, b, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b accumulated in ACC.  UPCAST: widen bfloat16 operands first (the
+    interpreter's bfloat16 dot is wrong; products of bfloat16 are exact in
+    float32, so the result is the same as the GPU's)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION, out_dtype=ACC)
+
+
+@triton.jit
+def _mask_scores(
+    s,
+    qi,
+    kj,
+    b,
+    h,
+    Bias,
+    Keep,
+    sbb,
+    sbh,
+    sbm,
+    sbn,
+    seb,
+    seh,
+    sem,
+    sen,
+    nq,
+    nk,
+    left,
+    right,
+    HAS_BIAS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Base-2 scores s with the bias added and -inf wherever query qi may not
+    see key kj (bounds, band, keep mask).  qi, kj broadcast against s."""
+    valid = (qi < nq) & (kj < nk)
+    if HAS_LEFT:
+        valid = valid & (kj >= qi - left)
+    if HAS_RIGHT:
+        valid = valid & (kj <= qi + right)
+    if HAS_KEEP:
+        keep = tl.load(Keep + b * seb + h * seh + qi * sem + kj * sen, mask=valid, other=0)
+        valid = valid & (keep != 0)
+    if HAS_BIAS:
+        bias = tl.load(Bias + b * sbb + h * sbh + qi * sbm + kj * sbn, mask=valid, other=0.0)
+        s = s + bias.to(s.dtype) * LOG2E
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _key_range(
+    m0, nk, left, right, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr
+):
+    """[lo, hi): the keys query rows [m0, m0 + BLOCK_M) can reach under the band."""
+    lo = 0
+    hi = nk
+    if HAS_LEFT:
+        lo = tl.maximum(m0 - left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(m0 + BLOCK_M + right, nk)
+    return lo, hi
+
+
+@triton.jit
+def attention_forward(
+    Q, K, V, Out, Lse, Bias, Keep,
+    sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+    qk_scale,
+    heads_q, groups, nq, nk, d, dv, left, right,
+    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    bhk = b * (heads_q // groups) + h // groups
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = offs_m[:, None] < nq
+    q = tl.load(Q + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
+                mask=rows & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
+    lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = offs_n[:, None] < nk
+        k = tl.load(K + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
+                    mask=cols & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+        v = tl.load(V + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
+                    mask=cols & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
+        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
+                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
+                         HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with no key yet keeps m = -inf: shift it by 0 so exp2(-inf) = 0, not NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC, UPCAST, PRECISION)
+        m_i = m_new
+    dead = l_i == 0.0
+    o = acc / tl.where(dead, 1.0, l_i)[:, None]
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(dead, float("-inf"), (shift + tl.log2(tl.where(dead, 1.0, l_i))) / LOG2E)
+    tl.store(Out + (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :], o.to(Out.dtype.element_ty),
+             mask=rows & (offs_dv[None, :] < dv))  # fmt: skip
+    tl.store(Lse + bh * nq + offs_m, lse, mask=offs_m < nq)
+
+
+@triton.jit
+def attention_delta(
+    Out, DO, Delta, nq, dv,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Delta = rowsum(O * dO): [B*Hq, Nq] in ACC."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    at = (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :]
+    inside = (offs_m[:, None] < nq) & (offs_dv[None, :] < dv)
+    o = tl.load(Out + at, mask=inside, other=0.0).to(ACC)
+    do = tl.load(DO + at, mask=inside, other=0.0).to(ACC)
+    tl.store(Delta + bh * nq + offs_m, tl.sum(o * do, 1), mask=offs_m < nq)
+
+
+@triton.jit
+def _row_stats(Lse, Delta, bh, offs_m, nq):
+    """(shift, Delta) of rows offs_m: shift = lse * log2 e, +inf for a dead row."""
+    lse = tl.load(Lse + bh * nq + offs_m, mask=offs_m < nq, other=0.0)
+    delta = tl.load(Delta + bh * nq + offs_m, mask=offs_m < nq, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), delta
+
+
+@triton.jit
+def attention_dkdv(
+    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Keep,
+    sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+    qk_scale, scale,
+    heads_q, groups, nq, nk, d, dv, left, right,
+    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK = scale * sum_g dS_g^T q_g and dV = sum_g P_g^T dO_g for one key block,
+    working in the transposed orientation (keys along rows)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    heads_kv = heads_q // groups
+    b = bhk // heads_kv
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = offs_n[:, None] < nk
+    k = tl.load(K + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
+                mask=cols & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+    v = tl.load(V + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
+                mask=cols & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+    dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], ACC)
+    # query rows i with kj - right <= i <= kj + left for some key kj of the block
+    lo = 0
+    hi = nq
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(n0 + BLOCK_N + left, nq)
+    for g in range(groups):
+        h = (bhk % heads_kv) * groups + g
+        bh = b * heads_q + h
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            rows = offs_m[:, None] < nq
+            q = tl.load(Q + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
+                        mask=rows & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+            do = tl.load(DO + (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :],
+                         mask=rows & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+            shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq)
+            s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], b, h, Bias, Keep,
+                               sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
+                               HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
+            p_t = tl.exp2(s_t - shift[None, :])
+            dv_acc += _dot(p_t.to(do.dtype), do, ACC, UPCAST, PRECISION)
+            dp_t = _dot(v, tl.trans(do), ACC, UPCAST, PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, ACC, UPCAST, PRECISION)
+    tl.store(DK + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=cols & (offs_d[None, :] < d))  # fmt: skip
+    tl.store(DV + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
+             dv_acc.to(DV.dtype.element_ty), mask=cols & (offs_dv[None, :] < dv))  # fmt: skip
+
+
+@triton.jit
+def attention_dq(
+    Q, K, V, DO, Lse, Delta, DQ, DS, Bias, Keep,
+    sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+    qk_scale, scale,
+    heads_q, groups, nq, nk, d, dv, left, right,
+    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_DS: tl.constexpr,
+):  # fmt: skip
+    """dQ = scale * dS k for one query block; with STORE_DS also dS into DS [B*Hq, Nq, Nk]."""
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    bhk = b * (heads_q // groups) + h // groups
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = offs_m[:, None] < nq
+    q = tl.load(Q + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
+                mask=rows & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+    do = tl.load(DO + (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :],
+                 mask=rows & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+    shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = offs_n[:, None] < nk
+        k = tl.load(K + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
+                    mask=cols & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+        v = tl.load(V + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
+                    mask=cols & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
+        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
+                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
+                         HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
+        p = tl.exp2(s - shift[:, None])
+        dp = _dot(do, tl.trans(v), ACC, UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        if STORE_DS:
+            tl.store(DS + (bh * nq + offs_m[:, None]) * nk + offs_n[None, :], ds,
+                     mask=rows & (offs_n[None, :] < nk))  # fmt: skip
+        dq += _dot(ds.to(k.dtype), k, ACC, UPCAST, PRECISION)
+    tl.store(DQ + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=rows & (offs_d[None, :] < d))  # fmt: skip
+
+
+INTERPRETED: bool = type(attention_forward).__name__ == "InterpretedFunction"
