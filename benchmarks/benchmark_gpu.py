@@ -1,0 +1,146 @@
+"""TFLOP/s of strategy "triton" against SDPA's CUDA backends, bfloat16, on one GPU.
+
+    python benchmarks/benchmark_gpu.py [--batch 2 --heads 16] [--head-dim 64 128]
+        [--seq 1024 2048 4096 8192 16384] [--causal both] [--csv results/benchmark_gpu.csv]
+
+For each head dim, sequence length and causal mode it times forward, backward
+and forward+backward of attngrad's triton strategy and of
+``scaled_dot_product_attention`` under each of FLASH_ATTENTION,
+EFFICIENT_ATTENTION and CUDNN_ATTENTION that this machine has, with
+``triton.testing.do_bench`` (CUDA events, median).  FLOPs follow
+`attngrad.bench.flops` (forward 4*B*H*N*N*d, half when causal; backward 2.5x).
+The GPU's bfloat16 matmul rate is measured first, in the same run.  Ratios are
+triton's speed over each backend's (above 1: triton faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attngrad
+from attngrad.bench import PASSES, flops
+
+BACKENDS = {
+    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """The bfloat16 GEMM rate of this GPU: an n x n x n product, in TFLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def attention_fn(name: str, causal: bool) -> Callable[..., torch.Tensor]:
+    if name == "triton":
+        return lambda q, k, v: attngrad.attention(q, k, v, is_causal=causal, strategy="triton")
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(BACKENDS[name]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return sdpa
+
+
+def pass_fn(fn: Callable[..., torch.Tensor], pass_: str, q, k, v, dout) -> Callable[[], object]:
+    """A callable timing one pass; backward alone replays a kept graph."""
+    if pass_ == "forward":
+        return lambda: fn(q, k, v)
+    if pass_ == "backward":
+        out = fn(q, k, v)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    def both() -> object:
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+    return both
+
+
+def runs(name: str, causal: bool, q, k, v, dout) -> bool:
+    """Whether contender ``name`` accepts this problem on this machine."""
+    try:
+        torch.autograd.grad(attention_fn(name, causal)(q, k, v), (q, k, v), dout)
+    except RuntimeError:
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--csv", default="results/benchmark_gpu.csv")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_gpu.py needs a CUDA GPU")
+
+    torch.manual_seed(0)
+    gemm = matmul_tflops()
+    print(f"{torch.cuda.get_device_name()}: bfloat16 matmul {gemm:.0f} TFLOP/s")
+    modes = {"both": [False, True], "no": [False], "yes": [True]}[args.causal]
+    rows: list[dict[str, object]] = []
+    header = (
+        f"{'d':>4} {'N':>6} {'causal':>6} {'pass':<17} {'contender':<15} {'ms':>8} {'TFLOP/s':>8}"
+    )
+    print(header + f" {'triton/it':>9}")
+    for d in args.head_dim:
+        for n in args.seq:
+            shape = (args.batch, args.heads, n, d)
+            q, k, v = (
+                torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
+            )
+            dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            for causal in modes:
+                names = [c for c in ("triton", *BACKENDS) if runs(c, causal, q, k, v, dout)]
+                for pass_ in PASSES:
+                    times: dict[str, float] = {}
+                    rates: dict[str, float] = {}
+                    for name in names:
+                        fn = pass_fn(attention_fn(name, causal), pass_, q, k, v, dout)
+                        ms = times[name] = triton.testing.do_bench(fn)
+                        rate = flops(args.batch, args.heads, n, n, d, causal, pass_) / ms / 1e9
+                        rates[name] = rate
+                        rows.append(
+                            {
+                                "head_dim": d, "seq": n, "causal": causal, "pass": pass_,
+                                "contender": name, "ms": ms, "tflops": rate,
+                                "gemm_tflops": gemm,
+                            }
+                        )  # fmt: skip
+                    for name in names:
+                        ratio = rates["triton"] / rates[name] if "triton" in rates else float("nan")
+                        print(
+                            f"{d:>4} {n:>6} {causal!s:>6} {pass_:<17} {name:<15} "
+                            f"{times[name]:>8.3f} {rates[name]:>8.1f} {ratio:>9.2f}"
+                        )
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+    if args.csv:
+        os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
+        with open(args.csv, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
