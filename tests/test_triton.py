@@ -200,9 +200,11 @@ def test_block_sizes_must_be_powers_of_two_from_16(value):
 
 
 def test_default_blocks_fit_the_sequence():
-    blocks = triton_strategy.choose_blocks(20, 5, 64, None, None)
+    blocks = triton_strategy.choose_blocks(20, 5, 128, None, None)
     assert blocks["forward"] == (32, 16) and blocks["dkdv"] == (32, 16)
-    assert triton_strategy.choose_blocks(4096, 4096, 64, 64, None)["dq"] == (64, 32)
+    assert triton_strategy.choose_blocks(4096, 4096, 128, 64, None)["dq"] == (64, 32)
+    # wider head rows take narrower tiles: float64 at d = 256 is 2 KiB a row
+    assert triton_strategy.choose_blocks(4096, 4096, 2048, None, None)["forward"] == (32, 16)
 
 
 def test_auto_picks_triton_on_cuda_only():

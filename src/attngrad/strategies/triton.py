@@ -77,22 +77,27 @@ def _cdiv(n: int, block: int) -> int:
     return max(1, -(-n // block))
 
 
+# (rows, keys) per tile of each kernel, by the bytes of one head row (d * element size):
+# wide row tiles for forward and dQ, wide key tiles for dK/dV, narrower as rows grow so
+# that a kernel's q/k/v/dO tiles, double-buffered, fit in ~200 KiB of shared memory.
+_TILES = (
+    (256, {"forward": (128, 64), "dkdv": (32, 128), "dq": (128, 32)}),  # 16-bit d <= 128
+    (512, {"forward": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}),  # 16-bit d <= 256
+    (2048, {"forward": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}),  # float64 d <= 256
+)
+
+
 def choose_blocks(
-    seq_q: int, seq_k: int, head_dim: int, block_q: int | None, block_k: int | None
+    seq_q: int, seq_k: int, row_bytes: int, block_q: int | None, block_k: int | None
 ) -> dict[str, tuple[int, int]]:
     """(rows, keys) per tile for each kernel: "forward", "dkdv", "dq".
 
-    Defaults follow the usual shapes for these kernels on recent NVIDIA
-    GPUs (wide row tiles for the forward and dQ passes, wide key tiles for
-    dK/dV), narrower past d = 128 to fit shared memory; a given ``block_q`` /
-    ``block_k`` sets every kernel's.  Never beyond the padded sequence lengths.
+    ``row_bytes``: d (the larger of the two head dims) times the element size.
+    Defaults follow the usual shapes of these kernels on recent NVIDIA GPUs
+    (not yet measured here); a given ``block_q`` / ``block_k`` sets every
+    kernel's.  Never beyond the padded sequence lengths.
     """
-    wide = head_dim <= 128
-    defaults = {
-        "forward": (128, 64) if wide else (64, 32),
-        "dkdv": (32, 128) if wide else (32, 64),
-        "dq": (128, 32) if wide else (64, 32),
-    }
+    defaults = next((tiles for limit, tiles in _TILES if row_bytes <= limit), _TILES[-1][1])
     cap_q, cap_k = _pow2(seq_q), _pow2(seq_k)
     return {
         name: (min(block_q or bq, cap_q), min(block_k or bk, cap_k))
@@ -124,7 +129,7 @@ def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
     }
     if not interpreted:
         options["num_warps"] = 4 if head_dim <= 64 else 8
-        options["num_stages"] = 3 if head_dim <= 128 else 2
+        options["num_stages"] = 3 if head_dim <= 128 and dtype != torch.float64 else 2
     return options
 
 
@@ -277,5 +282,6 @@ def attention(
             f"strategy='triton' supports head dims up to {MAX_HEAD_DIM}, got "
             f"d={q.shape[-1]}, dv={v.shape[-1]}; use strategy='flash' for larger heads."
         )
-    blocks = choose_blocks(q.shape[2], k.shape[2], max(q.shape[-1], v.shape[-1]), block_q, block_k)
+    row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
+    blocks = choose_blocks(q.shape[2], k.shape[2], row_bytes, block_q, block_k)
     return TritonAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)
