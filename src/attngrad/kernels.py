@@ -118,7 +118,7 @@ def attention_forward(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     b = bh // heads_q
     h = bh % heads_q
     bhk = b * (heads_q // groups) + h // groups
@@ -166,7 +166,7 @@ def attention_delta(
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Delta = rowsum(O * dO): [B*Hq, Nq] in ACC."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     at = (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :]
@@ -199,7 +199,7 @@ def attention_dkdv(
     """dK = scale * sum_g dS_g^T q_g and dV = sum_g P_g^T dO_g for one key block,
     working in the transposed orientation (keys along rows)."""
     n0 = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    bhk = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     heads_kv = heads_q // groups
     b = bhk // heads_kv
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -260,7 +260,7 @@ def attention_dq(
 ):  # fmt: skip
     """dQ = scale * dS k for one query block; with STORE_DS also dS into DS [B*Hq, Nq, Nk]."""
     m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     b = bh // heads_q
     h = bh % heads_q
     bhk = b * (heads_q // groups) + h // groups

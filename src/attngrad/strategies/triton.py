@@ -205,7 +205,7 @@ def triton_backward(
     shape = (b, hq, nq, nk)
     masks = _mask_args(mask, shape)
     delta = torch.empty_like(lse)
-    block_m = blocks["dq"][0]
+    block_m = min(64, _pow2(nq))  # rows x dv elements of O and dO in registers
     kernels.attention_delta[(_cdiv(nq, block_m), b * hq)](
         o, dout, delta, nq, dv_dim,
         BLOCK_M=block_m, BLOCK_DV=problem["BLOCK_DV"], ACC=options["ACC"],
