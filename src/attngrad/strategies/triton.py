@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -49,16 +50,10 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def _interpreting() -> bool:
     """Whether the kernels run in Triton's interpreter (fixed once they are imported)."""
-    loaded = _loaded_kernels()
+    loaded = sys.modules.get("attngrad.kernels")
     if loaded is not None:
         return bool(loaded.INTERPRETED)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _loaded_kernels() -> ModuleType | None:
-    import sys
-
-    return sys.modules.get("attngrad.kernels")
 
 
 def _kernels() -> ModuleType:
