@@ -136,6 +136,22 @@ def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
     return t[:, :, s]
 
 
+def _add_rows(
+    total: torch.Tensor | None, part: torch.Tensor, rows: slice, shape: torch.Size
+) -> torch.Tensor:
+    """total[:, :, rows] += part, for a total of ``shape`` [B, H, n, x] not allocated yet (None).
+
+    A first part that spans all n rows becomes the total itself: no zeros,
+    no copy (the parts are fresh kernel outputs, or buffers received for us).
+    """
+    if total is None:
+        if part.shape == shape:
+            return part
+        total = part.new_zeros(shape)
+    _rows(total, rows).add_(part)
+    return total
+
+
 def ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,9 +160,9 @@ def ring_forward(
     q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv], contiguous; n = N / P.
     """
     b, hq, n, _ = q.shape
-    hkv = k.shape[1]
-    dtype = compute_dtype(q.dtype)
-    o = torch.zeros(b, hq, n, v.shape[-1], dtype=dtype, device=q.device)
+    hkv, dtype = k.shape[1], compute_dtype(q.dtype)
+    shape = torch.Size((b, hq, n, v.shape[-1]))
+    o: torch.Tensor | None = None
     lse = torch.full((b, hq, n), _NEG_INF, dtype=dtype, device=q.device)
     steps = ring.steps(n)
     kc, vc = k, v
@@ -156,9 +172,14 @@ def ring_forward(
             o_b, lse_b = ring.kernels.forward(
                 _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols), blk.mask(hkv), scale
             )
-            merge_partial_(_rows(o, blk.rows), _rows(lse, blk.rows), o_b, lse_b)
+            if o is None and o_b.shape == shape:  # a first partial over every row: O itself
+                o, lse = o_b.to(dtype), lse_b
+            else:
+                o = o if o is not None else torch.zeros(shape, dtype=dtype, device=q.device)
+                merge_partial_(_rows(o, blk.rows), _rows(lse, blk.rows), o_b, lse_b)
         if incoming is not None:
             kc, vc = incoming.wait()
+    assert o is not None  # step 0 always has the own (diagonal) block
     return o.to(q.dtype), lse
 
 
@@ -182,18 +203,18 @@ def ring_backward(
     have added (none yet at s = 1); this rank adds its share and passes both
     on.  After step P-1 the own block's dK/dV arrive from rank r - 1 holding
     every other rank's share: P - 1 sends of k/v and P - 1 of dK/dV.
+    Accumulators are allocated only where a block covers part of the rows.
     """
-    hkv = k.shape[1]
-    dtype = compute_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    hkv, dtype = k.shape[1], compute_dtype(q.dtype)
     steps = ring.steps(q.shape[2])
     kc, vc = k, v
+    dq: torch.Tensor | None = None
     own: tuple[torch.Tensor, torch.Tensor] | None = None
     travelling: Exchange | None = None  # dK/dV of the block in hand, on their way here
     for s, blocks in enumerate(steps):
         incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
-        dk = torch.zeros(kc.shape, dtype=dtype, device=q.device)
-        dv = torch.zeros(vc.shape, dtype=dtype, device=q.device)
+        dk: torch.Tensor | None = None
+        dv: torch.Tensor | None = None
         for blk in blocks:
             dq_b, dk_b, dv_b = ring.kernels.backward(
                 _rows(dout, blk.rows),
@@ -205,23 +226,27 @@ def ring_backward(
                 blk.mask(hkv),
                 scale,
             )
-            _rows(dq, blk.rows).add_(dq_b)
-            _rows(dk, blk.cols).add_(dk_b)
-            _rows(dv, blk.cols).add_(dv_b)
+            dq = _add_rows(dq, dq_b.to(dtype), blk.rows, q.shape)
+            dk = _add_rows(dk, dk_b.to(dtype), blk.cols, kc.shape)
+            dv = _add_rows(dv, dv_b.to(dtype), blk.cols, vc.shape)
+        if travelling is not None:
+            dk_in, dv_in = travelling.wait()
+            dk = _add_rows(dk, dk_in, slice(None), kc.shape)
+            dv = _add_rows(dv, dv_in, slice(None), vc.shape)
+        # a block this rank sees nothing of (causal) still passes dK/dV on
+        dk = dk if dk is not None else kc.new_zeros(kc.shape, dtype=dtype)
+        dv = dv if dv is not None else vc.new_zeros(vc.shape, dtype=dtype)
         if s == 0:
             own = (dk, dv)
         else:
-            if travelling is not None:
-                dk_in, dv_in = travelling.wait()
-                dk.add_(dk_in)
-                dv.add_(dv_in)
             travelling = ring.comm.send_recv((dk, dv))
         if incoming is not None:
             kc, vc = incoming.wait()
-    assert own is not None and travelling is not None  # P >= 2 steps
+    del kc, vc, dk, dv  # the last block and its dK/dV: gone before the own dK/dV arrive
+    assert dq is not None and own is not None and travelling is not None  # P >= 2 steps
     dk_in, dv_in = travelling.wait()
-    dk, dv = own[0].add_(dk_in), own[1].add_(dv_in)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk_own, dv_own = own[0].add_(dk_in), own[1].add_(dv_in)
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
