@@ -277,6 +277,15 @@ class RingAttention(torch.autograd.Function):
 # -- the public call ----------------------------------------------------------------
 
 
+def _ring_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` (None: the default one), or None when there is no ring to run over:
+    no initialised process group, or a group of one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -311,25 +320,20 @@ def ring_attention(
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
     validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))
-    if not (dist.is_available() and dist.is_initialized()):
-        return attention(
-            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, strategy=strategy
-        )
-    group = group if group is not None else dist.group.WORLD
-    assert group is not None  # initialised above
-    if dist.get_world_size(group) == 1:
+    ring_group = _ring_group(group)
+    if ring_group is None:
         return attention(
             q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, strategy=strategy
         )
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
-    comm = RingComm(group, float(timeout))
+    comm = RingComm(ring_group, float(timeout))
     check_same_shards(comm, shapes, q.dtype, is_causal, layout, s)
     n = shapes.seq_q
-    # [..., H, n, x] -> [B, H, n, x] (# (B, Hq, n, d), (B, Hkv, n, d), (B, Hkv, n, dv)); sent
-    # k/v must be contiguous
-    qb = q.reshape(shapes.batch, shapes.heads_q, n, shapes.head_dim)
-    kb = k.reshape(shapes.batch, shapes.heads_kv, n, shapes.head_dim).contiguous()
-    vb = v.reshape(shapes.batch, shapes.heads_kv, n, shapes.value_dim).contiguous()
+    b, hq, hkv = shapes.batch, shapes.heads_q, shapes.heads_kv
+    qb = q.reshape(b, hq, n, shapes.head_dim)  # (B, Hq, n, d)
+    # k/v are sent as they are: contiguous
+    kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
+    vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
     ring = _Ring(comm, layout, is_causal, BLOCK_KERNELS[strategy])
     o = RingAttention.apply(qb, kb, vb, ring, s)
-    return o.reshape(*shapes.lead, shapes.heads_q, n, shapes.value_dim)
+    return o.reshape(*shapes.lead, hq, n, shapes.value_dim)
