@@ -327,7 +327,7 @@ def ring_attention(
         )
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     comm = RingComm(ring_group, float(timeout))
-    check_same_shards(comm, shapes, q.dtype, is_causal, layout, s)
+    check_same_shards(comm, q, shapes, is_causal, layout, s)
     n = shapes.seq_q
     b, hq, hkv = shapes.batch, shapes.heads_q, shapes.heads_kv
     qb = q.reshape(b, hq, n, shapes.head_dim)  # (B, Hq, n, d)

@@ -65,7 +65,12 @@ def validate_ring(
 
 
 def _describe(
-    shapes: Shapes, dtype: torch.dtype, is_causal: bool, layout: str, scale: float
+    shapes: Shapes,
+    dtype: torch.dtype,
+    is_causal: bool,
+    layout: str,
+    scale: float,
+    device: torch.device,
 ) -> torch.Tensor:
     """What every rank must agree on, as int64 in the order of _FIELDS (scale as its bits)."""
     (scale_bits,) = struct.unpack("<q", struct.pack("<d", scale))
@@ -83,6 +88,7 @@ def _describe(
             scale_bits,
         ],
         dtype=torch.int64,
+        device=device,  # where the backend communicates (NCCL: on the GPU)
     )
 
 
@@ -99,15 +105,11 @@ def _decode(field: str, value: int) -> object:
 
 
 def check_same_shards(
-    comm: RingComm,
-    shapes: Shapes,
-    dtype: torch.dtype,
-    is_causal: bool,
-    layout: str,
-    scale: float,
+    comm: RingComm, q: torch.Tensor, shapes: Shapes, is_causal: bool, layout: str, scale: float
 ) -> None:
-    """ValueError unless every rank's shard has the same sizes, dtype and settings."""
-    table = torch.stack(comm.all_gather(_describe(shapes, dtype, is_causal, layout, scale)))
+    """ValueError unless every rank's shard (query ``q``) has the same sizes, dtype and settings."""
+    mine = _describe(shapes, q.dtype, is_causal, layout, scale, q.device)
+    table = torch.stack(comm.all_gather(mine)).cpu()
     differ = [f for i, f in enumerate(_FIELDS) if not bool((table[:, i] == table[0, i]).all())]
     if not differ:
         return
