@@ -317,6 +317,7 @@ def ring_attention(
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
     all_gather).  Saved for backward per rank: its own q, k, v, O and lse.
+    Backward is a ring too: every rank that called forward must run it.
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
     validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))
