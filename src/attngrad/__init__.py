@@ -15,6 +15,7 @@ from attngrad.ops import (
     softmax_backward,
     value_gradient,
 )
+from attngrad.ring import ring_attention
 from attngrad.seed import CustomAttention
 from attngrad.strategies import STRATEGIES
 
@@ -24,6 +25,7 @@ __all__ = [
     "attention",
     "probability_gradient",
     "query_key_gradients",
+    "ring_attention",
     "softmax_backward",
     "value_gradient",
 ]

@@ -1,0 +1,153 @@
+"""Ring attention against single-process flash on the same total N: time and per-rank peak memory.
+
+    torchrun --nproc_per_node 2 benchmarks/benchmark_ring.py --seq 8192 --heads 4 --head-dim 64
+        [--batch 1] [--causal] [--layout contiguous|zigzag] [--repeats 5] [--csv PATH]
+
+Both run in this one torchrun job, interleaved round by round after a warm-up
+round: each ring rank computes on 1 thread; then rank 0 runs single-process
+flash attention over the whole sequence on as many threads as there are ranks
+(2 on a 2-core machine) while the other ranks wait at a barrier.  So both
+sides use the same cores.  Times are forward+backward medians; ring time is
+the slowest rank's (each round ends at a barrier).
+
+Peak memory is what forward+backward allocates beyond its inputs (q, k, v and
+dO, already there), measured like `attngrad ledger` does on CPU (the
+profiler's allocation events, `attngrad.ledger.measure_peak_bytes`): the ring
+per rank, the single process for the whole sequence.  "+ inputs" adds the
+input bytes each holds (its shard, or the whole sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+
+import torch
+import torch.distributed as dist
+
+import attngrad
+from attngrad.ledger import measure_peak_bytes
+from attngrad.ring import LAYOUTS, ring_attention, shard
+from attngrad.timing import interleaved, medians
+from benchmark_cpu import forward_backward
+
+MIB = 2**20
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--layout", choices=LAYOUTS, default="contiguous")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--csv", default=None, help="write the results here (rank 0)")
+    return parser.parse_args()
+
+
+def _nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def main() -> None:
+    args = _args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threads = world  # the single process gets the cores the ring ranks use together
+
+    torch.manual_seed(0)  # every rank draws the same full inputs, then keeps its shard
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    full = [torch.randn(shape) for _ in range(4)]  # q, k, v, dO
+    mine = [shard(t, rank, world, args.layout) for t in full]
+    if rank != 0:
+        del full  # only rank 0 runs the single-process baseline
+    q, k, v = (t.requires_grad_() for t in mine[:3])
+    ring = forward_backward(
+        ring_attention, q, k, v, mine[3], is_causal=args.causal, layout=args.layout
+    )
+
+    def ring_round() -> None:
+        torch.set_num_threads(1)
+        ring()
+        dist.barrier()  # the round lasts until the slowest rank is done
+
+    if rank == 0:
+        fq, fk, fv = (t.requires_grad_() for t in full[:3])
+        single = forward_backward(
+            attngrad.attention, fq, fk, fv, full[3], is_causal=args.causal, strategy="flash"
+        )
+
+    def single_round() -> None:
+        if rank == 0:
+            torch.set_num_threads(threads)
+            single()
+        dist.barrier()  # the other ranks wait here, idle
+
+    times = medians(interleaved({"ring": ring_round, "single": single_round}, args.repeats))
+
+    torch.set_num_threads(1)
+    ring_peak = torch.tensor(measure_peak_bytes(ring))
+    dist.barrier()
+    peaks = [torch.zeros_like(ring_peak) for _ in range(world)]
+    dist.all_gather(peaks, ring_peak)
+    if rank == 0:
+        torch.set_num_threads(threads)
+        single_peak = measure_peak_bytes(single)
+        _report(args, world, threads, times, [int(p) for p in peaks], single_peak, full, mine)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(args, world, threads, times, ring_peaks, single_peak, full, mine) -> None:
+    ring_peak = max(ring_peaks)
+    ring_in, single_in = _nbytes(*mine), _nbytes(*full)
+    rows = [
+        ("single flash", threads, times["single"], single_peak, single_peak + single_in),
+        (f"ring P={world}", 1, times["ring"], ring_peak, ring_peak + ring_in),
+    ]
+    print(
+        f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 "
+        f"causal={args.causal} layout={args.layout}; ring: {world} ranks x 1 thread, "
+        f"single process: {threads} threads; medians of {args.repeats}"
+    )
+    print(f"{'path':<14}{'threads':>8}{'fwd+bwd':>12}{'peak fwd+bwd':>15}{'+ inputs':>12}")
+    for name, n_threads, t, peak, with_inputs in rows:
+        print(
+            f"{name:<14}{n_threads:>8}{t * 1e3:>9.0f} ms{peak / MIB:>11.1f} MiB"
+            f"{with_inputs / MIB:>8.1f} MiB"
+        )
+    print(f"ring peak per rank: {', '.join(f'{p / MIB:.1f} MiB' for p in ring_peaks)}")
+    ratios = {
+        "time": times["ring"] / times["single"],
+        "peak": ring_peak / single_peak,
+        "peak_with_inputs": (ring_peak + ring_in) / (single_peak + single_in),
+    }
+    print(
+        f"ring / single: time {ratios['time']:.2f} (target <= 1.3), peak per rank "
+        f"{ratios['peak']:.2f}, with inputs {ratios['peak_with_inputs']:.2f} (target <= 0.6)"
+    )
+    if args.csv:
+        os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(
+                ["path", "threads", "batch", "heads", "seq", "head_dim", "causal", "layout"]
+                + ["median_s", "peak_bytes", "peak_with_inputs_bytes"]
+                + [f"ring_over_single_{name}" for name in ratios]
+            )
+            for name, n_threads, t, peak, with_inputs in rows:
+                writer.writerow(
+                    [name, n_threads, args.batch, args.heads, args.seq, args.head_dim]
+                    + [args.causal, args.layout, f"{t:.6f}", peak, with_inputs]
+                    + [f"{r:.4f}" for r in ratios.values()]
+                )
+        print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Ring attention over ``torch.distributed``: a sequence too long for one device, sharded.
+
+>>> # on each of P ranks (torchrun), with Q, K, V the full [..., H, N, d] tensors:
+>>> # q, k, v = (shard(x, rank, P, "zigzag") for x in (Q, K, V))
+>>> # o = ring_attention(q, k, v, is_causal=True, layout="zigzag")   # this rank's [..., H, N/P, d]
+>>> # O = unshard(all_gathered_o, "zigzag")                            # if the full output is wanted
+
+`layout` cuts and reassembles the shards, `comm` moves the blocks (with a
+timeout), `checks` validates the shards on each rank and across the ring,
+`attention` computes: forward, backward and the public `ring_attention`.
+"""
+
+from attngrad.ring.attention import BLOCK_KERNELS, ring_attention
+from attngrad.ring.comm import DEFAULT_TIMEOUT, RingTimeoutError
+from attngrad.ring.layout import LAYOUTS, shard, unshard
+
+__all__ = [
+    "BLOCK_KERNELS",
+    "DEFAULT_TIMEOUT",
+    "LAYOUTS",
+    "RingTimeoutError",
+    "ring_attention",
+    "shard",
+    "unshard",
+]

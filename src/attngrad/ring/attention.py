@@ -1,0 +1,340 @@
+r"""Ring attention: the k/v shards travel around the ranks, each rank keeps its queries.
+
+Rank r holds q, k, v of its shard (N/P positions).  At step s = 0..P-1 it
+holds the k/v shard of rank r - s (mod P), computes its queries against it
+with the block kernel (flash's tiled forward by default) while sending that
+shard on to rank r + 1 and receiving the next from rank r - 1, and merges the
+partial result through its lse:
+
+    lse = logaddexp(lse_a, lse_b)
+    O   = O_a * exp(lse_a - lse) + O_b * exp(lse_b - lse)     (weights <= 1: no overflow)
+
+A partial whose rows attend nothing has lse = -inf and weight 0; when both
+are -inf the row stays O = 0, lse = -inf (never NaN).
+
+Backward needs, for each block, only P = exp(S - lse) with the *final* lse,
+and Delta = rowsum(dO * O) with the *final* O:
+
+    dV_blk = P^T dO    dS = P * (dO v_blk^T - Delta)    dq += s dS k_blk    dK_blk = s dS^T q
+
+so the block kernel's backward runs unchanged on each (q shard, k/v block)
+pair.  k/v travel the ring again, and each block's dK/dV travel with it,
+collecting every rank's contribution, until they reach their owner.  Each
+rank saves only its own q, k, v, O and lse: O(N/P) memory per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
+
+from attngrad.api import attention
+from attngrad.contract import validate_attention
+from attngrad.masks import Mask
+from attngrad.ops import compute_dtype
+from attngrad.ring.checks import check_same_shards, validate_ring
+from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
+from attngrad.ring.layout import Block, step_blocks
+from attngrad.strategies.first_order import first_order_only
+from attngrad.strategies.flash import choose_blocks, flash_backward, flash_forward
+
+__all__ = ["BLOCK_KERNELS", "BlockKernels", "merge_partial_", "ring_attention"]
+
+_NEG_INF = float("-inf")
+
+
+# -- the block kernel ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """The compute of one block: a rank's query rows against one k/v block.
+
+    forward(q, k, v, mask, scale) -> (O, lse) and
+    backward(dout, q, k, v, o, lse, mask, scale) -> (dq, dk, dv), with
+    q: [B, Hq, r, d], k: [B, Hkv, c, d], v: [B, Hkv, c, dv], O, dout: [B, Hq, r, dv],
+    lse: [B, Hq, r].  Backward takes the final O and lse of the rows.
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    return choose_blocks(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], None, None)
+
+
+def _flash_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_forward(q, k, v, mask, scale, _tiles(q, k))
+
+
+def _flash_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, _ = flash_backward(dout, q, k, v, o, lse, mask, scale, _tiles(q, k), None)
+    return dq, dk, dv
+
+
+# By strategy name; a GPU kernel registers here beside flash.
+BLOCK_KERNELS: dict[str, BlockKernels] = {
+    "flash": BlockKernels(_flash_block_forward, _flash_block_backward),
+}
+
+
+# -- forward: partial outputs merged through their lse --------------------------
+
+
+def merge_partial_(
+    o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """Merge the partial (o_b, lse_b) into (o, lse) in place (see the module docstring).
+
+    o, o_b: [..., r, dv]; lse, lse_b: [..., r].  o and lse are updated.
+    """
+    lse_new = torch.logaddexp(lse, lse_b)
+    # rows that attend nothing in either part: shift by 0, so both weights are exp(-inf) = 0
+    shift = lse_new.masked_fill(lse_new == _NEG_INF, 0.0)
+    o.mul_(torch.exp(lse - shift).unsqueeze(-1))
+    o.addcmul_(o_b, torch.exp(lse_b - shift).unsqueeze(-1))
+    lse.copy_(lse_new)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """What forward and backward share: the comm, the layout and the kernels."""
+
+    comm: RingComm
+    layout: str
+    is_causal: bool
+    kernels: BlockKernels
+
+    def steps(self, seq_local: int) -> list[list[Block]]:
+        """The blocks of each step s, against the k/v shard of rank r - s."""
+        rank, world = self.comm.rank, self.comm.world
+        return [
+            step_blocks(rank, (rank - s) % world, world, self.layout, seq_local, self.is_causal)
+            for s in range(world)
+        ]
+
+
+def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
+    """t[:, :, s]: rows (dim 2) of a [B, H, N, ...] tensor; a view."""
+    return t[:, :, s]
+
+
+def _add_rows(
+    total: torch.Tensor | None, part: torch.Tensor, rows: slice, shape: torch.Size
+) -> torch.Tensor:
+    """total[:, :, rows] += part, for a total of ``shape`` [B, H, n, x] not allocated yet (None).
+
+    A first part that spans all n rows becomes the total itself: no zeros,
+    no copy (the parts are fresh kernel outputs, or buffers received for us).
+    """
+    if total is None:
+        if part.shape == shape:
+            return part
+        total = part.new_zeros(shape)
+    _rows(total, rows).add_(part)
+    return total
+
+
+def ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O: [B, Hq, n, dv] (input dtype) and lse: [B, Hq, n] of this rank's queries over all keys.
+
+    q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv], contiguous; n = N / P.
+    """
+    b, hq, n, _ = q.shape
+    hkv, dtype = k.shape[1], compute_dtype(q.dtype)
+    shape = torch.Size((b, hq, n, v.shape[-1]))
+    o: torch.Tensor | None = None
+    lse = torch.full((b, hq, n), _NEG_INF, dtype=dtype, device=q.device)
+    steps = ring.steps(n)
+    kc, vc = k, v
+    for s, blocks in enumerate(steps):
+        incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
+        for blk in blocks:
+            o_b, lse_b = ring.kernels.forward(
+                _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols), blk.mask(hkv), scale
+            )
+            if o is None and o_b.shape == shape:  # a first partial over every row: O itself
+                o, lse = o_b.to(dtype), lse_b
+            else:
+                o = o if o is not None else torch.zeros(shape, dtype=dtype, device=q.device)
+                merge_partial_(_rows(o, blk.rows), _rows(lse, blk.rows), o_b, lse_b)
+        if incoming is not None:
+            kc, vc = incoming.wait()
+    assert o is not None  # step 0 always has the own (diagonal) block
+    return o.to(q.dtype), lse
+
+
+# -- backward: dK/dV travel with their k/v block ---------------------------------
+
+
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    ring: _Ring,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this rank's shard (input dtype); shapes as in `ring_forward`.
+
+    Step 0 computes the own block; its dK/dV stay here.  At step s >= 1 the
+    block of rank r - s arrives with the dK/dV that ranks r - s + 1 .. r - 1
+    have added (none yet at s = 1); this rank adds its share and passes both
+    on.  After step P-1 the own block's dK/dV arrive from rank r - 1 holding
+    every other rank's share: P - 1 sends of k/v and P - 1 of dK/dV.
+    Accumulators are allocated only where a block covers part of the rows.
+    """
+    hkv, dtype = k.shape[1], compute_dtype(q.dtype)
+    steps = ring.steps(q.shape[2])
+    kc, vc = k, v
+    dq: torch.Tensor | None = None
+    own: tuple[torch.Tensor, torch.Tensor] | None = None
+    travelling: Exchange | None = None  # dK/dV of the block in hand, on their way here
+    for s, blocks in enumerate(steps):
+        incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
+        dk: torch.Tensor | None = None
+        dv: torch.Tensor | None = None
+        for blk in blocks:
+            dq_b, dk_b, dv_b = ring.kernels.backward(
+                _rows(dout, blk.rows),
+                _rows(q, blk.rows),
+                _rows(kc, blk.cols),
+                _rows(vc, blk.cols),
+                _rows(o, blk.rows),
+                _rows(lse, blk.rows),
+                blk.mask(hkv),
+                scale,
+            )
+            dq = _add_rows(dq, dq_b.to(dtype), blk.rows, q.shape)
+            dk = _add_rows(dk, dk_b.to(dtype), blk.cols, kc.shape)
+            dv = _add_rows(dv, dv_b.to(dtype), blk.cols, vc.shape)
+        if travelling is not None:
+            dk_in, dv_in = travelling.wait()
+            dk = _add_rows(dk, dk_in, slice(None), kc.shape)
+            dv = _add_rows(dv, dv_in, slice(None), vc.shape)
+        # a block this rank sees nothing of (causal) still passes dK/dV on
+        dk = dk if dk is not None else kc.new_zeros(kc.shape, dtype=dtype)
+        dv = dv if dv is not None else vc.new_zeros(vc.shape, dtype=dtype)
+        if s == 0:
+            own = (dk, dv)
+        else:
+            travelling = ring.comm.send_recv((dk, dv))
+        if incoming is not None:
+            kc, vc = incoming.wait()
+    del kc, vc, dk, dv  # the last block and its dK/dV: gone before the own dK/dV arrive
+    assert dq is not None and own is not None and travelling is not None  # P >= 2 steps
+    dk_in, dv_in = travelling.wait()
+    dk_own, dv_own = own[0].add_(dk_in), own[1].add_(dv_in)
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv]."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: _Ring,
+        scale: float,
+    ) -> torch.Tensor:
+        o, lse = ring_forward(q, k, v, ring, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return o
+
+    @staticmethod
+    @first_order_only("ring")
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, o, lse, ctx.ring, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+# -- the public call ----------------------------------------------------------------
+
+
+def _ring_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` (None: the default one), or None when there is no ring to run over:
+    no initialised process group, or a group of one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    timeout: float = DEFAULT_TIMEOUT,
+    strategy: str = "flash",
+) -> torch.Tensor:
+    r"""Attention over a sequence sharded across the ranks of ``group``; each rank passes its shard.
+
+    q: [..., Hq, N/P, d], k: [..., Hkv, N/P, d], v: [..., Hkv, N/P, dv] -> [..., Hq, N/P, dv],
+    this rank's shard of the output of ``attention(Q, K, V, is_causal=...,
+    scale=..., enable_gqa=True)`` over the full sequence (Hq a multiple of Hkv;
+    k and v are never expanded).  ``layout`` says which positions the shard
+    holds (`attngrad.ring.shard` cuts them): ``"contiguous"`` (rank r: chunk r
+    of P) or ``"zigzag"`` (rank r: chunks r and 2P-1-r of 2P, which balances
+    ``is_causal`` work).  ``group``: the process group (None: the default
+    one); without an initialised process group, or with one rank, this is
+    plain `attngrad.attention`.
+
+    ``timeout``: seconds a rank waits on its neighbours at each step before it
+    raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
+    called).  ``strategy``: the per-block kernel, a key of `BLOCK_KERNELS`.
+
+    Shards of unequal length, or different shapes, dtypes or settings on
+    different ranks, raise ValueError on every rank (checked with one small
+    all_gather).  Saved for backward per rank: its own q, k, v, O and lse.
+    Backward is a ring too: every rank that called forward must run it.
+    """
+    shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
+    validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))
+    ring_group = _ring_group(group)
+    if ring_group is None:
+        return attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, strategy=strategy
+        )
+    s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
+    comm = RingComm(ring_group, float(timeout))
+    check_same_shards(comm, q, shapes, is_causal, layout, s)
+    n = shapes.seq_q
+    b, hq, hkv = shapes.batch, shapes.heads_q, shapes.heads_kv
+    qb = q.reshape(b, hq, n, shapes.head_dim)  # (B, Hq, n, d)
+    # k/v are sent as they are: contiguous
+    kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
+    vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
+    ring = _Ring(comm, layout, is_causal, BLOCK_KERNELS[strategy])
+    o = RingAttention.apply(qb, kb, vb, ring, s)
+    return o.reshape(*shapes.lead, hq, n, shapes.value_dim)

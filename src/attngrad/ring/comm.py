@@ -1,0 +1,95 @@
+"""The ring's messages: non-blocking sends to the next rank, receives from the previous one.
+
+Every wait has a deadline (`RingComm.timeout` seconds, passed to
+``Work.wait(timeout=...)``); a message that does not arrive in time, or a
+connection that breaks because a peer died, raises `RingTimeoutError` naming
+this rank, the peer and the timeout, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEFAULT_TIMEOUT", "Exchange", "RingComm", "RingTimeoutError"]
+
+# Seconds one ring step may wait on a peer.  A step moves one k/v block
+# (backward: k/v and dk/dv) while computing on another: seconds on a CPU even
+# at N = 10^5, so a minute only trips on a dead, hung or missing peer.
+DEFAULT_TIMEOUT = 60.0
+
+
+class RingTimeoutError(RuntimeError):
+    """A ring step did not complete within the timeout: a peer died, hangs or never called."""
+
+
+class Exchange:
+    """Messages in flight: `wait` returns the received tensors once every send and receive is done."""
+
+    def __init__(self, comm: RingComm, works: list[dist.Work], received: list[torch.Tensor]):
+        self._comm, self._works, self._received = comm, works, received
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            self._comm.wait(work, "sending to / receiving from its ring neighbours")
+        return self._received
+
+
+class RingComm:
+    """This rank's place in the ring of ``group``: rank r sends to r+1 and receives from r-1.
+
+    Every rank must post the same sequence of exchanges: each message gets the
+    next tag of a counter, so tags match across ranks and messages in flight
+    at the same time never mix.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float):
+        self.group, self.timeout = group, timeout
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        self._tag = 0
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """``work.wait`` with the deadline; a failure becomes `RingTimeoutError`."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise self._error(what, e) from e
+
+    def _error(self, what: str, cause: BaseException) -> RingTimeoutError:
+        return RingTimeoutError(
+            f"ring_attention on rank {self.rank} of {self.world}: {what} did not complete "
+            f"within timeout={self.timeout:g} s (previous rank {self._prev}, next rank "
+            f"{self._next}): {cause}. A peer died, hangs, or never called ring_attention; "
+            "check the other ranks' logs, or pass a larger timeout= if a step is that slow."
+        )
+
+    def send_recv(self, tensors: Sequence[torch.Tensor]) -> Exchange:
+        """Send ``tensors`` to the next rank, receive as many of the same shapes from the previous."""
+        works: list[dist.Work] = []
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        try:
+            for sent, into in zip(tensors, received, strict=True):
+                send = dist.isend(sent, self._next, group=self.group, tag=self._tag)
+                recv = dist.irecv(into, self._prev, group=self.group, tag=self._tag)
+                assert send is not None and recv is not None  # None only outside the group
+                works += [send, recv]
+                self._tag += 1
+        except RuntimeError as e:  # a broken connection fails at posting already
+            raise self._error("posting a send or receive", e) from e
+        return Exchange(self, works, received)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape on all), in rank order."""
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        try:
+            work = dist.all_gather(out, t, group=self.group, async_op=True)
+        except RuntimeError as e:
+            raise self._error("gathering the shard shapes", e) from e
+        assert work is not None  # async_op=True always returns a Work
+        self.wait(work, "gathering the shard shapes")
+        return out

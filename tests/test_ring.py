@@ -1,0 +1,534 @@
+"""Ring attention: layouts, the lse merge, the block math, errors, and real process groups.
+
+The distributed tests start real gloo process groups (spawned processes, a
+FileStore in tmp_path): one group per world size runs every case in a loop and
+writes its shards to a file; the parent reassembles them with `unshard` and
+asserts against single-process attention.  Spawning costs ~2 s per group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import attngrad
+from attngrad.reference import reference_attention
+from attngrad.ring import ring_attention, shard, unshard
+from attngrad.ring.attention import BLOCK_KERNELS, merge_partial_
+from attngrad.ring.comm import RingComm
+from attngrad.ring.layout import LAYOUTS, Block, step_blocks
+from attngrad.verify import two_x_bound
+from helpers import assert_close_f64, max_abs_err
+
+NEG_INF = float("-inf")
+
+# ---------------------------------------------------------------------------
+# shard / unshard
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_unshard_inverts_shard(layout, world):
+    x = torch.randn(2, 3, 2 * world * 5, 4)
+    shards = [shard(x, r, world, layout) for r in range(world)]
+    assert all(s.shape == (2, 3, 2 * 5, 4) for s in shards)
+    assert torch.equal(unshard(shards, layout), x)
+
+
+def test_zigzag_pairs_an_early_chunk_with_a_late_one():
+    x = torch.arange(12.0).view(12, 1)  # P = 3: six chunks of two positions
+    held = [shard(x, r, 3, "zigzag").flatten().tolist() for r in range(3)]
+    assert held == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    assert shard(x, 1, 3, "contiguous").flatten().tolist() == [4, 5, 6, 7]
+
+
+def test_shard_is_a_copy():
+    x = torch.randn(8, 2)
+    s = shard(x, 0, 2)
+    s.zero_()
+    assert not torch.equal(x[:4], s)
+
+
+@pytest.mark.parametrize(
+    ("n", "world", "rank", "layout", "match"),
+    [
+        (10, 4, 0, "contiguous", "length 10.*4 equal chunks"),
+        (12, 4, 0, "zigzag", "length 12.*8 equal chunks"),  # contiguous could split it
+        (8, 2, 2, "contiguous", r"rank must be in \[0, 2\).*got 2"),
+        (8, 0, 0, "contiguous", "world must be an int >= 1, got 0"),
+        (8, 2, 0, "rows", "layout must be one of"),
+    ],
+)
+def test_bad_shard_arguments_name_the_sizes(n, world, rank, layout, match):
+    with pytest.raises(ValueError, match=match):
+        shard(torch.zeros(n, 2), rank, world, layout)
+
+
+@pytest.mark.parametrize(
+    ("shards", "layout", "match"),
+    [
+        ([], "contiguous", "shards is empty"),
+        ([torch.zeros(4, 2), torch.zeros(5, 2)], "contiguous", r"\(4, 2\), \(5, 2\)"),
+        ([torch.zeros(3, 2), torch.zeros(3, 2)], "zigzag", "length 3.*2 equal chunks"),
+    ],
+)
+def test_bad_unshard_arguments_name_the_sizes(shards, layout, match):
+    with pytest.raises(ValueError, match=match):
+        unshard(shards, layout)
+
+
+# ---------------------------------------------------------------------------
+# which blocks a step computes
+
+
+def test_zigzag_causal_skips_future_pairs_unmasks_past_ones_and_masks_the_diagonal():
+    # P = 2, shards of 2m = 8: rank 0 holds chunks (0, 3), rank 1 holds (1, 2)
+    m = 4
+    first, second = slice(0, m), slice(m, 2 * m)
+    both = slice(0, 2 * m)
+    assert step_blocks(0, 0, 2, "zigzag", 2 * m, True) == [
+        Block(first, first, True),  # chunk 0 x chunk 0: the diagonal
+        Block(second, first, False),  # chunk 3 x chunk 0: all in the past (0 x 3 skipped)
+        Block(second, second, True),  # chunk 3 x chunk 3
+    ]
+    # rank 0 against rank 1's (1, 2): chunk 0 sees neither, chunk 3 sees both whole
+    assert step_blocks(0, 1, 2, "zigzag", 2 * m, True) == [Block(second, both, False)]
+    # rank 1 against rank 0's (0, 3): chunks 1 and 2 both see chunk 0 whole, chunk 3 not
+    assert step_blocks(1, 0, 2, "zigzag", 2 * m, True) == [Block(both, first, False)]
+
+
+def test_without_causal_every_step_is_one_unmasked_block():
+    for layout, world in itertools.product(LAYOUTS, [2, 3]):
+        for rank, source in itertools.product(range(world), repeat=2):
+            whole = slice(0, 6)
+            assert step_blocks(rank, source, world, layout, 6, False) == [
+                Block(whole, whole, False)
+            ]
+
+
+def _causal_work(rank: int, world: int, layout: str, n: int) -> int:
+    """(query, key) pairs rank computes over all steps: a causal block counts its lower triangle."""
+    work = 0
+    for source in range(world):
+        for b in step_blocks(rank, source, world, layout, n, True):
+            r, c = b.rows.stop - b.rows.start, b.cols.stop - b.cols.start
+            work += r * (r + 1) // 2 if b.causal else r * c
+    return work
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_balances_causal_work_and_contiguous_does_not(world):
+    n = 8
+    zigzag = {_causal_work(r, world, "zigzag", n) for r in range(world)}
+    contiguous = [_causal_work(r, world, "contiguous", n) for r in range(world)]
+    assert len(zigzag) == 1
+    assert contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1]
+    # every visible pair of the causal N x N matrix is computed exactly once
+    total = world * n * (world * n + 1) // 2
+    assert zigzag.pop() * world == total == sum(contiguous)
+
+
+# ---------------------------------------------------------------------------
+# the lse merge and the block math
+
+
+def _flash_block(q, k, v, causal=False, scale=0.5):
+    mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).mask(k.shape[1])
+    return BLOCK_KERNELS["flash"].forward(q, k, v, mask, scale)
+
+
+def test_merging_two_key_halves_gives_attention_over_all_keys():
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    k = torch.randn(2, 2, 14, 8, dtype=torch.float64)
+    v = torch.randn(2, 2, 14, 5, dtype=torch.float64)
+    o_all, lse_all = _flash_block(q, k, v)
+    o, lse = _flash_block(q, k[:, :, :6], v[:, :, :6])
+    o_b, lse_b = _flash_block(q, k[:, :, 6:], v[:, :, 6:])
+    merge_partial_(o, lse, o_b, lse_b)
+    torch.testing.assert_close(o, o_all, atol=1e-13, rtol=0)
+    torch.testing.assert_close(lse, lse_all, atol=1e-13, rtol=0)
+
+
+def test_a_fully_masked_partial_leaves_the_other_unchanged():
+    o, lse = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    o0, lse0 = o.clone(), lse.clone()
+    merge_partial_(
+        o, lse, torch.zeros(3, 4, dtype=torch.float64), torch.full((3,), NEG_INF).double()
+    )
+    assert torch.equal(o, o0) and torch.equal(lse, lse0)
+    # and merged into an empty state (O = 0, lse = -inf), a partial comes through exactly
+    empty_o = torch.zeros(3, 4, dtype=torch.float64)
+    empty_lse = torch.full((3,), NEG_INF, dtype=torch.float64)
+    merge_partial_(empty_o, empty_lse, o0, lse0)
+    assert torch.equal(empty_o, o0) and torch.equal(empty_lse, lse0)
+
+
+def test_two_fully_masked_partials_merge_to_zero_not_nan():
+    o, lse = torch.zeros(2, 3), torch.full((2,), NEG_INF)
+    merge_partial_(o, lse, torch.zeros(2, 3), torch.full((2,), NEG_INF))
+    assert torch.equal(o, torch.zeros(2, 3))
+    assert torch.equal(lse, torch.full((2,), NEG_INF))
+
+
+def test_merge_does_not_overflow_where_exp_lse_would():
+    # exp(800) overflows float64; the merge only ever takes exp of lse differences <= 0
+    o, lse = torch.ones(1, 2, dtype=torch.float64), torch.tensor([800.0], dtype=torch.float64)
+    o_b, lse_b = torch.full((1, 2), 3.0, dtype=torch.float64), torch.tensor([790.0])
+    merge_partial_(o, lse, o_b, lse_b.double())
+    w = 1 / (1 + math.exp(-10))  # weight of the first part
+    torch.testing.assert_close(o, torch.full((1, 2), w + 3 * (1 - w), dtype=torch.float64))
+    torch.testing.assert_close(lse, torch.tensor([800 + math.log1p(math.exp(-10))]).double())
+
+
+def test_block_backward_with_the_global_lse_and_delta_sums_to_the_gradients():
+    """Per key block, P = exp(S - lse_global) and Delta = rowsum(dO * O_final) (module math)."""
+    q = torch.randn(1, 4, 10, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 12, 6, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(1, 4, 10, 6, dtype=torch.float64)
+    ref = reference_attention(q, k, v, scale=0.5, enable_gqa=True)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    with torch.no_grad():
+        o, lse = _flash_block(q, k, v)
+        halves = [slice(0, 5), slice(5, 12)]
+        parts = [
+            BLOCK_KERNELS["flash"].backward(
+                dout, q, k[:, :, c], v[:, :, c], o, lse, Block(slice(0, 10), c, False).mask(2), 0.5
+            )
+            for c in halves
+        ]
+    dq = parts[0][0] + parts[1][0]
+    dk = torch.cat([p[1] for p in parts], dim=2)
+    dv = torch.cat([p[2] for p in parts], dim=2)
+    for got, ref_grad in zip((dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(got, ref_grad, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# one rank: errors and the plain-attention fallback
+
+
+def _qkv(n: int = 8, heads_q: int = 2, heads_kv: int = 2, seq_k: int | None = None):
+    q = torch.randn(1, heads_q, n, 4)
+    kv = torch.randn(1, heads_kv, n if seq_k is None else seq_k, 4)
+    return q, kv, kv
+
+
+@pytest.mark.parametrize(
+    ("inputs", "kwargs", "error", "match"),
+    [
+        (_qkv(), {"layout": "rows"}, ValueError, "layout must be one of 'contiguous', 'zigzag'"),
+        (_qkv(5), {"layout": "zigzag"}, ValueError, "odd length 5"),
+        (_qkv(6, seq_k=8), {}, ValueError, "query has 6 positions but key and value have 8"),
+        (_qkv(), {"timeout": 0}, ValueError, "timeout must be .* > 0, got 0"),
+        (_qkv(), {"timeout": float("nan")}, ValueError, "timeout .* got nan"),
+        (_qkv(), {"timeout": "60"}, TypeError, "timeout must be a number of seconds, got '60'"),
+        (_qkv(), {"strategy": "explicit"}, ValueError, "strategy must be one of 'flash'"),
+        (_qkv(heads_q=3), {}, ValueError, r"query heads \(3\) must be a multiple"),
+    ],
+    ids=[
+        "layout",
+        "zigzag-odd",
+        "seq-differs",
+        "timeout0",
+        "timeout-nan",
+        "timeout-str",
+        "strategy",
+        "heads",
+    ],
+)
+def test_bad_arguments_raise_naming_the_value(inputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ring_attention(*inputs, **kwargs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_without_a_process_group_it_is_plain_flash_attention(layout):
+    assert not dist.is_initialized()
+    q = torch.randn(2, 4, 10, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 10, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 10, 8, dtype=torch.float64, requires_grad=True)
+    got = ring_attention(q, k, v, is_causal=True, scale=0.3, layout=layout)
+    want = attngrad.attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True, strategy="flash")
+    assert torch.equal(got, want)
+    assert got.grad_fn.name() == want.grad_fn.name()
+
+
+def test_world_size_one_is_plain_attention(tmp_path):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        q, k, v = _qkv()
+        got = ring_attention(q, k, v, is_causal=True)
+        assert torch.equal(got, attngrad.attention(q, k, v, is_causal=True, strategy="flash"))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# real process groups
+
+
+@dataclass(frozen=True)
+class RingCase:
+    """One ring call: full q [*lead, Hq, N, d], k/v [*lead, Hkv, N, d|dv], N = 2 * P * chunk."""
+
+    lead: tuple[int, ...]
+    heads_q: int
+    heads_kv: int
+    chunk: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    causal: bool
+    layout: str
+    scale: float | None = None
+
+    @property
+    def id(self) -> str:
+        heads = f"H{self.heads_q}" + (f":{self.heads_kv}" if self.heads_kv != self.heads_q else "")
+        return "-".join(
+            [
+                f"B{'x'.join(map(str, self.lead)) or 'none'}",
+                heads,
+                f"d{self.head_dim}:{self.value_dim}",
+                str(self.dtype).removeprefix("torch."),
+                "causal" if self.causal else "full",
+                self.layout,
+                f"scale{self.scale}" if self.scale is not None else "scale-default",
+            ]
+        )
+
+    def inputs(self, world: int, seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        n = 2 * world * self.chunk
+        shapes = {
+            "q": (*self.lead, self.heads_q, n, self.head_dim),
+            "k": (*self.lead, self.heads_kv, n, self.head_dim),
+            "v": (*self.lead, self.heads_kv, n, self.value_dim),
+            "dout": (*self.lead, self.heads_q, n, self.value_dim),
+        }
+        return {
+            name: torch.randn(s, generator=gen, dtype=torch.float64) for name, s in shapes.items()
+        }
+
+
+# chunk = 5: odd shard sizes (10 per rank); GQA with dv != d and a custom scale;
+# no leading dims (the [H, N, d] layout) last (the saved-tensor check runs it again).
+RING_CASES = [
+    RingCase(lead, hq, hkv, 5, d, dv, dtype, causal, layout, scale)
+    for dtype in (torch.float64, torch.float32)
+    for causal in (False, True)
+    for layout in LAYOUTS
+    for lead, hq, hkv, d, dv, scale in [((2,), 2, 2, 8, 8, None), ((1,), 4, 2, 8, 5, 0.3)]
+] + [
+    # bfloat16: k/v travel in bf16, partial outputs and dK/dV accumulate in float32
+    RingCase((1,), 4, 2, 5, 8, 8, torch.bfloat16, True, "zigzag"),
+    RingCase((), 3, 1, 3, 4, 4, torch.float64, True, "zigzag"),
+]
+
+
+def _cases(world: int) -> list[tuple[RingCase, dict[str, torch.Tensor]]]:
+    """Every case with its full inputs; the parent and each worker draw the same ones."""
+    return [(case, case.inputs(world, seed)) for seed, case in enumerate(RING_CASES)]
+
+
+def _run_case(case: RingCase, full: dict[str, torch.Tensor], rank: int, world: int, group=None):
+    """This rank's out, dq, dk, dv shards for one case."""
+    mine = {n: shard(t, rank, world, case.layout).to(case.dtype) for n, t in full.items()}
+    leaves = [mine[n].clone().requires_grad_() for n in "qkv"]
+    out = ring_attention(
+        *leaves, group=group, is_causal=case.causal, scale=case.scale, layout=case.layout
+    )
+    grads = torch.autograd.grad(out, leaves, mine["dout"])
+    unchanged = all(torch.equal(leaf, mine[n]) for leaf, n in zip(leaves, "qkv", strict=True))
+    return {"out": out.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}, unchanged
+
+
+def _error_of(call) -> tuple[str, str, float]:
+    """The exception ``call`` raises (type name, message) and the seconds it took."""
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+# Short so that the failure scenarios are quick; long enough for a loaded 2-core machine.
+TIMEOUT = 3.0
+
+
+def _peer_dies(rank: int, world: int, out_dir: Path) -> tuple[str, str, float] | None:
+    """Rank 1 exits at its first backward send; the others report what they raised."""
+    if rank == 1:
+        send_recv, calls = RingComm.send_recv, []
+
+        def die_in_backward(self, tensors):
+            calls.append(1)
+            if len(calls) == world:  # forward sends P - 1 times, then backward starts
+                os._exit(1)
+            return send_recv(self, tensors)
+
+        RingComm.send_recv = die_in_backward  # type: ignore[method-assign]
+    q = torch.randn(1, 2, 6, 4, requires_grad=True)
+    return _error_of(lambda: ring_attention(q, q, q, timeout=TIMEOUT).sum().backward())
+
+
+def _peer_never_calls(rank: int, world: int, out_dir: Path) -> tuple[str, str, float] | None:
+    """Rank 1 stays in the group but never calls ring_attention (until rank 0 has reported)."""
+    if rank == 1:
+        while not (out_dir / "failure0.pt").exists():
+            time.sleep(0.05)
+        return None
+    return _error_of(lambda: ring_attention(*_qkv(), timeout=TIMEOUT))
+
+
+def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    """Every case, the cross-rank errors, then (the group breaks there) a peer failure."""
+    torch.set_num_threads(1)  # as the conftest does; its NaN fill is left out: turning on
+    # deterministic mode costs a spawned process ~2.4 s
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cases = _cases(world)
+    results: dict[str, object] = {}
+    for case, full in cases:
+        results[case.id], results[case.id + "/unchanged"] = _run_case(case, full, rank, world)
+    # what forward keeps for backward: this rank's own q, k, v, O and lse only
+    case, full = cases[-1]
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(tuple(t.shape)) or t, lambda t: t
+    ):
+        _run_case(case, full, rank, world)
+    results["saved"] = saved
+    # shards that differ across ranks: every rank raises the same ValueError
+    q = torch.randn(1, 2, 4 + 2 * (rank == 1), 8)
+    results["unequal"] = _error_of(lambda: ring_attention(q, q, q))[:2]
+    q, kv = torch.randn(1, 2 + 2 * (rank == 1), 4, 8), torch.randn(1, 2, 4, 8)
+    results["heads"] = _error_of(lambda: ring_attention(q, kv, kv))[:2]
+    if world == 3:  # a ring over a subgroup: ranks 0 and 2 (global ranks differ from group ranks)
+        sub = dist.new_group([0, 2])
+        if rank != 1:
+            case, full = cases[0]
+            results["subgroup"], _ = _run_case(case, full, rank // 2, 2, group=sub)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    failure = (_peer_dies if world == 3 else _peer_never_calls)(rank, world, Path(out_dir))
+    torch.save(failure, Path(out_dir) / f"failure{rank}.pt")
+    os._exit(0)  # the group is broken now: do not wait on it at shutdown
+
+
+def _launch(world: int, tmp_path: Path, deadline: float = 60.0) -> list[int | None]:
+    """Run `_ring_worker` on ``world`` spawned processes; their exit codes."""
+    ctx = mp.get_context("spawn")
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_ring_worker, args=(rank, world, store, str(tmp_path)))
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # never leave a worker behind, even when the test fails
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _reference(case: RingCase, full: dict[str, torch.Tensor], dtype: torch.dtype):
+    """Out and gradients of single-process `reference_attention` in ``dtype``, detached."""
+    leaves = [full[n].to(dtype).requires_grad_() for n in "qkv"]
+    out = reference_attention(*leaves, is_causal=case.causal, scale=case.scale, enable_gqa=True)
+    grads = torch.autograd.grad(out, leaves, full["dout"].to(dtype))
+    return dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads), strict=True))
+
+
+def _case_failures(case: RingCase, got: dict[str, torch.Tensor], full: dict[str, torch.Tensor]):
+    """Out and every gradient against the float64 reference: 1e-9, or the 2x rule."""
+    ref = _reference(case, full, torch.float64)
+    if case.dtype == torch.float64:
+        try:
+            assert_close_f64(got, ref)
+        except AssertionError as e:
+            return [f"{case.id}: {e}"]
+        return []
+    base = _reference(case, full, case.dtype)  # plain PyTorch in the same dtype
+    failures = []
+    for name, r in ref.items():
+        err, base_err = max_abs_err(got[name], r), max_abs_err(base[name], r)
+        bound = two_x_bound(base_err, case.dtype, float(r.abs().max()))
+        if got[name].dtype != case.dtype or not err <= bound:  # `not <=` also catches NaN
+            failures.append(f"{case.id} {name} ({got[name].dtype}): error {err:.3e} > {bound:.3e}")
+    return failures
+
+
+def _gathered(ranks: list[dict], key: str, layout: str) -> dict[str, torch.Tensor]:
+    """out, dq, dk, dv over the full sequence from each rank's shards under ``key``."""
+    return {n: unshard([res[key][n] for res in ranks], layout) for n in ("out", "dq", "dk", "dv")}
+
+
+def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
+    """Run the group; assert every case, the saved tensors and the cross-rank errors."""
+    exits = _launch(world, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    failures = []
+    for case, full in _cases(world):
+        failures += _case_failures(case, _gathered(ranks, case.id, case.layout), full)
+        failures += [
+            f"{case.id}: rank {r} modified an input"
+            for r, res in enumerate(ranks)
+            if not res[case.id + "/unchanged"]
+        ]
+    assert not failures, "\n".join(failures)
+
+    case = RING_CASES[-1]  # no leading dims: B = 1 in the canonical [B, H, n, x] layout
+    n, hq, hkv = 2 * case.chunk, case.heads_q, case.heads_kv
+    q, kv, lse = (1, hq, n, case.head_dim), (1, hkv, n, case.head_dim), (1, hq, n)
+    for res in ranks:  # q, k, v, O, lse of this rank's shard: no other rank's block
+        assert res["saved"] == [q, kv, kv, q, lse]
+
+    for r, res in enumerate(ranks):
+        kind, message = res["unequal"]
+        assert kind == "ValueError" and "seq_len: rank 0 4, rank 1 6" in message, (r, message)
+        kind, message = res["heads"]
+        assert kind == "ValueError" and "heads_q: rank 0 2, rank 1 4" in message, (r, message)
+    return [exits, *ranks]
+
+
+def _assert_timed_out(failure: tuple[str, str, float], rank: int, world: int, what: str) -> float:
+    kind, message, elapsed = failure
+    assert kind == "RingTimeoutError", message
+    assert f"rank {rank} of {world}: {what}" in message and f"timeout={TIMEOUT:g} s" in message
+    assert elapsed < TIMEOUT + 2.0, elapsed  # it raised in time, it did not hang
+    return elapsed
+
+
+def test_two_ranks_match_one_process_and_time_out_on_a_peer_that_never_calls(tmp_path):
+    exits, *_ = _assert_ring_runs(2, tmp_path)
+    assert exits == [0, 0]
+    failure = torch.load(tmp_path / "failure0.pt")
+    elapsed = _assert_timed_out(failure, 0, 2, "gathering the shard shapes")
+    assert elapsed >= TIMEOUT - 0.1  # nothing failed: it waited the whole timeout
+
+
+def test_three_ranks_match_one_process_and_raise_when_a_peer_dies(tmp_path):
+    exits, *ranks = _assert_ring_runs(3, tmp_path)
+    assert exits == [0, 1, 0]  # rank 1 died mid-run, the others finished
+    for rank in (0, 2):
+        failure = torch.load(tmp_path / f"failure{rank}.pt")
+        _assert_timed_out(failure, rank, 3, "sending to / receiving from")
+    # a ring over the subgroup of global ranks 0 and 2
+    case, full = _cases(3)[0]
+    assert not _case_failures(case, _gathered([ranks[0], ranks[2]], "subgroup", case.layout), full)
