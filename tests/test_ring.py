@@ -23,9 +23,10 @@ import torch.multiprocessing as mp
 import attngrad
 from attngrad.reference import reference_attention
 from attngrad.ring import ring_attention, shard, unshard
-from attngrad.ring.attention import BLOCK_KERNELS, merge_partial_
+from attngrad.ring.attention import BLOCK_KERNELS, block_strategy, merge_partial_
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, Block, step_blocks
+from attngrad.strategies import unavailable_reason
 from attngrad.verify import two_x_bound
 from helpers import assert_close_f64, max_abs_err
 
@@ -141,18 +142,39 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(world):
 # the lse merge and the block math
 
 
-def _flash_block(q, k, v, causal=False, scale=0.5):
+def _flash_block(q, k, v, causal=False, scale=0.5, kernel="flash"):
     mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).mask(k.shape[1])
-    return BLOCK_KERNELS["flash"].forward(q, k, v, mask, scale)
+    return BLOCK_KERNELS[kernel].forward(q, k, v, mask, scale)
 
 
-def test_merging_two_key_halves_gives_attention_over_all_keys():
+# triton's block kernels run here in Triton's interpreter (TRITON_INTERPRET=1, see conftest)
+by_kernel = pytest.mark.parametrize(
+    "kernel",
+    [
+        "flash",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                unavailable_reason("triton", torch.device("cpu")) is not None,
+                reason="Triton's interpreter is not available",
+            ),
+        ),
+    ],
+)
+
+
+def test_the_default_block_kernel_is_flash_on_cpu():
+    assert block_strategy(torch.device("cpu")) == "flash"
+
+
+@by_kernel
+def test_merging_two_key_halves_gives_attention_over_all_keys(kernel):
     q = torch.randn(2, 4, 9, 8, dtype=torch.float64)
     k = torch.randn(2, 2, 14, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 14, 5, dtype=torch.float64)
-    o_all, lse_all = _flash_block(q, k, v)
-    o, lse = _flash_block(q, k[:, :, :6], v[:, :, :6])
-    o_b, lse_b = _flash_block(q, k[:, :, 6:], v[:, :, 6:])
+    o_all, lse_all = _flash_block(q, k, v, kernel=kernel)
+    o, lse = _flash_block(q, k[:, :, :6], v[:, :, :6], kernel=kernel)
+    o_b, lse_b = _flash_block(q, k[:, :, 6:], v[:, :, 6:], kernel=kernel)
     merge_partial_(o, lse, o_b, lse_b)
     torch.testing.assert_close(o, o_all, atol=1e-13, rtol=0)
     torch.testing.assert_close(lse, lse_all, atol=1e-13, rtol=0)
@@ -189,7 +211,8 @@ def test_merge_does_not_overflow_where_exp_lse_would():
     torch.testing.assert_close(lse, torch.tensor([800 + math.log1p(math.exp(-10))]).double())
 
 
-def test_block_backward_with_the_global_lse_and_delta_sums_to_the_gradients():
+@by_kernel
+def test_block_backward_with_the_global_lse_and_delta_sums_to_the_gradients(kernel):
     """Per key block, P = exp(S - lse_global) and Delta = rowsum(dO * O_final) (module math)."""
     q = torch.randn(1, 4, 10, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True)
@@ -198,10 +221,10 @@ def test_block_backward_with_the_global_lse_and_delta_sums_to_the_gradients():
     ref = reference_attention(q, k, v, scale=0.5, enable_gqa=True)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     with torch.no_grad():
-        o, lse = _flash_block(q, k, v)
+        o, lse = _flash_block(q, k, v, kernel=kernel)
         halves = [slice(0, 5), slice(5, 12)]
         parts = [
-            BLOCK_KERNELS["flash"].backward(
+            BLOCK_KERNELS[kernel].backward(
                 dout, q, k[:, :, c], v[:, :, c], o, lse, Block(slice(0, 10), c, False).mask(2), 0.5
             )
             for c in halves

@@ -40,10 +40,12 @@ from attngrad.ops import compute_dtype
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
+from attngrad.strategies import triton as triton_strategy
+from attngrad.strategies import unavailable_reason
 from attngrad.strategies.first_order import first_order_only
 from attngrad.strategies.flash import choose_blocks, flash_backward, flash_forward
 
-__all__ = ["BLOCK_KERNELS", "BlockKernels", "merge_partial_", "ring_attention"]
+__all__ = ["BLOCK_KERNELS", "BlockKernels", "block_strategy", "merge_partial_", "ring_attention"]
 
 _NEG_INF = float("-inf")
 
@@ -89,10 +91,47 @@ def _flash_block_backward(
     return dq, dk, dv
 
 
-# By strategy name; a GPU kernel registers here beside flash.
+def _triton_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, tuple[int, int]]:
+    row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
+    return triton_strategy.choose_blocks(q.shape[2], k.shape[2], row_bytes, None, None)
+
+
+def _triton_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels read dense rows
+    return triton_strategy.triton_forward(q, k, v, mask, scale, _triton_tiles(q, k, v))
+
+
+def _triton_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, o, lse = (t.contiguous() for t in (q, k, v, o, lse))
+    blocks = _triton_tiles(q, k, v)
+    dq, dk, dv, _ = triton_strategy.triton_backward(
+        dout, q, k, v, o, lse, mask, scale, blocks, None
+    )
+    return dq, dk, dv
+
+
+# By strategy name: the tiled strategies, on CPU and on CUDA.
 BLOCK_KERNELS: dict[str, BlockKernels] = {
     "flash": BlockKernels(_flash_block_forward, _flash_block_backward),
+    "triton": BlockKernels(_triton_block_forward, _triton_block_backward),
 }
+
+
+def block_strategy(device: torch.device) -> str:
+    """The default per-block kernel: triton on CUDA when Triton is installed, else flash."""
+    usable = device.type == "cuda" and unavailable_reason("triton", device) is None
+    return "triton" if usable else "flash"
 
 
 # -- forward: partial outputs merged through their lse --------------------------
@@ -296,7 +335,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     timeout: float = DEFAULT_TIMEOUT,
-    strategy: str = "flash",
+    strategy: str | None = None,
 ) -> torch.Tensor:
     r"""Attention over a sequence sharded across the ranks of ``group``; each rank passes its shard.
 
@@ -312,7 +351,8 @@ def ring_attention(
 
     ``timeout``: seconds a rank waits on its neighbours at each step before it
     raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
-    called).  ``strategy``: the per-block kernel, a key of `BLOCK_KERNELS`.
+    called).  ``strategy``: the per-block kernel, a key of `BLOCK_KERNELS`
+    (None: triton on CUDA when Triton is installed, else flash).
 
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
@@ -320,7 +360,11 @@ def ring_attention(
     Backward is a ring too: every rank that called forward must run it.
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
+    strategy = block_strategy(q.device) if strategy is None else strategy
     validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))
+    reason = unavailable_reason(strategy, q.device)
+    if reason is not None:
+        raise RuntimeError(reason)
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(
