@@ -50,6 +50,21 @@ def _dot(a, b, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _load_tile(Ptr, head, offs_r, n, offs_c, width):
+    """Rows offs_r of head ``head`` of a contiguous [heads, n, width] tensor; zero past n, width."""
+    at = (head * n + offs_r[:, None]) * width + offs_c[None, :]
+    return tl.load(Ptr + at, mask=(offs_r[:, None] < n) & (offs_c[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _store_tile(Ptr, head, offs_r, n, offs_c, width, value):
+    """Store ``value`` into rows offs_r of head ``head`` (the layout of `_load_tile`)."""
+    at = (head * n + offs_r[:, None]) * width + offs_c[None, :]
+    tl.store(Ptr + at, value.to(Ptr.dtype.element_ty),
+             mask=(offs_r[:, None] < n) & (offs_c[None, :] < width))  # fmt: skip
+
+
+@triton.jit
 def _mask_scores(
     s,
     qi,
@@ -125,20 +140,15 @@ def attention_forward(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = offs_m[:, None] < nq
-    q = tl.load(Q + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
-                mask=rows & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+    q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
     lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = offs_n[:, None] < nk
-        k = tl.load(K + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
-                    mask=cols & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-        v = tl.load(V + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
-                    mask=cols & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+        k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
+        v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
         s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
                          sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
@@ -155,8 +165,7 @@ def attention_forward(
     o = acc / tl.where(dead, 1.0, l_i)[:, None]
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(dead, float("-inf"), (shift + tl.log2(tl.where(dead, 1.0, l_i))) / LOG2E)
-    tl.store(Out + (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :], o.to(Out.dtype.element_ty),
-             mask=rows & (offs_dv[None, :] < dv))  # fmt: skip
+    _store_tile(Out, bh, offs_m, nq, offs_dv, dv, o)
     tl.store(Lse + bh * nq + offs_m, lse, mask=offs_m < nq)
 
 
@@ -169,10 +178,8 @@ def attention_delta(
     bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    at = (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :]
-    inside = (offs_m[:, None] < nq) & (offs_dv[None, :] < dv)
-    o = tl.load(Out + at, mask=inside, other=0.0).to(ACC)
-    do = tl.load(DO + at, mask=inside, other=0.0).to(ACC)
+    o = _load_tile(Out, bh, offs_m, nq, offs_dv, dv).to(ACC)
+    do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv).to(ACC)
     tl.store(Delta + bh * nq + offs_m, tl.sum(o * do, 1), mask=offs_m < nq)
 
 
@@ -205,11 +212,8 @@ def attention_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    cols = offs_n[:, None] < nk
-    k = tl.load(K + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
-                mask=cols & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-    v = tl.load(V + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
-                mask=cols & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+    k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
+    v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], ACC)
     # query rows i with kj - right <= i <= kj + left for some key kj of the block
@@ -224,11 +228,8 @@ def attention_dkdv(
         bh = b * heads_q + h
         for m0 in range(lo, hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            rows = offs_m[:, None] < nq
-            q = tl.load(Q + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
-                        mask=rows & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-            do = tl.load(DO + (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :],
-                         mask=rows & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+            q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
+            do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
             shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq)
             s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
             s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], b, h, Bias, Keep,
@@ -239,10 +240,8 @@ def attention_dkdv(
             dp_t = _dot(v, tl.trans(do), ACC, UPCAST, PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += _dot(ds_t.to(q.dtype), q, ACC, UPCAST, PRECISION)
-    tl.store(DK + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=cols & (offs_d[None, :] < d))  # fmt: skip
-    tl.store(DV + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
-             dv_acc.to(DV.dtype.element_ty), mask=cols & (offs_dv[None, :] < dv))  # fmt: skip
+    _store_tile(DK, bhk, offs_n, nk, offs_d, d, dk * scale)
+    _store_tile(DV, bhk, offs_n, nk, offs_dv, dv, dv_acc)
 
 
 @triton.jit
@@ -267,21 +266,15 @@ def attention_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = offs_m[:, None] < nq
-    q = tl.load(Q + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
-                mask=rows & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-    do = tl.load(DO + (bh * nq + offs_m[:, None]) * dv + offs_dv[None, :],
-                 mask=rows & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+    q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
+    do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
     shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = offs_n[:, None] < nk
-        k = tl.load(K + (bhk * nk + offs_n[:, None]) * d + offs_d[None, :],
-                    mask=cols & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-        v = tl.load(V + (bhk * nk + offs_n[:, None]) * dv + offs_dv[None, :],
-                    mask=cols & (offs_dv[None, :] < dv), other=0.0)  # fmt: skip
+        k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
+        v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
         s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
                          sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
@@ -290,11 +283,9 @@ def attention_dq(
         dp = _dot(do, tl.trans(v), ACC, UPCAST, PRECISION)
         ds = p * (dp - delta[:, None])
         if STORE_DS:
-            tl.store(DS + (bh * nq + offs_m[:, None]) * nk + offs_n[None, :], ds,
-                     mask=rows & (offs_n[None, :] < nk))  # fmt: skip
+            _store_tile(DS, bh, offs_m, nq, offs_n, nk, ds)
         dq += _dot(ds.to(k.dtype), k, ACC, UPCAST, PRECISION)
-    tl.store(DQ + (bh * nq + offs_m[:, None]) * d + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=rows & (offs_d[None, :] < d))  # fmt: skip
+    _store_tile(DQ, bh, offs_m, nq, offs_d, d, dq * scale)
 
 
 INTERPRETED: bool = type(attention_forward).__name__ == "InterpretedFunction"
