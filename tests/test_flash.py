@@ -9,7 +9,7 @@ import attngrad
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.reference import reference_attention
-from attngrad.strategies.flash import choose_blocks, schedule
+from attngrad.strategies.flash import choose_blocks, key_schedule, schedule
 
 
 def _mask(nq: int, nk: int, causal: bool = False, window=None) -> Mask:
@@ -43,6 +43,33 @@ def test_window_visits_only_the_band():
     window = _tiles(_mask(4096, 4096, window=(128, 0)), blocks)
     # each row block needs its own tile and the two before it (plus a partial start)
     assert window <= 3 * 64
+
+
+@pytest.mark.parametrize(
+    ("causal", "window"), [(False, None), (True, None), (False, (5, 3)), (True, (7, None))], ids=str
+)
+def test_key_schedule_visits_each_pair_in_the_band_exactly_once(causal, window):
+    mask = _mask(37, 45, causal=causal, window=window)
+    seen = torch.zeros(37, 45, dtype=torch.int64)
+    for cols, tiles in key_schedule(mask, (8, 16)):
+        for rows, keys in tiles:
+            assert cols.start <= keys.start < keys.stop <= cols.stop
+            seen[rows, keys] += 1
+    inside = torch.zeros(37, 45, dtype=torch.bool)
+    for i in range(37):
+        lo, hi = mask.key_span(slice(i, i + 1))
+        inside[i, lo:hi] = True
+    assert seen.max() == 1 and bool((seen == 1)[inside].all())
+    # tiles only reach past the band by less than one row block's spread
+    assert seen.sum() <= inside.sum() + 37 * 8
+
+
+def test_key_schedule_with_causal_visits_about_half():
+    def area(causal: bool) -> int:
+        tiles = key_schedule(_mask(4096, 4096, causal=causal), (256, 256))
+        return sum((r.stop - r.start) * (c.stop - c.start) for _, pairs in tiles for r, c in pairs)
+
+    assert 0.5 <= area(True) / area(False) <= 0.54
 
 
 def test_causal_with_more_queries_than_keys_keeps_every_key_for_late_rows():
