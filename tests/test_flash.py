@@ -150,9 +150,9 @@ def test_auto_takes_flash_for_long_sequences_and_block_sizes():
     assert resolve("auto", long, tiling_given=False) == "flash"
     assert resolve("auto", short, tiling_given=True) == "flash"
     assert resolve("recompute", long, tiling_given=False) == "recompute"
+    n512 = Shapes((1,), 8, 8, 512, 512, 64, 64)
     n1024 = Shapes((1,), 8, 8, 1024, 1024, 64, 64)
-    n2048 = Shapes((1,), 8, 8, 2048, 1024, 64, 64)
-    assert resolve("auto", n1024, tiling_given=False) == "explicit"
-    assert resolve("auto", n2048, tiling_given=False) == "flash"
-    assert resolve("auto", n1024, tiling_given=False, banded=True) == "flash"
-    assert resolve("auto", Shapes((1,), 8, 8, 1023, 1024, 64, 64), False, banded=True) == "explicit"
+    assert resolve("auto", n512, tiling_given=False) == "explicit"
+    assert resolve("auto", n1024, tiling_given=False) == "flash"
+    assert resolve("auto", n512, tiling_given=False, banded=True) == "flash"
+    assert resolve("auto", Shapes((1,), 8, 8, 511, 512, 64, 64), False, banded=True) == "explicit"

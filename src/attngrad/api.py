@@ -72,7 +72,7 @@ def attention(
       ``"triton"`` runs the flash algorithm as fused Triton kernels on CUDA
       (``pip install 'attngrad[gpu]'``; on CPU only under TRITON_INTERPRET=1).
       ``"auto"`` takes triton on CUDA when Triton is installed; otherwise
-      flash when Nq * Nk >= 2**21 (2**20 with ``is_causal`` or a window) or
+      flash when Nq * Nk >= 2**20 (2**18 with ``is_causal`` or a window) or
       block sizes are given, else explicit — about where `attngrad bench`
       finds flash faster on CPU.
     * ``block_q``, ``block_k``: tile sizes of the tiled strategies (default:

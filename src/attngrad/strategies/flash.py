@@ -82,9 +82,7 @@ def key_schedule(
     ``cols`` that band allows (all of it except near a causal/window edge).
     """
     block_q, block_k = blocks
-    row_blocks = [
-        slice(r0, min(r0 + block_q, mask.seq_q)) for r0 in range(0, mask.seq_q, block_q)
-    ]
+    row_blocks = [slice(r0, min(r0 + block_q, mask.seq_q)) for r0 in range(0, mask.seq_q, block_q)]
     spans = [mask.key_span(rows) for rows in row_blocks]
     for c0 in range(0, mask.seq_k, block_k):
         cols = slice(c0, min(c0 + block_k, mask.seq_k))
