@@ -164,7 +164,9 @@ by_kernel = pytest.mark.parametrize(
 
 
 def test_the_default_block_kernel_is_flash_on_cpu():
-    assert block_strategy(torch.device("cpu")) == "flash"
+    assert block_strategy(torch.device("cpu"), 64, 64) == "flash"
+    # and on CUDA, flash past the triton kernels' head dims
+    assert block_strategy(torch.device("cuda"), 300, 64) == "flash"
 
 
 @by_kernel

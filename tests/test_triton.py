@@ -192,10 +192,10 @@ def test_ledger_predicts_saved_bytes_byte_for_byte(dtype):
     )
 
 
-@pytest.mark.parametrize("value", [8, 24, 100])
-def test_block_sizes_must_be_powers_of_two_from_16(value):
+@pytest.mark.parametrize("value", [8, 24, 100, 512])
+def test_block_sizes_must_be_powers_of_two_from_16_to_256(value):
     q = torch.randn(1, 1, 8, 16)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="power of two from 16 to 256"):
         attngrad.attention(q, q, q, strategy="triton", block_q=value)
 
 
@@ -210,6 +210,9 @@ def test_default_blocks_fit_the_sequence():
 def test_auto_picks_triton_on_cuda_only():
     shapes = Shapes((1,), 8, 8, 256, 256, 64, 64)
     assert resolve("auto", shapes, False, device=torch.device("cuda")) == "triton"
+    # head dims past the kernels' 256 stay on the tensor-op strategies, even on CUDA
+    wide = Shapes((1,), 8, 8, 256, 256, 300, 300)
+    assert resolve("auto", wide, False, device=torch.device("cuda")) == "explicit"
     assert resolve("auto", shapes, False, device=CPU) == "explicit"
     # the interpreter makes it runnable on CPU for the conformance check, not for timing
     assert "triton" in available(CPU, interpreted=True)

@@ -287,8 +287,8 @@ def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
                 f"{name}={value} only applies to the tiled strategies 'flash' and 'triton', "
                 f"not {strategy!r}. Drop it or pass strategy='flash'."
             )
-        if strategy == "triton" and (value < 16 or value & (value - 1)):
+        if strategy == "triton" and (value < 16 or value > 256 or value & (value - 1)):
             raise ValueError(
-                f"{name}={value}: Triton tiles must be a power of two >= 16, e.g. 16, 32, 64 "
-                "or 128 (or None to choose from the shape)."
+                f"{name}={value}: Triton tiles must be a power of two from 16 to 256, e.g. 16, "
+                "32, 64 or 128 (or None to choose from the shape)."
             )

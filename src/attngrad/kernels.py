@@ -13,7 +13,10 @@ v: [B, Hkv, Nk, dv] (GQA: query head h reads key/value head h // G):
   dS itself where the caller needs a bias gradient.
 
 Scores are in base 2 (q k^T * scale * log2 e, bias * log2 e) so the softmax
-uses exp2.  Head dims are padded to a power of two >= 16 inside the kernels
+uses exp2.  The scale and log2 e come in a small tensor of the accumulation
+dtype (Scales = [scale * log2 e, scale, log2 e]): a Python float argument would
+reach a compiled kernel as float32 and cost float64 its precision.  The grid is
+(batch * heads, blocks): the first grid axis has no 65535 limit.  Head dims are padded to a power of two >= 16 inside the kernels
 (masked loads), never in memory.  Every score outside Nq x Nk, the band or the
 keep mask is -inf; a row that attends nothing has l = 0: O = 0, lse = -inf,
 and backward rebuilds its P as exp2(S - inf) = 0.
@@ -34,8 +37,6 @@ __all__ = [
     "attention_dq",
     "attention_forward",
 ]
-
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -85,13 +86,17 @@ def _mask_scores(
     nk,
     left,
     right,
+    log2e,
     HAS_BIAS: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
 ):
     """Base-2 scores s with the bias added and -inf wherever query qi may not
-    see key kj (bounds, band, keep mask).  qi, kj broadcast against s."""
+    see key kj (bounds, band, keep mask).  qi, kj broadcast against s; mask
+    offsets in int64 (a mask may hold 2**31 elements)."""
+    qi = qi.to(tl.int64)
+    kj = kj.to(tl.int64)
     valid = (qi < nq) & (kj < nk)
     if HAS_LEFT:
         valid = valid & (kj >= qi - left)
@@ -102,8 +107,14 @@ def _mask_scores(
         valid = valid & (keep != 0)
     if HAS_BIAS:
         bias = tl.load(Bias + b * sbb + h * sbh + qi * sbm + kj * sbn, mask=valid, other=0.0)
-        s = s + bias.to(s.dtype) * LOG2E
+        s = s + bias.to(s.dtype) * log2e
     return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _scales(Scales):
+    """(scale * log2 e, scale, log2 e) from the Scales tensor, in its dtype."""
+    return tl.load(Scales), tl.load(Scales + 1), tl.load(Scales + 2)
 
 
 @triton.jit
@@ -124,7 +135,7 @@ def _key_range(
 def attention_forward(
     Q, K, V, Out, Lse, Bias, Keep,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
-    qk_scale,
+    Scales,
     heads_q, groups, nq, nk, d, dv, left, right,
     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -132,8 +143,9 @@ def attention_forward(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    m0 = tl.program_id(1) * BLOCK_M
+    bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    qk_scale, _, log2e = _scales(Scales)
     b = bh // heads_q
     h = bh % heads_q
     bhk = b * (heads_q // groups) + h // groups
@@ -151,7 +163,7 @@ def attention_forward(
         v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
         s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
-                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
+                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right, log2e,
                          HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no key yet keeps m = -inf: shift it by 0 so exp2(-inf) = 0, not NaN
@@ -164,7 +176,7 @@ def attention_forward(
     dead = l_i == 0.0
     o = acc / tl.where(dead, 1.0, l_i)[:, None]
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = tl.where(dead, float("-inf"), (shift + tl.log2(tl.where(dead, 1.0, l_i))) / LOG2E)
+    lse = tl.where(dead, float("-inf"), (shift + tl.log2(tl.where(dead, 1.0, l_i))) / log2e)
     _store_tile(Out, bh, offs_m, nq, offs_dv, dv, o)
     tl.store(Lse + bh * nq + offs_m, lse, mask=offs_m < nq)
 
@@ -175,8 +187,8 @@ def attention_delta(
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Delta = rowsum(O * dO): [B*Hq, Nq] in ACC."""
-    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     o = _load_tile(Out, bh, offs_m, nq, offs_dv, dv).to(ACC)
     do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv).to(ACC)
@@ -184,18 +196,18 @@ def attention_delta(
 
 
 @triton.jit
-def _row_stats(Lse, Delta, bh, offs_m, nq):
+def _row_stats(Lse, Delta, bh, offs_m, nq, log2e):
     """(shift, Delta) of rows offs_m: shift = lse * log2 e, +inf for a dead row."""
     lse = tl.load(Lse + bh * nq + offs_m, mask=offs_m < nq, other=0.0)
     delta = tl.load(Delta + bh * nq + offs_m, mask=offs_m < nq, other=0.0)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), delta
+    return tl.where(lse == float("-inf"), float("inf"), lse * log2e), delta
 
 
 @triton.jit
 def attention_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV, Bias, Keep,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
-    qk_scale, scale,
+    Scales,
     heads_q, groups, nq, nk, d, dv, left, right,
     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -205,8 +217,9 @@ def attention_dkdv(
 ):  # fmt: skip
     """dK = scale * sum_g dS_g^T q_g and dV = sum_g P_g^T dO_g for one key block,
     working in the transposed orientation (keys along rows)."""
-    n0 = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    n0 = tl.program_id(1) * BLOCK_N
+    bhk = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    qk_scale, scale, log2e = _scales(Scales)
     heads_kv = heads_q // groups
     b = bhk // heads_kv
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -230,10 +243,10 @@ def attention_dkdv(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
             do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
-            shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq)
+            shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq, log2e)
             s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
             s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], b, h, Bias, Keep,
-                               sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
+                               sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right, log2e,
                                HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
             p_t = tl.exp2(s_t - shift[None, :])
             dv_acc += _dot(p_t.to(do.dtype), do, ACC, UPCAST, PRECISION)
@@ -248,7 +261,7 @@ def attention_dkdv(
 def attention_dq(
     Q, K, V, DO, Lse, Delta, DQ, DS, Bias, Keep,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
-    qk_scale, scale,
+    Scales,
     heads_q, groups, nq, nk, d, dv, left, right,
     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -258,8 +271,9 @@ def attention_dq(
     STORE_DS: tl.constexpr,
 ):  # fmt: skip
     """dQ = scale * dS k for one query block; with STORE_DS also dS into DS [B*Hq, Nq, Nk]."""
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    m0 = tl.program_id(1) * BLOCK_M
+    bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
+    qk_scale, scale, log2e = _scales(Scales)
     b = bh // heads_q
     h = bh % heads_q
     bhk = b * (heads_q // groups) + h // groups
@@ -268,7 +282,7 @@ def attention_dq(
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
     do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
-    shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq)
+    shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq, log2e)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
@@ -277,7 +291,7 @@ def attention_dq(
         v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
         s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
-                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
+                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right, log2e,
                          HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
         p = tl.exp2(s - shift[:, None])
         dp = _dot(do, tl.trans(v), ACC, UPCAST, PRECISION)

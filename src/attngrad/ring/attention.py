@@ -128,9 +128,11 @@ BLOCK_KERNELS: dict[str, BlockKernels] = {
 }
 
 
-def block_strategy(device: torch.device) -> str:
-    """The default per-block kernel: triton on CUDA when Triton is installed, else flash."""
-    usable = device.type == "cuda" and unavailable_reason("triton", device) is None
+def block_strategy(device: torch.device, head_dim: int, value_dim: int) -> str:
+    """The default per-block kernel: triton on CUDA when Triton is installed and the
+    head dims fit its kernels, else flash."""
+    fits = max(head_dim, value_dim) <= triton_strategy.MAX_HEAD_DIM
+    usable = device.type == "cuda" and fits and unavailable_reason("triton", device) is None
     return "triton" if usable else "flash"
 
 
@@ -360,11 +362,14 @@ def ring_attention(
     Backward is a ring too: every rank that called forward must run it.
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
-    strategy = block_strategy(q.device) if strategy is None else strategy
+    if strategy is None:
+        strategy = block_strategy(q.device, shapes.head_dim, shapes.value_dim)
     validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))
     reason = unavailable_reason(strategy, q.device)
     if reason is not None:
         raise RuntimeError(reason)
+    if strategy == "triton":
+        triton_strategy.check_head_dims(shapes.head_dim, shapes.value_dim)
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(

@@ -69,16 +69,20 @@ class RingComm:
         )
 
     def send_recv(self, tensors: Sequence[torch.Tensor]) -> Exchange:
-        """Send ``tensors`` to the next rank, receive as many of the same shapes from the previous."""
-        works: list[dist.Work] = []
+        """Send ``tensors`` to the next rank, receive as many of the same shapes from the previous.
+
+        The sends and receives go out as one batch (`dist.batch_isend_irecv`):
+        NCCL then posts them together, which it needs when the next and the
+        previous rank are the same peer (P = 2) and both send first.
+        """
+        ops: list[dist.P2POp] = []
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        for sent, into in zip(tensors, received, strict=True):
+            ops.append(dist.P2POp(dist.isend, sent, self._next, self.group, self._tag))
+            ops.append(dist.P2POp(dist.irecv, into, self._prev, self.group, self._tag))
+            self._tag += 1
         try:
-            for sent, into in zip(tensors, received, strict=True):
-                send = dist.isend(sent, self._next, group=self.group, tag=self._tag)
-                recv = dist.irecv(into, self._prev, group=self.group, tag=self._tag)
-                assert send is not None and recv is not None  # None only outside the group
-                works += [send, recv]
-                self._tag += 1
+            works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:  # a broken connection fails at posting already
             raise self._error("posting a send or receive", e) from e
         return Exchange(self, works, received)

@@ -76,18 +76,17 @@ def resolve(
 ) -> str:
     """The strategy "auto" stands for; the others resolve to themselves.
 
-    "auto": triton on CUDA when Triton is installed; otherwise flash when block
-    sizes are given or Nq * Nk reaches AUTO_FLASH_SCORES
-    (AUTO_FLASH_SCORES_BANDED with is_causal or a window), else explicit.
+    "auto": triton on CUDA when Triton is installed and the head dims fit its
+    kernels; otherwise flash when block sizes are given or Nq * Nk reaches
+    AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED with is_causal or a window),
+    else explicit.
     """
     if strategy != "auto":
         return strategy
-    if (
-        device is not None
-        and device.type == "cuda"
-        and unavailable_reason("triton", device) is None
-    ):
-        return "triton"
+    fits = max(shapes.head_dim, shapes.value_dim) <= triton.MAX_HEAD_DIM
+    if device is not None and device.type == "cuda" and fits:
+        if unavailable_reason("triton", device) is None:
+            return "triton"
     threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
     if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
         return "flash"

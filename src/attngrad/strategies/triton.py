@@ -27,7 +27,14 @@ from attngrad.masks import Mask, bias_meta
 from attngrad.ops import LOG2E, compute_dtype
 from attngrad.strategies.first_order import first_order_only
 
-__all__ = ["TritonAttention", "attention", "choose_blocks", "unavailable_reason"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "TritonAttention",
+    "attention",
+    "check_head_dims",
+    "choose_blocks",
+    "unavailable_reason",
+]
 
 MAX_HEAD_DIM = 256
 
@@ -46,6 +53,15 @@ def unavailable_reason(device: torch.device) -> str | None:
         "On CPU it runs only in Triton's interpreter: set TRITON_INTERPRET=1 before attngrad "
         "first uses it (slow; meant for tests), or pick strategy='flash'."
     )
+
+
+def check_head_dims(head_dim: int, value_dim: int) -> None:
+    """ValueError unless both head dims fit the kernels (<= MAX_HEAD_DIM)."""
+    if max(head_dim, value_dim) > MAX_HEAD_DIM:
+        raise ValueError(
+            f"strategy='triton' supports head dims up to {MAX_HEAD_DIM}, got "
+            f"d={head_dim}, dv={value_dim}; use strategy='flash' for larger heads."
+        )
 
 
 def _interpreting() -> bool:
@@ -114,6 +130,11 @@ def _mask_args(mask: Mask, shape: tuple[int, int, int, int]) -> tuple[object, ..
     return (*args, *strides)
 
 
+def _scales(scale: float, like: torch.Tensor) -> torch.Tensor:
+    """[scale * log2 e, scale, log2 e] in the accumulation dtype of ``like`` (see kernels)."""
+    return torch.tensor([scale * LOG2E, scale, LOG2E], dtype=like.dtype, device=like.device)
+
+
 def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
     tl = _kernels().tl
     interpreted = _kernels().INTERPRETED
@@ -123,8 +144,9 @@ def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
         "PRECISION": "ieee",
     }
     if not interpreted:
+        row_bytes = head_dim * torch.finfo(dtype).bits // 8
         options["num_warps"] = 4 if head_dim <= 64 else 8
-        options["num_stages"] = 3 if head_dim <= 128 and dtype != torch.float64 else 2
+        options["num_stages"] = 3 if row_bytes <= 256 else (2 if row_bytes <= 512 else 1)
     return options
 
 
@@ -166,12 +188,12 @@ def triton_forward(
     o = q.new_empty(b, hq, nq, v.shape[-1])
     lse = torch.empty(b, hq, nq, dtype=compute_dtype(q.dtype), device=q.device)
     block_m, block_n = blocks["forward"]
-    grid = (_cdiv(nq, block_m), b * hq)
+    grid = (b * hq, _cdiv(nq, block_m))
     shape = (b, hq, nq, k.shape[2])
     _kernels().attention_forward[grid](
-        q, k, v, o, lse, *_mask_args(mask, shape), scale * LOG2E,
+        q, k, v, o, lse, *_mask_args(mask, shape), _scales(scale, lse),
         **_problem(q, k, v, mask), BLOCK_M=block_m, BLOCK_N=block_n,
-        **_launch_options(q.dtype, q.shape[-1]),
+        **_launch_options(q.dtype, max(q.shape[-1], v.shape[-1])),
     )  # fmt: skip
     return o, lse
 
@@ -196,26 +218,27 @@ def triton_backward(
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     dout = dout.contiguous()
-    problem, options = _problem(q, k, v, mask), _launch_options(q.dtype, d)
+    problem, options = _problem(q, k, v, mask), _launch_options(q.dtype, max(d, dv_dim))
     shape = (b, hq, nq, nk)
     masks = _mask_args(mask, shape)
+    scales = _scales(scale, lse)
     delta = torch.empty_like(lse)
     block_m = min(64, _pow2(nq))  # rows x dv elements of O and dO in registers
-    kernels.attention_delta[(_cdiv(nq, block_m), b * hq)](
+    kernels.attention_delta[(b * hq, _cdiv(nq, block_m))](
         o, dout, delta, nq, dv_dim,
         BLOCK_M=block_m, BLOCK_DV=problem["BLOCK_DV"], ACC=options["ACC"],
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     block_m, block_n = blocks["dkdv"]
-    kernels.attention_dkdv[(_cdiv(nk, block_n), b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, *masks, scale * LOG2E, scale,
+    kernels.attention_dkdv[(b * hkv, _cdiv(nk, block_n))](
+        q, k, v, dout, lse, delta, dk, dv, *masks, scales,
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options,
     )  # fmt: skip
     # dS at the scores' shape, only for a bias gradient; skipped tiles stay zero
     ds = torch.zeros(shape, dtype=lse.dtype, device=q.device) if bias_meta is not None else lse
     block_m, block_n = blocks["dq"]
-    kernels.attention_dq[(_cdiv(nq, block_m), b * hq)](
-        q, k, v, dout, lse, delta, dq, ds, *masks, scale * LOG2E, scale,
+    kernels.attention_dq[(b * hq, _cdiv(nq, block_m))](
+        q, k, v, dout, lse, delta, dq, ds, *masks, scales,
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options, STORE_DS=bias_meta is not None,
     )  # fmt: skip
     dbias = None
@@ -272,11 +295,7 @@ def attention(
     reason = unavailable_reason(q.device)
     if reason is not None:
         raise RuntimeError(reason)
-    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(
-            f"strategy='triton' supports head dims up to {MAX_HEAD_DIM}, got "
-            f"d={q.shape[-1]}, dv={v.shape[-1]}; use strategy='flash' for larger heads."
-        )
+    check_head_dims(q.shape[-1], v.shape[-1])
     row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
     blocks = choose_blocks(q.shape[2], k.shape[2], row_bytes, block_q, block_k)
     return TritonAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)
