@@ -84,9 +84,9 @@ def resolve(
     if strategy != "auto":
         return strategy
     fits = max(shapes.head_dim, shapes.value_dim) <= triton.MAX_HEAD_DIM
-    if device is not None and device.type == "cuda" and fits:
-        if unavailable_reason("triton", device) is None:
-            return "triton"
+    gpu = device if device is not None and device.type == "cuda" else None
+    if gpu is not None and fits and unavailable_reason("triton", gpu) is None:
+        return "triton"
     threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
     if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
         return "flash"
