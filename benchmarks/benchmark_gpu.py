@@ -7,7 +7,10 @@ For each head dim, sequence length and causal mode it times forward, backward
 and forward+backward of attngrad's triton strategy and of
 ``scaled_dot_product_attention`` under each of FLASH_ATTENTION,
 EFFICIENT_ATTENTION and CUDNN_ATTENTION that this machine has, with
-``triton.testing.do_bench`` (CUDA events, median).  FLOPs follow
+``triton.testing.do_bench`` (CUDA events, median).  A contender that fails on
+a shape (a backend without it, a kernel that does not compile) is left out of
+that shape.  Each row goes to the CSV as soon as it is measured, so a run cut
+short keeps what it measured.  FLOPs follow
 `attngrad.bench.flops` (forward 4*B*H*N*N*d, half when causal; backward 2.5x).
 The GPU's bfloat16 matmul rate is measured first, in the same run.  Ratios are
 triton's speed over each backend's (above 1: triton faster).
@@ -39,7 +42,7 @@ def matmul_tflops(n: int = 8192) -> float:
     """The bfloat16 GEMM rate of this GPU: an n x n x n product, in TFLOP/s."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b)
+    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
@@ -72,7 +75,8 @@ def runs(name: str, causal: bool, q, k, v, dout) -> bool:
     """Whether contender ``name`` accepts this problem on this machine."""
     try:
         torch.autograd.grad(attention_fn(name, causal)(q, k, v), (q, k, v), dout)
-    except RuntimeError:
+    except Exception as e:  # SDPA backends raise RuntimeError; Triton its own errors
+        print(f"  {name}: left out at this shape ({type(e).__name__}: {str(e).splitlines()[0]})")
         return False
     return True
 
@@ -95,51 +99,60 @@ def main() -> None:
     gemm = matmul_tflops()
     print(f"{torch.cuda.get_device_name()}: bfloat16 matmul {gemm:.0f} TFLOP/s")
     modes = {"both": [False, True], "no": [False], "yes": [True]}[args.causal]
-    rows: list[dict[str, object]] = []
-    header = (
-        f"{'d':>4} {'N':>6} {'causal':>6} {'pass':<17} {'contender':<15} {'ms':>8} {'TFLOP/s':>8}"
-    )
-    print(header + f" {'triton/it':>9}")
-    for d in args.head_dim:
-        for n in args.seq:
-            shape = (args.batch, args.heads, n, d)
-            q, k, v = (
-                torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(3)
-            )
-            dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-            for causal in modes:
-                names = [c for c in ("triton", *BACKENDS) if runs(c, causal, q, k, v, dout)]
-                for pass_ in PASSES:
-                    times: dict[str, float] = {}
-                    rates: dict[str, float] = {}
-                    for name in names:
-                        fn = pass_fn(attention_fn(name, causal), pass_, q, k, v, dout)
-                        ms = times[name] = triton.testing.do_bench(fn)
-                        rate = flops(args.batch, args.heads, n, n, d, causal, pass_) / ms / 1e9
-                        rates[name] = rate
-                        rows.append(
-                            {
-                                "head_dim": d, "seq": n, "causal": causal, "pass": pass_,
-                                "contender": name, "ms": ms, "tflops": rate,
-                                "gemm_tflops": gemm,
-                            }
-                        )  # fmt: skip
-                    for name in names:
-                        ratio = rates["triton"] / rates[name] if "triton" in rates else float("nan")
-                        print(
-                            f"{d:>4} {n:>6} {causal!s:>6} {pass_:<17} {name:<15} "
-                            f"{times[name]:>8.3f} {rates[name]:>8.1f} {ratio:>9.2f}"
-                        )
-            del q, k, v, dout
-            torch.cuda.empty_cache()
     if args.csv:
         os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-        with open(args.csv, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    with open(args.csv or os.devnull, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        print(f"{'d':>4} {'N':>6} {'causal':>6} {'pass':<17} {'contender':<15} {'ms':>8}", end="")
+        print(f" {'TFLOP/s':>8} {'triton/it':>9}")
+        for d in args.head_dim:
+            for n in args.seq:
+                for causal in modes:
+                    measure(args, d, n, causal, gemm, writer)
+                    f.flush()
+    if args.csv:
         print(f"wrote {args.csv}")
+
+
+CSV_COLUMNS = [
+    "batch", "heads", "head_dim", "seq", "causal", "dtype", "pass", "contender",
+    "ms", "tflops", "gemm_tflops",
+]  # fmt: skip
+
+
+def measure(
+    args: argparse.Namespace, d: int, n: int, causal: bool, gemm: float, writer: csv.DictWriter
+) -> None:
+    """Every pass of every contender at one shape: a printed line and a CSV row each."""
+    shape = (args.batch, args.heads, n, d)
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    names = [c for c in ("triton", *BACKENDS) if runs(c, causal, q, k, v, dout)]
+    for pass_ in PASSES:
+        times, rates = {}, {}
+        for name in names:
+            fn = pass_fn(attention_fn(name, causal), pass_, q, k, v, dout)
+            times[name] = triton.testing.do_bench(fn, return_mode="median")
+            rates[name] = flops(args.batch, args.heads, n, n, d, causal, pass_) / times[name] / 1e9
+            writer.writerow(
+                {
+                    "batch": args.batch, "heads": args.heads, "head_dim": d, "seq": n,
+                    "causal": causal, "dtype": "bfloat16", "pass": pass_, "contender": name,
+                    "ms": times[name], "tflops": rates[name], "gemm_tflops": gemm,
+                }
+            )  # fmt: skip
+        for name in names:
+            ratio = rates["triton"] / rates[name] if "triton" in rates else float("nan")
+            print(
+                f"{d:>4} {n:>6} {causal!s:>6} {pass_:<17} {name:<15} "
+                f"{times[name]:>8.3f} {rates[name]:>8.1f} {ratio:>9.2f}"
+            )
+    del q, k, v, dout
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

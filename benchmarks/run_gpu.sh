@@ -3,33 +3,47 @@
 #
 #     benchmarks/run_gpu.sh OUTDIR
 #
-# Writes OUTDIR/tests.log, OUTDIR/tests.xml (JUnit), OUTDIR/benchmark_gpu.log,
-# OUTDIR/benchmark_gpu.csv and OUTDIR/nvidia-smi.txt.  Each step has its own time
-# limit so that the whole run stays under 8 minutes; the exit status is that of
-# the tests.  Uses .venv when there is one, else the python on PATH (which must
-# have torch with CUDA, triton and attngrad[test]).
+# Writes into OUTDIR: versions.txt, nvidia-smi.txt, tests.log and tests.xml (JUnit) of
+# tests/test_triton_gpu.py, then targets.log/.csv (benchmark_gpu.py at the issue's target
+# shape, N = 8192, d = 128 and 64) and benchmark_gpu.log/.csv (the sweep over N and d).
+# Each step has its own time limit so that the whole run stays under 8 minutes; a step cut
+# short keeps the rows it measured.  The exit status is that of the tests.
+#
+# The first of .venv/bin/python, python3, python whose torch sees a CUDA GPU runs it all
+# (it needs triton and pytest too: pip install -e '.[gpu,test]').
 set -uo pipefail
 out=${1:?usage: benchmarks/run_gpu.sh OUTDIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
-py=python
-[ -x .venv/bin/python ] && py=.venv/bin/python
+
+py=""
+for candidate in .venv/bin/python python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 &&
+        "$candidate" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        py=$candidate
+        break
+    fi
+done
+if [ -z "$py" ]; then
+    echo "run_gpu.sh: no python here whose torch sees a CUDA GPU; nothing to run" | tee "$out/tests.log"
+    exit 2
+fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0  # compile the kernels for the GPU
 
-if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "run_gpu.sh: no CUDA GPU visible to torch here; nothing to run" | tee "$out/tests.log"
-    exit 2
-fi
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-    | tee "$out/versions.txt"
+    2>&1 | tee "$out/versions.txt"
 
-timeout 210 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
+timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
     --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
 
-timeout 240 "$py" benchmarks/benchmark_gpu.py --csv "$out/benchmark_gpu.csv" 2>&1 \
+timeout 90 "$py" benchmarks/benchmark_gpu.py --seq 8192 --head-dim 128 64 \
+    --csv "$out/targets.csv" 2>&1 | tee "$out/targets.log"
+
+timeout 170 "$py" benchmarks/benchmark_gpu.py --csv "$out/benchmark_gpu.csv" 2>&1 \
     | tee "$out/benchmark_gpu.log"
 
 exit "$tests"

@@ -247,3 +247,26 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert "CUDA" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+
+
+def test_commands_refuse_triton_cleanly_where_it_cannot_run():
+    code = (
+        "from attngrad import cli\n"
+        "for argv in (['check', '--strategy', 'triton'], ['explain', '--strategy', 'triton'],\n"
+        "             ['bench', '--strategy', 'triton', '--seq', '16'],\n"
+        "             ['ledger', '--path', 'triton', '--seq-q', '16']):\n"
+        "    print(argv[0], cli.main(argv))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["check", "2", "explain", "2", "bench", "2", "ledger", "2"]
+    assert out.stderr.count("TRITON_INTERPRET=1") == 4
+    assert "Traceback" not in out.stderr
+
+
+def test_ledger_leaves_out_the_interpreters_peak():
+    layout = Layout(1, 2, 2, 16, 16, 16, 16, torch.float32)
+    row = ledger_row("triton", layout)
+    assert row.peak is None and row.peak_beyond_io is None

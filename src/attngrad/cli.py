@@ -1,7 +1,10 @@
 """The ``attngrad`` command.
 
 attngrad check   [--strategy NAME ...] [--json PATH] [--seed N] [--no-gradcheck]
+                 the conformance grid; exit 1 on a failed case, 2 on a strategy that can't run
 attngrad ledger  [--seq-q N ...] [--sweep N ...]   saved bytes and peak memory per path
+attngrad explain [--strategy NAME ...]             the grad_fn graph and saved tensors per path
+attngrad bench   [--seq N ...] [--strategy NAME]   time against SDPA's MATH and FLASH backends
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from attngrad import bench, explain, ledger
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, unavailable_reason
+from attngrad.strategies import STRATEGIES, available, first_unavailable, skipped
 from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
 
 __all__ = ["main"]
@@ -31,14 +34,12 @@ def _row(r: CaseResult) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
+    if args.strategy and (reason := first_unavailable(args.strategy, cpu)) is not None:
+        print(f"attngrad check: error: {reason}", file=sys.stderr)
+        return 2
     strategies = args.strategy or list(available(cpu, interpreted=True))
-    for name in args.strategy or STRATEGIES:
-        reason = unavailable_reason(name, cpu)
-        if reason is not None and args.strategy:
-            print(f"attngrad check: error: {reason}", file=sys.stderr)
-            return 2
-        if reason is not None:
-            print(f"{name}: skipped. {reason}", file=sys.stderr)
+    for line in [] if args.strategy else skipped(cpu, interpreted=True):
+        print(line, file=sys.stderr)
     cases = default_cases()
     results: list[CaseResult] = []
     torch.manual_seed(args.seed)

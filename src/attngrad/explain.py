@@ -31,6 +31,7 @@ import heapq
 import importlib
 import itertools
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
 from attngrad.contract import DTYPES
-from attngrad.strategies import STRATEGIES, available
+from attngrad.strategies import STRATEGIES, available, first_unavailable, skipped
 
 __all__ = [
     "BASELINES",
@@ -625,6 +626,12 @@ def _positive(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    cpu = torch.device("cpu")
+    if args.strategy and (reason := first_unavailable(args.strategy, cpu)) is not None:
+        print(f"attngrad explain: error: {reason}", file=sys.stderr)
+        return 2
+    for line in [] if args.strategy else skipped(cpu, interpreted=True):
+        print(line, file=sys.stderr)
     reports = explain(
         batch=args.batch,
         heads=args.heads,

@@ -9,7 +9,7 @@ strategy cannot run on a device here (only "triton" ever has a reason).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -21,7 +21,9 @@ __all__ = [
     "STRATEGIES",
     "TILED",
     "available",
+    "first_unavailable",
     "resolve",
+    "skipped",
     "unavailable_reason",
 ]
 
@@ -49,6 +51,22 @@ AUTO_FLASH_SCORES_BANDED = 2**18
 def unavailable_reason(strategy: str, device: torch.device) -> str | None:
     """Why ``strategy`` cannot run on ``device`` tensors here, or None when it can."""
     return triton.unavailable_reason(device) if strategy == "triton" else None
+
+
+def first_unavailable(names: Iterable[str], device: torch.device) -> str | None:
+    """The reason the first of ``names`` that cannot run on ``device`` can't, or None."""
+    reasons = (unavailable_reason(n, device) for n in names if n in IMPLEMENTATIONS)
+    return next((r for r in reasons if r is not None), None)
+
+
+def skipped(device: torch.device, interpreted: bool = False) -> list[str]:
+    """One line per strategy that `available` leaves out: its name and why."""
+    chosen = available(device, interpreted)
+    return [
+        f"{s}: skipped. {unavailable_reason(s, device) or 'Triton interpreter: too slow here.'}"
+        for s in STRATEGIES
+        if s not in chosen
+    ]
 
 
 def available(device: torch.device, interpreted: bool = False) -> tuple[str, ...]:
