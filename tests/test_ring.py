@@ -74,6 +74,11 @@ def test_bad_shard_arguments_name_the_sizes(n, world, rank, layout, match):
         shard(torch.zeros(n, 2), rank, world, layout)
 
 
+def test_shard_of_a_1d_tensor_says_where_the_sequence_must_be():
+    with pytest.raises(ValueError, match=r"x must be a tensor \[..., N, d\].*got \(8,\)"):
+        shard(torch.zeros(8), 0, 2)
+
+
 @pytest.mark.parametrize(
     ("shards", "layout", "match"),
     [
@@ -259,6 +264,7 @@ def _qkv(n: int = 8, heads_q: int = 2, heads_kv: int = 2, seq_k: int | None = No
         (_qkv(), {"timeout": "60"}, TypeError, "timeout must be a number of seconds, got '60'"),
         (_qkv(), {"strategy": "explicit"}, ValueError, "strategy must be one of 'flash'"),
         (_qkv(heads_q=3), {}, ValueError, r"query heads \(3\) must be a multiple"),
+        (_qkv(), {"group": "x"}, TypeError, "group must be a torch.distributed.ProcessGroup"),
     ],
     ids=[
         "layout",
@@ -269,6 +275,7 @@ def _qkv(n: int = 8, heads_q: int = 2, heads_kv: int = 2, seq_k: int | None = No
         "timeout-str",
         "strategy",
         "heads",
+        "group",
     ],
 )
 def test_bad_arguments_raise_naming_the_value(inputs, kwargs, error, match):

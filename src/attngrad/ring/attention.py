@@ -362,6 +362,11 @@ def ring_attention(
     Backward is a ring too: every rank that called forward must run it.
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None (the default group), "
+            f"got {type(group).__name__}; make one with dist.new_group(ranks)."
+        )
     if strategy is None:
         strategy = block_strategy(q.device, shapes.head_dim, shapes.value_dim)
     validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))

@@ -61,6 +61,12 @@ def shard(x: torch.Tensor, rank: int, world: int, layout: str = "contiguous") ->
     [0.0, 1.0, 6.0, 7.0]
     """
     validate_layout(layout)
+    if not isinstance(x, torch.Tensor) or x.ndim < 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(
+            f"x must be a tensor [..., N, d] with the sequence at dim -2, got {got}; "
+            "unsqueeze a 1-D sequence to [N, 1]."
+        )
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int):
         raise ValueError(f"world must be an int >= 1, got {world!r} (rank {rank!r}).")
     if not 0 <= rank < world:
