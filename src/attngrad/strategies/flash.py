@@ -34,6 +34,7 @@ __all__ = [
     "attention",
     "choose_blocks",
     "flash_backward",
+    "flash_backward_into",
     "flash_forward",
     "key_schedule",
     "schedule",
@@ -163,28 +164,53 @@ def flash_backward(
     blocks: tuple[int, int],
     bias_meta: tuple[torch.Size, torch.dtype] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """dq, dk, dv (input dtype) and dbias (its dtype, or None) tile by tile.
+    """dq, dk, dv (input dtype) and dbias (its dtype, or None): `flash_backward_into` zeros.
 
     dout, o: [B, Hq, Nq, dv]; lse: [B, Hq, Nq]; q, k, v as in `flash_forward`.
-    Key block by key block (`key_schedule`): the block's dK and dV sit in
-    contiguous accumulators that the matmuls add into in place, and are
-    written out once; dq rows gather one small product per tile.
     """
-    b, hq, nq, d = q.shape
-    hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+    dbias = None if bias_meta is None else torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
+    flash_backward_into((dq, dk, dv, dbias), dout, q, k, v, o, lse, mask, scale, blocks)
+    dbias_out = None if dbias is None or bias_meta is None else dbias.to(bias_meta[1])
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
+
+
+def flash_backward_into(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+    blocks: tuple[int, int],
+) -> None:
+    """Add this call's gradients, tile by tile, into ``grads`` = (dq, dk, dv, dbias).
+
+    dq: like q, dk: like k, dv: like v, in the compute dtype (views of larger
+    accumulators are fine, e.g. ring attention's); dbias: like the bias, or
+    None.  Inputs as in `flash_backward`.  Key block by key block
+    (`key_schedule`): the block's dK and dV sit in contiguous buffers that
+    the matmuls add into in place and are added out once; dq rows gather one
+    small product per tile.  Scores come out base 2 from a copy of q scaled
+    by scale * log2(e) (folding the scale into each tile's matmul instead
+    measured 5% slower).
+    """
+    dq, dk, dv, dbias = grads
+    b, hq, _, d = q.shape
+    hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
     dtype = compute_dtype(q.dtype)
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     delta = (do5 * group_heads(o, hkv).to(dtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
     shift5 = lse_shift(group_heads(lse, hkv), LOG2E)  # (B, Hkv, G, Nq, 1), base 2
-    q5 = group_heads(q, hkv).to(dtype) * (scale * LOG2E)  # base-2 scores come out of q5 k^T
+    q5, dq5 = group_heads(q, hkv).to(dtype) * (scale * LOG2E), group_heads(dq, hkv)
     k, v = k.to(dtype), v.to(dtype)
-    dq = torch.zeros(b, hkv, g, nq, d, dtype=dtype, device=q.device)
-    dk = torch.empty(b, hkv, nk, d, dtype=dtype, device=q.device)
-    dv = torch.empty(b, hkv, nk, dv_dim, dtype=dtype, device=q.device)
-    dbias = None
-    if bias_meta is not None:
-        dbias = torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
     work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
     work_ds = torch.empty_like(work_p)
     work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
@@ -196,10 +222,10 @@ def flash_backward(
         for rows, keys in tiles:
             r, n = rows.stop - rows.start, keys.stop - keys.start
             local = slice(keys.start - cols.start, keys.stop - cols.start)
-            qb, dob = take_rows(q5, rows), take_rows(do5, rows)  # (B, Hkv, G*r, d | dv)
+            qb, dob = take_rows(q5, rows), take_rows(do5, rows)  # (B, Hkv, G*r, d|dv)
             shift_b, delta_b = take_rows(shift5, rows), take_rows(delta, rows)  # (B, Hkv, G*r, 1)
             kc, vc = k[:, :, keys], v[:, :, keys]
-            qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n), base 2
+            qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n): base-2 scores
             torch.matmul(qb, kc.transpose(-2, -1), out=qk)
             mask.apply_(qk.view(b, hkv, g, r, n), rows, keys, unit=LOG2E)
             p = qk.sub_(shift_b).exp2_()
@@ -209,14 +235,10 @@ def flash_backward(
             ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
             if dbias is not None:
                 add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
-            dq[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d)
+            dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
             _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale * log2 e)
-        dk[:, :, cols] = dk_c
-        dv[:, :, cols] = dv_c
-    dbias_out = None if dbias is None or bias_meta is None else dbias.to(bias_meta[1])
-    # dk accumulated dS^T (scale * log2(e) * q): one division leaves scale * dS^T q
-    dq, dk = dq.view(b, hq, nq, d).mul_(scale), dk.div_(LOG2E)
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
+        dk[:, :, cols].add_(dk_c, alpha=1 / LOG2E)  # leaves scale * dS^T q
+        dv[:, :, cols] += dv_c
 
 
 def _accumulate(acc: torch.Tensor, local: slice, a: torch.Tensor, b: torch.Tensor) -> None:
