@@ -43,7 +43,7 @@ from attngrad.ring.layout import Block, step_blocks
 from attngrad.strategies import triton as triton_strategy
 from attngrad.strategies import unavailable_reason
 from attngrad.strategies.first_order import first_order_only
-from attngrad.strategies.flash import choose_blocks, flash_backward, flash_forward
+from attngrad.strategies.flash import choose_blocks, flash_backward_into, flash_forward
 
 __all__ = ["BLOCK_KERNELS", "BlockKernels", "block_strategy", "merge_partial_", "ring_attention"]
 
@@ -58,13 +58,15 @@ class BlockKernels:
     """The compute of one block: a rank's query rows against one k/v block.
 
     forward(q, k, v, mask, scale) -> (O, lse) and
-    backward(dout, q, k, v, o, lse, mask, scale) -> (dq, dk, dv), with
-    q: [B, Hq, r, d], k: [B, Hkv, c, d], v: [B, Hkv, c, dv], O, dout: [B, Hq, r, dv],
-    lse: [B, Hq, r].  Backward takes the final O and lse of the rows.
+    backward((dq, dk, dv), dout, q, k, v, o, lse, mask, scale) -> None, which adds
+    the block's gradients into dq: like q, dk: like k, dv: like v (compute
+    dtype, views of the ring's accumulators), with q: [B, Hq, r, d],
+    k: [B, Hkv, c, d], v: [B, Hkv, c, dv], O, dout: [B, Hq, r, dv], lse: [B, Hq, r].
+    Backward takes the final O and lse of the rows.
     """
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    backward: Callable[..., None]
 
 
 def _tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
@@ -78,6 +80,7 @@ def _flash_block_forward(
 
 
 def _flash_block_backward(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,9 +89,8 @@ def _flash_block_backward(
     lse: torch.Tensor,
     mask: Mask,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, _ = flash_backward(dout, q, k, v, o, lse, mask, scale, _tiles(q, k), None)
-    return dq, dk, dv
+) -> None:
+    flash_backward_into((*grads, None), dout, q, k, v, o, lse, mask, scale, _tiles(q, k))
 
 
 def _triton_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, tuple[int, int]]:
@@ -104,6 +106,7 @@ def _triton_block_forward(
 
 
 def _triton_block_backward(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,13 +115,12 @@ def _triton_block_backward(
     lse: torch.Tensor,
     mask: Mask,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> None:
     q, k, v, o, lse = (t.contiguous() for t in (q, k, v, o, lse))
     blocks = _triton_tiles(q, k, v)
-    dq, dk, dv, _ = triton_strategy.triton_backward(
-        dout, q, k, v, o, lse, mask, scale, blocks, None
-    )
-    return dq, dk, dv
+    parts = triton_strategy.triton_backward(dout, q, k, v, o, lse, mask, scale, blocks, None)
+    for total, part in zip(grads, parts[:3], strict=True):
+        total += part
 
 
 # By strategy name: the tiled strategies, on CPU and on CUDA.
@@ -239,54 +241,48 @@ def ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shard (input dtype); shapes as in `ring_forward`.
 
-    Step 0 computes the own block; its dK/dV stay here.  At step s >= 1 the
-    block of rank r - s arrives with the dK/dV that ranks r - s + 1 .. r - 1
-    have added (none yet at s = 1); this rank adds its share and passes both
-    on.  After step P-1 the own block's dK/dV arrive from rank r - 1 holding
-    every other rank's share: P - 1 sends of k/v and P - 1 of dK/dV.
-    Accumulators are allocated only where a block covers part of the rows.
+    The k/v shards travel the ring again.  At step s = 1 .. P-1 the shard of
+    rank r - s arrives (and goes on to r + 1 while this rank computes); its
+    dK/dV accumulators arrive from rank r - 1 holding the shares of ranks
+    r - s + 1 .. r - 1 (zeros at s = 1), this rank adds its share into them
+    and passes them on.  After step P-1 the own shard's accumulators come
+    back holding every other rank's share, and the own block's share goes
+    into them last: P - 1 sends of k/v and P - 1 of dK/dV per rank, and no
+    rank keeps a second set of dK/dV buffers while the others travel.
     """
     hkv, dtype = k.shape[1], compute_dtype(q.dtype)
     steps = ring.steps(q.shape[2])
-    kc, vc = k, v
-    dq: torch.Tensor | None = None
-    own: tuple[torch.Tensor, torch.Tensor] | None = None
-    travelling: Exchange | None = None  # dK/dV of the block in hand, on their way here
-    for s, blocks in enumerate(steps):
-        incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
-        dk: torch.Tensor | None = None
-        dv: torch.Tensor | None = None
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+
+    def add_share(blocks: list[Block], kc: torch.Tensor, vc: torch.Tensor, dk: torch.Tensor,
+                  dv: torch.Tensor) -> None:  # fmt: skip
         for blk in blocks:
-            dq_b, dk_b, dv_b = ring.kernels.backward(
-                _rows(dout, blk.rows),
-                _rows(q, blk.rows),
-                _rows(kc, blk.cols),
-                _rows(vc, blk.cols),
-                _rows(o, blk.rows),
-                _rows(lse, blk.rows),
-                blk.mask(hkv),
+            grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols))
+            ring.kernels.backward(
+                grads, _rows(dout, blk.rows), _rows(q, blk.rows), _rows(kc, blk.cols),
+                _rows(vc, blk.cols), _rows(o, blk.rows), _rows(lse, blk.rows), blk.mask(hkv),
                 scale,
-            )
-            dq = _add_rows(dq, dq_b.to(dtype), blk.rows, q.shape)
-            dk = _add_rows(dk, dk_b.to(dtype), blk.cols, kc.shape)
-            dv = _add_rows(dv, dv_b.to(dtype), blk.cols, vc.shape)
-        if travelling is not None:
-            dk_in, dv_in = travelling.wait()
-            dk = _add_rows(dk, dk_in, slice(None), kc.shape)
-            dv = _add_rows(dv, dv_in, slice(None), vc.shape)
-        # a block this rank sees nothing of (causal) still passes dK/dV on
-        dk = dk if dk is not None else kc.new_zeros(kc.shape, dtype=dtype)
-        dv = dv if dv is not None else vc.new_zeros(vc.shape, dtype=dtype)
-        if s == 0:
-            own = (dk, dv)
+            )  # fmt: skip
+
+    incoming: Exchange | None = ring.comm.send_recv((k, v))
+    travelling: Exchange | None = None  # the accumulators of the shard about to arrive
+    for s in range(1, len(steps)):
+        assert incoming is not None  # posted at the step before
+        kc, vc = incoming.wait()
+        incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
+        if travelling is None:
+            dk = torch.zeros(kc.shape, dtype=dtype, device=q.device)
+            dv = torch.zeros(vc.shape, dtype=dtype, device=q.device)
         else:
-            travelling = ring.comm.send_recv((dk, dv))
-        if incoming is not None:
-            kc, vc = incoming.wait()
-    del kc, vc, dk, dv  # the last block and its dK/dV: gone before the own dK/dV arrive
-    assert dq is not None and own is not None and travelling is not None  # P >= 2 steps
-    dk_in, dv_in = travelling.wait()
-    dk_own, dv_own = own[0].add_(dk_in), own[1].add_(dv_in)
+            dk, dv = travelling.wait()
+        add_share(steps[s], kc, vc, dk, dv)
+        del kc, vc
+        travelling = ring.comm.send_recv((dk, dv))
+        del dk, dv
+    assert travelling is not None  # P >= 2: at least one remote step
+    dk_own, dv_own = travelling.wait()
+    del travelling
+    add_share(steps[0], k, v, dk_own, dv_own)
     return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 

@@ -29,12 +29,20 @@ class RingTimeoutError(RuntimeError):
 class Exchange:
     """Messages in flight: `wait` returns the received tensors once every send and receive is done."""
 
-    def __init__(self, comm: RingComm, works: list[dist.Work], received: list[torch.Tensor]):
-        self._comm, self._works, self._received = comm, works, received
+    def __init__(
+        self,
+        comm: RingComm,
+        works: list[dist.Work],
+        sent: list[torch.Tensor],
+        received: list[torch.Tensor],
+    ):
+        # the sent tensors stay referenced until their sends complete
+        self._comm, self._works, self._sent, self._received = comm, works, sent, received
 
     def wait(self) -> list[torch.Tensor]:
         for work in self._works:
             self._comm.wait(work, "sending to / receiving from its ring neighbours")
+        self._sent = []
         return self._received
 
 
@@ -85,7 +93,7 @@ class RingComm:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:  # a broken connection fails at posting already
             raise self._error("posting a send or receive", e) from e
-        return Exchange(self, works, received)
+        return Exchange(self, works, list(tensors), received)
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all), in rank order."""
