@@ -179,22 +179,6 @@ def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
     return t[:, :, s]
 
 
-def _add_rows(
-    total: torch.Tensor | None, part: torch.Tensor, rows: slice, shape: torch.Size
-) -> torch.Tensor:
-    """total[:, :, rows] += part, for a total of ``shape`` [B, H, n, x] not allocated yet (None).
-
-    A first part that spans all n rows becomes the total itself: no zeros,
-    no copy (the parts are fresh kernel outputs, or buffers received for us).
-    """
-    if total is None:
-        if part.shape == shape:
-            return part
-        total = part.new_zeros(shape)
-    _rows(total, rows).add_(part)
-    return total
-
-
 def ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
