@@ -112,6 +112,14 @@ def _mask_scores(
 
 
 @triton.jit
+def _heads(bh, heads_q, groups):
+    """(batch, query head, batch * Hkv + kv head) of the program of bh = batch * Hq + head."""
+    b = bh // heads_q
+    h = bh % heads_q
+    return b, h, b * (heads_q // groups) + h // groups
+
+
+@triton.jit
 def _scales(Scales):
     """(scale * log2 e, scale, log2 e) from the Scales tensor, in its dtype."""
     return tl.load(Scales), tl.load(Scales + 1), tl.load(Scales + 2)
@@ -146,9 +154,7 @@ def attention_forward(
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     qk_scale, _, log2e = _scales(Scales)
-    b = bh // heads_q
-    h = bh % heads_q
-    bhk = b * (heads_q // groups) + h // groups
+    b, h, bhk = _heads(bh, heads_q, groups)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -274,9 +280,7 @@ def attention_dq(
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     qk_scale, scale, log2e = _scales(Scales)
-    b = bh // heads_q
-    h = bh % heads_q
-    bhk = b * (heads_q // groups) + h // groups
+    b, h, bhk = _heads(bh, heads_q, groups)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
