@@ -9,7 +9,14 @@ import attngrad
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.reference import reference_attention
-from attngrad.strategies.flash import choose_blocks, key_schedule, schedule
+from attngrad.strategies.flash import (
+    choose_blocks,
+    flash_backward,
+    flash_backward_into,
+    flash_forward,
+    key_schedule,
+    schedule,
+)
 
 
 def _mask(nq: int, nk: int, causal: bool = False, window=None) -> Mask:
@@ -156,3 +163,18 @@ def test_auto_takes_flash_for_long_sequences_and_block_sizes():
     assert resolve("auto", n1024, tiling_given=False) == "flash"
     assert resolve("auto", n512, tiling_given=False, banded=True) == "flash"
     assert resolve("auto", Shapes((1,), 8, 8, 511, 512, 64, 64), False, banded=True) == "explicit"
+
+
+def test_backward_into_adds_to_what_the_accumulators_hold():
+    q = torch.randn(1, 4, 30, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 21, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, 21, 5, dtype=torch.float64)
+    dout = torch.randn(1, 4, 30, 5, dtype=torch.float64)
+    mask = Mask(None, None, None, 0, 2, 30, 21)
+    o, lse = flash_forward(q, k, v, mask, 0.3, (8, 8))
+    dq, dk, dv, _ = flash_backward(dout, q, k, v, o, lse, mask, 0.3, (8, 8), None)
+    start = [torch.randn_like(t) for t in (q, k, v)]
+    grads = [t.clone() for t in start]
+    flash_backward_into((*grads, None), dout, q, k, v, o, lse, mask, 0.3, (8, 8))
+    for got, before, want in zip(grads, start, (dq, dk, dv), strict=True):
+        torch.testing.assert_close(got - before, want, atol=1e-12, rtol=0)
