@@ -5,8 +5,9 @@ the same tiles skipped under a causal/window band.  Forward is one kernel;
 backward is three: Delta = rowsum(O * dO), dK/dV by key block (walking the
 query heads of a GQA group, so no atomics and a deterministic sum) and dQ by
 query block.  With a float mask that requires grad, the dQ kernel also writes
-dS at the scores' shape [B, Hq, Nq, Nk] (float32, or float64), which is then summed over
-the dims the mask broadcasts: that one gradient costs O(Nq * Nk) memory.
+dS at the scores' shape [B, Hq, Nq, Nk] (float32, or float64), which is then
+summed over the dims the mask broadcasts: that one gradient costs O(Nq * Nk)
+memory.
 
 Runs on CUDA tensors; on CPU tensors only under TRITON_INTERPRET=1 (Triton's
 interpreter, which is how the tests run these kernels).  Triton itself is the
