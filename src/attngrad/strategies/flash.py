@@ -207,7 +207,8 @@ def flash_backward_into(
     g = hq // hkv
     dtype = compute_dtype(q.dtype)
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
-    delta = (do5 * group_heads(o, hkv).to(dtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
+    # Delta = rowsum(dO * O), as one batched dot per row: no [.., Nq, dv] product is formed
+    delta = torch.einsum("bhgnd,bhgnd->bhgn", do5, group_heads(o, hkv).to(dtype)).unsqueeze(-1)
     shift5 = lse_shift(group_heads(lse, hkv), LOG2E)  # (B, Hkv, G, Nq, 1), base 2
     q5, dq5 = group_heads(q, hkv), group_heads(dq, hkv)
     k, v = k.to(dtype), v.to(dtype)
