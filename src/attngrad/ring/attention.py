@@ -25,6 +25,7 @@ rank saves only its own q, k, v, O and lse: O(N/P) memory per rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,6 +214,12 @@ def ring_forward(
 # -- backward: dK/dV travel with their k/v block ---------------------------------
 
 
+# Backward runs one ring per group of kv heads (at most this many groups): the
+# buffers a rank holds for the ring (a remote k/v shard, its dK/dV accumulators)
+# then cover only that group's heads, while the outputs stay whole.
+HEAD_GROUPS = 4
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -225,6 +232,39 @@ def ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shard (input dtype); shapes as in `ring_forward`.
 
+    The kv heads are cut into up to `HEAD_GROUPS` groups (a GQA group's query
+    heads go with their kv head) and each group's gradients come from a ring
+    pass of their own, `_ring_backward_group`: same messages in total, each
+    1/HEAD_GROUPS the size, so the ring's buffers shrink by that factor.
+    """
+    hkv = k.shape[1]
+    g = q.shape[1] // hkv
+    dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    groups = min(hkv, HEAD_GROUPS)
+    bounds = [hkv * i // groups for i in range(groups + 1)]
+    for h0, h1 in itertools.pairwise(bounds):
+        qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
+        dk[:, kh], dv[:, kh] = _ring_backward_group(
+            dq[:, qh], dout[:, qh], q[:, qh], k[:, kh].contiguous(), v[:, kh].contiguous(),
+            o[:, qh], lse[:, qh], ring, scale,
+        )  # fmt: skip
+    return dq.to(q.dtype), dk, dv
+
+
+def _ring_backward_group(
+    dq: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    ring: _Ring,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ring pass for a group of heads: adds into ``dq``, returns this shard's dk, dv.
+
     The k/v shards travel the ring again.  At step s = 1 .. P-1 the shard of
     rank r - s arrives (and goes on to r + 1 while this rank computes); its
     dK/dV accumulators arrive from rank r - 1 holding the shares of ranks
@@ -233,10 +273,10 @@ def ring_backward(
     back holding every other rank's share, and the own block's share goes
     into them last: P - 1 sends of k/v and P - 1 of dK/dV per rank, and no
     rank keeps a second set of dK/dV buffers while the others travel.
+    dk, dv come back in the compute dtype.
     """
     hkv, dtype = k.shape[1], compute_dtype(q.dtype)
     steps = ring.steps(q.shape[2])
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
 
     def add_share(blocks: list[Block], kc: torch.Tensor, vc: torch.Tensor, dk: torch.Tensor,
                   dv: torch.Tensor) -> None:  # fmt: skip
@@ -267,7 +307,7 @@ def ring_backward(
     dk_own, dv_own = travelling.wait()
     del travelling
     add_share(steps[0], k, v, dk_own, dv_own)
-    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+    return dk_own, dv_own
 
 
 class RingAttention(torch.autograd.Function):
