@@ -66,7 +66,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attngrad.api import attention
 from attngrad.contract import DTYPES
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, first_unavailable
+from attngrad.strategies import STRATEGIES, available, refuse_unavailable
 from attngrad.timing import interleaved, medians
 
 __all__ = [
@@ -528,8 +528,7 @@ def _positive(text: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
-    if args.strategy and (reason := first_unavailable(args.strategy, cpu)) is not None:
-        print(f"attngrad bench: error: {reason}", file=sys.stderr)
+    if refuse_unavailable("bench", args.strategy, cpu):
         return 2
     strategies = list(dict.fromkeys(args.strategy or available(cpu)))
     baselines = list(dict.fromkeys(args.baseline or BASELINES))

@@ -18,7 +18,7 @@ import torch
 
 from attngrad import bench, explain, ledger
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, first_unavailable, skipped
+from attngrad.strategies import STRATEGIES, available, refuse_unavailable, skipped
 from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
 
 __all__ = ["main"]
@@ -34,8 +34,7 @@ def _row(r: CaseResult) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
-    if args.strategy and (reason := first_unavailable(args.strategy, cpu)) is not None:
-        print(f"attngrad check: error: {reason}", file=sys.stderr)
+    if refuse_unavailable("check", args.strategy, cpu):
         return 2
     strategies = args.strategy or list(available(cpu, interpreted=True))
     for line in [] if args.strategy else skipped(cpu, interpreted=True):

@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
 from attngrad.contract import DTYPES
-from attngrad.strategies import STRATEGIES, available, first_unavailable, skipped
+from attngrad.strategies import STRATEGIES, available, refuse_unavailable, skipped
 
 __all__ = [
     "BASELINES",
@@ -627,8 +627,7 @@ def _positive(text: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
-    if args.strategy and (reason := first_unavailable(args.strategy, cpu)) is not None:
-        print(f"attngrad explain: error: {reason}", file=sys.stderr)
+    if refuse_unavailable("explain", args.strategy, cpu):
         return 2
     for line in [] if args.strategy else skipped(cpu, interpreted=True):
         print(line, file=sys.stderr)

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attngrad.api import attention
 from attngrad.contract import DTYPES
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, first_unavailable
+from attngrad.strategies import STRATEGIES, available, refuse_unavailable
 
 __all__ = [
     "BASELINES",
@@ -328,8 +328,7 @@ def _run(args: argparse.Namespace) -> int:
         print("attngrad ledger: error: --device cuda, but torch sees no CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    if args.path and (reason := first_unavailable(args.path, device)) is not None:
-        print(f"attngrad ledger: error: {reason}", file=sys.stderr)
+    if refuse_unavailable("ledger", args.path, device):
         return 2
     paths = args.path or [*available(device), *BASELINES]
     sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]

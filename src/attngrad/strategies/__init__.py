@@ -9,6 +9,7 @@ strategy cannot run on a device here (only "triton" ever has a reason).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,7 +22,7 @@ __all__ = [
     "STRATEGIES",
     "TILED",
     "available",
-    "first_unavailable",
+    "refuse_unavailable",
     "resolve",
     "skipped",
     "unavailable_reason",
@@ -53,10 +54,14 @@ def unavailable_reason(strategy: str, device: torch.device) -> str | None:
     return triton.unavailable_reason(device) if strategy == "triton" else None
 
 
-def first_unavailable(names: Iterable[str], device: torch.device) -> str | None:
-    """The reason the first of ``names`` that cannot run on ``device`` can't, or None."""
-    reasons = (unavailable_reason(n, device) for n in names if n in IMPLEMENTATIONS)
-    return next((r for r in reasons if r is not None), None)
+def refuse_unavailable(command: str, names: Iterable[str] | None, device: torch.device) -> bool:
+    """For the commands: True, after saying why on stderr, when one of the strategies
+    ``names`` asked for cannot run on ``device`` here (the command then exits 2)."""
+    reasons = (unavailable_reason(n, device) for n in names or () if n in IMPLEMENTATIONS)
+    reason = next((r for r in reasons if r is not None), None)
+    if reason is not None:
+        print(f"attngrad {command}: error: {reason}", file=sys.stderr)
+    return reason is not None
 
 
 def skipped(device: torch.device, interpreted: bool = False) -> list[str]:
