@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
-from attngrad.contract import DTYPES
+from attngrad.contract import DTYPES, positive_int
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES, available, refuse_unavailable
 from attngrad.timing import interleaved, medians
@@ -519,13 +519,6 @@ def plot(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> None:
 # ---------------------------------------------------------------------- CLI
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _run(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
     if refuse_unavailable("bench", args.strategy, cpu):
@@ -581,12 +574,12 @@ def register(
             "ratio to each baseline."
         ),
     )
-    bench.add_argument("--batch", type=_positive, default=1, help="B (default 1)")
-    bench.add_argument("--heads", type=_positive, default=8, help="H (default 8)")
-    bench.add_argument("--head-dim", type=_positive, default=64, help="d (default 64)")
+    bench.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    bench.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
+    bench.add_argument("--head-dim", type=positive_int, default=64, help="d (default 64)")
     bench.add_argument(
         "--seq",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         default=[1024, 2048, 4096],
         metavar="N",
@@ -612,11 +605,11 @@ def register(
     )
     bench.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     bench.add_argument(
-        "--repeats", type=_positive, default=5, help="timed rounds, after 1 warm-up (default 5)"
+        "--repeats", type=positive_int, default=5, help="timed rounds, after 1 warm-up (default 5)"
     )
     bench.add_argument(
         "--gemm-size",
-        type=_positive,
+        type=positive_int,
         default=GEMM_SIZE,
         help=f"size of the GEMMs that measure the matmul rate (default {GEMM_SIZE})",
     )

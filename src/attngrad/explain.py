@@ -43,7 +43,7 @@ from torch.autograd.graph import Node, saved_tensors_hooks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.contract import DTYPES
+from attngrad.contract import DTYPES, positive_int
 from attngrad.strategies import STRATEGIES, available, refuse_unavailable, skipped
 
 __all__ = [
@@ -618,13 +618,6 @@ def format_report(reports: Sequence[PathReport]) -> str:
 # --- command line ----------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _run(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
     if refuse_unavailable("explain", args.strategy, cpu):
@@ -654,11 +647,11 @@ def register(
         help="show each path's grad_fn graph and the tensors it saves for backward",
         description=(__doc__ or "").strip().splitlines()[0],
     )
-    p.add_argument("--batch", type=_positive, default=1, help="B (default 1)")
-    p.add_argument("--heads", type=_positive, default=2, help="H (default 2)")
-    p.add_argument("--seq-q", type=_positive, default=8, help="Nq, query length (default 8)")
-    p.add_argument("--seq-k", type=_positive, default=8, help="Nk, key length (default 8)")
-    p.add_argument("--head-dim", type=_positive, default=4, help="d (default 4)")
+    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=positive_int, default=2, help="H (default 2)")
+    p.add_argument("--seq-q", type=positive_int, default=8, help="Nq, query length (default 8)")
+    p.add_argument("--seq-k", type=positive_int, default=8, help="Nk, key length (default 8)")
+    p.add_argument("--head-dim", type=positive_int, default=4, help="d (default 4)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
     p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
     p.add_argument(

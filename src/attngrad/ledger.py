@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
-from attngrad.contract import DTYPES
+from attngrad.contract import DTYPES, positive_int
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES, available, refuse_unavailable
 
@@ -362,13 +362,6 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if mismatched else 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``attngrad ledger`` to a subparsers object."""
     p = sub.add_parser(
@@ -378,13 +371,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "the strategies' saved-bytes formulas and measured, and the peak memory of "
         "forward+backward, beside SDPA's MATH and FLASH_ATTENTION backends.",
     )
-    p.add_argument("--batch", type=_positive, default=1, help="batch B (default 1)")
-    p.add_argument("--heads", type=_positive, default=8, help="query heads Hq (default 8)")
-    p.add_argument("--heads-kv", type=_positive, help="key/value heads Hkv for GQA (default Hq)")
-    p.add_argument("--seq-q", type=_positive, default=1024, help="query length Nq (default 1024)")
-    p.add_argument("--seq-k", type=_positive, help="key length Nk (default Nq)")
-    p.add_argument("--head-dim", type=_positive, default=64, help="q/k head dim d (default 64)")
-    p.add_argument("--value-dim", type=_positive, help="value head dim dv (default d)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads Hq (default 8)")
+    p.add_argument("--heads-kv", type=positive_int, help="key/value heads Hkv for GQA (default Hq)")
+    p.add_argument(
+        "--seq-q", type=positive_int, default=1024, help="query length Nq (default 1024)"
+    )
+    p.add_argument("--seq-k", type=positive_int, help="key length Nk (default Nq)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="q/k head dim d (default 64)")
+    p.add_argument("--value-dim", type=positive_int, help="value head dim dv (default d)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
     p.add_argument("--causal", action="store_true", help="is_causal=True")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -397,7 +392,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
     p.add_argument(
         "--sweep",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         metavar="N",
         help="run over these N (Nq = Nk) instead of --seq-q/--seq-k; writes CSV and PNG",
