@@ -94,16 +94,11 @@ def _flash_block_backward(
     flash_backward_into((*grads, None), dout, q, k, v, o, lse, mask, scale, _tiles(q, k))
 
 
-def _triton_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, tuple[int, int]]:
-    row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
-    return triton_strategy.choose_blocks(q.shape[2], k.shape[2], row_bytes, None, None)
-
-
 def _triton_block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels read dense rows
-    return triton_strategy.triton_forward(q, k, v, mask, scale, _triton_tiles(q, k, v))
+    return triton_strategy.triton_forward(q, k, v, mask, scale, triton_strategy.tiles_for(q, k, v))
 
 
 def _triton_block_backward(
@@ -118,7 +113,7 @@ def _triton_block_backward(
     scale: float,
 ) -> None:
     q, k, v, o, lse = (t.contiguous() for t in (q, k, v, o, lse))
-    blocks = _triton_tiles(q, k, v)
+    blocks = triton_strategy.tiles_for(q, k, v)
     parts = triton_strategy.triton_backward(dout, q, k, v, o, lse, mask, scale, blocks, None)
     for total, part in zip(grads, parts[:3], strict=True):
         total += part

@@ -34,6 +34,7 @@ __all__ = [
     "attention",
     "check_head_dims",
     "choose_blocks",
+    "tiles_for",
     "unavailable_reason",
 ]
 
@@ -115,6 +116,18 @@ def choose_blocks(
         name: (min(block_q or bq, cap_q), min(block_k or bk, cap_k))
         for name, (bq, bk) in defaults.items()
     }
+
+
+def tiles_for(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> dict[str, tuple[int, int]]:
+    """`choose_blocks` for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
+    row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
+    return choose_blocks(q.shape[2], k.shape[2], row_bytes, block_q, block_k)
 
 
 def _mask_args(mask: Mask, shape: tuple[int, int, int, int]) -> tuple[object, ...]:
@@ -297,6 +310,5 @@ def attention(
     if reason is not None:
         raise RuntimeError(reason)
     check_head_dims(q.shape[-1], v.shape[-1])
-    row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
-    blocks = choose_blocks(q.shape[2], k.shape[2], row_bytes, block_q, block_k)
+    blocks = tiles_for(q, k, v, block_q, block_k)
     return TritonAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)
