@@ -1,8 +1,7 @@
-"""`attngrad bench`: the FLOP convention, the CLI's CSV, table and plot."""
+"""`attngrad bench`: the FLOP convention, the rows, and the command's CSV, table and plot."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import sys
@@ -10,31 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from attngrad.bench import (
-    CSV_COLUMNS,
-    PASSES,
-    BenchRow,
-    crossover,
-    flops,
-    format_table,
-    gemm_rate,
-    register,
-    run_bench,
-)
+from attngrad import cli
+from attngrad.bench import PASSES, BenchRow, auto_choice, crossover, flops, run_bench
+from attngrad.machine import Machine
+from attngrad.report import bench_table
 from helpers import TENSOR_STRATEGIES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    return parser
+# the calibration's GEMM, kept tiny: these tests check the wiring, not the rate
+FAST_GEMM = ["--gemm-time", "0.01"]
+CSV_COLUMNS = [
+    "batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "pass", "contender",
+    "auto", "repeats", "median_ms", "min_ms", "max_ms", "gflops", "gemm_fraction",
+]  # fmt: skip
+MACHINE_COLUMNS = ["machine", "threads", "gemm_dtype", "gemm_size", "gemm_gflops"]
 
 
 def _run(argv: list[str]) -> int:
-    args = _parser().parse_args(["bench", *argv])
-    return int(args.run(args))
+    return cli.main(["bench", *argv, *FAST_GEMM])
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
@@ -70,27 +62,23 @@ def test_flops_rejects_an_unknown_pass() -> None:
         flops(1, 1, 8, 8, 8, False, "fwd")
 
 
-def test_gemm_rate_is_positive() -> None:
-    rate = gemm_rate(size=64, repeats=1)
-    assert math.isfinite(rate) and rate > 0
-
-
 def test_defaults_match_the_reference_shape() -> None:
-    args = _parser().parse_args(["bench"])
+    args = cli._parser().parse_args(["bench"])
     assert (args.batch, args.heads, args.head_dim, args.seq) == (1, 8, 64, [1024, 2048, 4096])
     assert (args.causal, args.dtype, args.repeats) == ("both", "float32", 5)
     assert (args.strategy, args.baseline) == (None, None)  # all strategies, math and flash
-    assert (args.csv, args.plot) == ("results/bench.csv", "results/bench.png")
+    assert (args.csv, args.plot) == (None, None)  # results/bench.csv and .png
 
 
 def test_cli_writes_csv_table_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path, png_path = tmp_path / "out" / "bench.csv", tmp_path / "out" / "bench.png"
     argv = ["--seq", "64", "128", "--heads", "2", "--head-dim", "16", "--repeats", "1"]
-    argv += ["--gemm-size", "64", "--csv", str(csv_path), "--plot", str(png_path)]
+    argv += ["--csv", str(csv_path), "--plot", str(png_path)]
     assert _run(argv) == 0
 
     columns, rows = _read_csv(csv_path)
-    assert columns == [*CSV_COLUMNS, "ratio_vs_sdpa_math", "ratio_vs_sdpa_flash"]
+    ratios = ["ratio_vs_sdpa_math", "ratio_vs_sdpa_flash"]
+    assert columns == [*CSV_COLUMNS, *ratios, *MACHINE_COLUMNS]
     # triton runs on CPU only in Triton's interpreter, which timing runs leave out
     contenders = [*TENSOR_STRATEGIES, "sdpa-math", "sdpa-flash"]
     keys = [(r["seq_q"], r["causal"], r["pass"], r["contender"]) for r in rows]
@@ -112,11 +100,28 @@ def test_cli_writes_csv_table_and_png(tmp_path: Path, capsys: pytest.CaptureFixt
         assert float(r["gemm_fraction"]) == pytest.approx(fraction, rel=1e-3, abs=1e-4)
         if r["contender"] == "sdpa-math":
             assert float(r["ratio_vs_sdpa_math"]) == 1.0
+        assert float(r["min_ms"]) <= float(r["median_ms"]) <= float(r["max_ms"])
+        assert r["auto"] == auto_choice(1, 2, int(r["seq_q"]), 16, r["causal"] == "True")
+        assert int(r["threads"]) >= 1 and r["machine"]
 
     assert png_path.read_bytes()[:8] == PNG_MAGIC
-    out = capsys.readouterr().out
-    assert "vs sdpa-math" in out and "vs sdpa-flash" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert out.startswith("machine: ") and " threads, float32 GEMM " in out.splitlines()[0]
+    assert "vs sdpa-math" in out and "vs sdpa-flash" in out and "min–max ms" in out
+    assert "N=64 causal=no (strategy auto picks explicit)" in out
     assert f"wrote {csv_path}" in out and f"wrote {png_path}" in out
+    assert "calibrating the float32 matmul rate" in captured.err
+
+
+def test_empty_paths_skip_the_csv_and_the_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["--seq", "16", "--heads", "1", "--head-dim", "8", "--repeats", "1", "--causal", "no"]
+    assert _run([*argv, "--strategy", "explicit", "--csv", "", "--plot", ""]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert "wrote" not in capsys.readouterr().out
 
 
 def test_plot_is_skipped_without_matplotlib(
@@ -127,29 +132,53 @@ def test_plot_is_skipped_without_matplotlib(
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     csv_path, png_path = tmp_path / "bench.csv", tmp_path / "bench.png"
     argv = ["--seq", "32", "--heads", "1", "--head-dim", "8", "--repeats", "1", "--causal", "no"]
-    argv += ["--strategy", "explicit", "--baseline", "math", "--gemm-size", "32"]
+    argv += ["--strategy", "explicit", "--baseline", "math"]
     assert _run([*argv, "--csv", str(csv_path), "--plot", str(png_path)]) == 0
     assert csv_path.exists() and not png_path.exists()
     assert "matplotlib is not installed" in capsys.readouterr().err
 
 
+def _machine(gemm_gflops: float, dtype: str = "float32") -> Machine:
+    return Machine("a test CPU", 1, dtype, 64, gemm_gflops)
+
+
 def test_run_bench_rows_and_table() -> None:
+    notes: list[str] = []
     rows = run_bench(
-        [16], [True], ["auto", "flash"], ["flash"], 1, 2, 8, repeats=2, progress=False, gemm_size=32
-    )
+        [16], [True], ["auto", "flash"], ["flash"], 1, 2, 8, repeats=2, gemm_gflops=1e6,
+        step=notes.append,
+    )  # fmt: skip
     assert [(r.pass_, r.contender) for r in rows] == [
         (p, name) for p in PASSES for name in ("auto", "flash", "sdpa-flash")
     ]
     assert all(r.causal and r.repeats == 2 and set(r.ratios) == {"sdpa-flash"} for r in rows)
-    table = format_table(rows)
-    assert "N=16 causal=yes" in table
-    # one line per row, each starting with its pass
+    assert all(r.low_s <= r.time_s <= r.high_s and r.auto == "explicit" for r in rows)
+    assert len(notes) == len(PASSES) * 2 and notes[0].startswith("N=16 causal=yes")
+    table = bench_table(rows, _machine(1e6))
+    assert table.startswith("machine: a test CPU, 1 threads, float32 GEMM 64²")
+    assert "N=16 causal=yes (strategy auto picks explicit)" in table
+    # one line per row, each starting with its pass; nothing above the GEMM rate, no footnote
     assert sum(line.startswith(PASSES) for line in table.splitlines()) == len(rows)
+    assert "*" not in table
+
+
+@pytest.mark.parametrize(
+    ("dtype", "why"),
+    [("float32", "a longer --gemm-time"), ("float16", "16-bit inputs compute in float32")],
+)
+def test_a_fraction_above_the_gemm_rate_is_starred_and_explained(dtype: str, why: str) -> None:
+    rows = [_row(256, "flash", 1e-3), _row(256, "explicit", 1.0)]
+    table = bench_table(rows, _machine(1.0, dtype))
+    starred = [line for line in table.splitlines() if "%*" in line]
+    assert len(starred) == 1 and "flash" in starred[0]
+    footnote = table.splitlines()[-1]
+    assert footnote.startswith("* above 100%: attention ran faster than the measured")
+    assert why in footnote
 
 
 def test_run_bench_rejects_an_unknown_baseline() -> None:
     with pytest.raises(ValueError, match="baseline"):
-        run_bench([16], [False], ["explicit"], ["cudnn"], progress=False, gemm_size=32)
+        run_bench([16], [False], ["explicit"], ["cudnn"], gemm_gflops=1.0)
 
 
 def _row(n: int, contender: str, time_s: float) -> BenchRow:
@@ -165,7 +194,10 @@ def _row(n: int, contender: str, time_s: float) -> BenchRow:
         contender=contender,
         repeats=1,
         time_s=time_s,
+        low_s=time_s,
+        high_s=time_s,
         gemm_gflops=1.0,
+        auto="explicit",
     )
 
 

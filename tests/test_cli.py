@@ -1,7 +1,9 @@
-"""The ``attngrad check`` command: exit codes, JSON report, table, argparse errors."""
+"""The ``attngrad`` command: check's exit codes, JSON report and table; the argparse
+types; --version, every subcommand's description and ``python -m attngrad``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 
 import attngrad
 from attngrad import cli
+from attngrad.cli_args import measure_device, positive_float, positive_int
 from attngrad.verify import CaseResult, default_cases
 
 
@@ -47,11 +50,12 @@ def test_check_one_strategy_prints_one_row_per_case(tmp_path, capsys):
     assert len(rows) == len(default_cases())
     for case in default_cases():
         assert sum(case.id in row for row in rows) == 1, case.id
+    assert f"explicit: {len(default_cases())} passed, 0 failed" in lines
     assert f"{len(default_cases())} passed, 0 failed" in "\n".join(lines)
 
 
-def test_check_exits_1_and_reports_a_failed_case(tmp_path, monkeypatch, capsys):
-    # the command must be able to fail: break one result and see it counted
+def _break_one_case(monkeypatch: pytest.MonkeyPatch, message: str = "") -> str:
+    """Make ``cli.run_case`` fail one case (dq over its bound); returns that case's id."""
     real = cli.run_case
     broken = default_cases()[5].id
 
@@ -59,15 +63,46 @@ def test_check_exits_1_and_reports_a_failed_case(tmp_path, monkeypatch, capsys):
         result = real(strategy, case, *args, **kwargs)
         if case.id == broken:
             result.rule_passed = False
+            result.errors["dq"], result.bounds["dq"] = 3e-3, 1e-3
+            result.message = message
         return result
 
     monkeypatch.setattr(cli, "run_case", run_case)
+    return broken
+
+
+def test_check_exits_1_and_reports_a_failed_case(tmp_path, monkeypatch, capsys):
+    # the command must be able to fail: break one result and see it counted
+    broken = _break_one_case(monkeypatch)
     path = tmp_path / "check.json"
     assert cli.main(["check", "--strategy", "explicit", "--no-gradcheck", "--json", str(path)]) == 1
     report = _read(path)
     assert report["passed"] is False
     assert [r["case"] for r in report["results"] if not r["passed"]] == [broken]
-    assert "1 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 failed" in out
+    # without a message from the verifier, the table names the quantity over its bound
+    assert "dq: error 3.0e-03 > bound 1.0e-03" in out
+
+
+def test_check_failures_lists_only_the_failing_case_and_its_message(monkeypatch, capsys):
+    message = "dq: error 3.0e-03 over its bound 1.0e-03 (2x plain PyTorch + floor)"
+    broken = _break_one_case(monkeypatch, message)
+    assert cli.main(["check", "--strategy", "explicit", "--no-gradcheck", "--failures"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("explicit ")]
+    assert len(rows) == 1 and broken in rows[0]
+    assert f"    {message}" in lines
+    assert f"explicit: {len(default_cases()) - 1} passed, 1 failed" in lines
+
+
+def test_check_json_to_stdout_is_valid_json_alone(capsys):
+    assert cli.main(["check", "--strategy", "recompute", "--no-gradcheck", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # nothing else on stdout
+    assert report["passed"] is True and report["attngrad"] == attngrad.__version__
+    assert {r["strategy"] for r in report["results"]} == {"recompute"}
+    assert "recompute: " in captured.err  # the table went to stderr
 
 
 @pytest.mark.parametrize(
@@ -86,11 +121,53 @@ def test_bad_arguments_exit_with_code_2(argv):
     assert info.value.code == 2
 
 
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"attngrad {attngrad.__version__}"
+
+
+@pytest.mark.parametrize("command", ["check", "ledger", "explain", "bench"])
+def test_every_subcommand_help_has_a_description(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    # argparse prints the description between the usage and the options
+    description = out.split("\n\n")[1]
+    assert not description.startswith("options:") and len(description.split()) > 10
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "expected"),
+    [
+        (positive_int, "0", "positive integer, got 0"),
+        (positive_int, "many", "positive integer, got 'many'"),
+        (positive_float, "-1", "positive number of seconds, got -1"),
+        (positive_float, "inf", "positive number of seconds, got inf"),
+        (positive_float, "soon", "number of seconds, got 'soon'"),
+        (measure_device, "tpu", "unknown device 'tpu'; use one of cpu, cuda"),
+        (measure_device, "meta", "cannot measure memory on 'meta'"),
+    ],
+    ids=["int-zero", "int-word", "float-negative", "float-inf", "float-word", "tpu", "meta"],
+)
+def test_argument_types_name_the_value_and_a_fix(parse, text, expected):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"try|use") as info:
+        parse(text)
+    assert expected in str(info.value)
+
+
+def test_argument_types_accept_good_values():
+    assert positive_int("1024") == 1024
+    assert positive_float("0.2") == 0.2
+    assert measure_device("cpu").type == "cpu"
+
+
 def test_module_entry_point_runs_the_check():
     # one intra-op thread, as in conftest: two cores are shared with the xdist workers
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "attngrad.cli", "check", "--no-gradcheck", "--strategy", "explicit"],
+        [sys.executable, "-m", "attngrad", "check", "--no-gradcheck", "--strategy", "explicit"],
         capture_output=True,
         text=True,
         timeout=300,

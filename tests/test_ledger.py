@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
+import sys
 
 import pytest
 import torch
 
-from attngrad import ledger
-from attngrad.ledger import Layout, ledger_row, measure_peak_bytes, predicted_saved_bytes
+from attngrad import cli
+from attngrad.ledger import (
+    Layout,
+    ledger_row,
+    measure_peak_bytes,
+    predicted_saved_bytes,
+    run_ledger,
+)
 from helpers import TENSOR_STRATEGIES
+
+# the calibration's GEMM, kept tiny: these tests check the wiring, not the rate
+FAST_GEMM = ["--gemm-time", "0.01"]
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = [
@@ -78,41 +87,79 @@ def test_flash_and_recompute_peaks_are_far_below_explicit_peak():
     assert ledger_row("recompute", lo).peak_beyond_io < p_bytes / 2
 
 
+def test_run_ledger_rows_carry_their_layout():
+    layouts = [_layout(LAYOUTS[1], torch.float16, causal=True)]
+    seen: list[str] = []
+    rows, notes = run_ledger(["flash", "explicit"], layouts, peak=False, step=seen.append)
+    assert [r.path for r in rows] == ["flash", "explicit"] and notes == []
+    assert seen == ["flash Nq=9 Nk=23", "explicit Nq=9 Nk=23"]
+    r = rows[0]
+    got = (r.batch, r.heads_q, r.heads_kv, r.seq_q, r.seq_k, r.head_dim, r.value_dim)
+    assert got == LAYOUTS[1]
+    assert (r.dtype, r.causal, r.peak) == ("float16", True, None)
+
+
+def _ledger(argv: list[str]) -> int:
+    return cli.main(["ledger", *argv, *FAST_GEMM])
+
+
 def test_cli_table_and_sweep(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    ledger.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        ["ledger", "--heads", "2", "--heads-kv", "1", "--seq-q", "64", "--head-dim", "8"]
-    )
-    assert args.run(args) == 0
-    out = capsys.readouterr().out
-    for path in (*TENSOR_STRATEGIES, "sdpa-math", "sdpa-flash"):
-        assert path in out
-    assert "NO" not in out
+    argv = ["--heads", "2", "--heads-kv", "1", "--seq-q", "64", "--head-dim", "8"]
+    assert _ledger(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("machine: ") and " threads, float32 GEMM " in lines[0]
+    assert lines[1].split()[:7] == ["path", "B", "H", "Nq", "x", "Nk", "d"]
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert list(rows) == [*TENSOR_STRATEGIES, "sdpa-math", "sdpa-flash"]
+    assert rows["flash"][1:6] == ["1", "2:1", "64", "8", "float32"]
+    assert "NO" not in "\n".join(lines)
     csv_path, png_path = tmp_path / "ledger.csv", tmp_path / "ledger.png"
-    args = parser.parse_args(
-        [
-            "ledger",
-            "--heads",
-            "1",
-            "--head-dim",
-            "8",
-            "--no-peak",
-            "--sweep",
-            "16",
-            "32",
-            "64",
-            "--csv",
-            str(csv_path),
-            "--plot",
-            str(png_path),
-        ]
-    )
-    assert args.run(args) == 0
+    argv = ["--heads", "1", "--head-dim", "8", "--no-peak", "--sweep", "16", "32", "64"]
+    assert _ledger([*argv, "--csv", str(csv_path), "--plot", str(png_path)]) == 0
     rows = list(csv.DictReader(csv_path.open()))
     # triton runs on CPU only in Triton's interpreter, which timing and memory runs leave out
     assert len(rows) == 3 * (len(TENSOR_STRATEGIES) + 2)
+    for column in ("batch", "heads_q", "head_dim", "dtype", "causal", "machine", "threads"):
+        assert column in rows[0], column
     explicit = {int(r["seq_q"]): int(r["measured_saved"]) for r in rows if r["path"] == "explicit"}
     # the N^2 term: doubling N grows explicit's saved bytes by more than 2x
     assert explicit[64] / explicit[32] > 2.5
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_strategy_takes_strategies_and_sdpa_backends(capsys):
+    argv = ["--heads", "1", "--seq-q", "16", "--head-dim", "8", "--no-peak"]
+    assert _ledger([*argv, "--strategy", "recompute", "--strategy", "sdpa-flash"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[3:]] == ["recompute", "sdpa-flash"]
+
+
+def test_sweep_without_matplotlib_writes_the_csv_and_says_how_to_install(
+    tmp_path, monkeypatch, capsys
+):
+    # None in sys.modules makes `import matplotlib...` raise ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--heads", "1", "--head-dim", "8", "--no-peak", "--sweep", "16", "32"]
+    assert _ledger([*argv, "--strategy", "flash"]) == 0
+    assert (tmp_path / "results" / "ledger.csv").exists()
+    assert not (tmp_path / "results" / "ledger.png").exists()
+    assert "pip install 'attngrad[plot]'" in capsys.readouterr().err
+
+
+def test_empty_paths_skip_the_csv_and_the_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--heads", "1", "--head-dim", "8", "--no-peak", "--sweep", "16", "--strategy", "flash"]
+    assert _ledger([*argv, "--csv", "", "--plot", ""]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert "wrote" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", ["tpu", "meta"])
+def test_an_unknown_or_unmeasurable_device_is_an_argument_error(device, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ledger", "--device", device])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: " in err and repr(device) in err

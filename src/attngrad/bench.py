@@ -2,7 +2,7 @@
 
     attngrad bench [--batch 1 --heads 8 --head-dim 64] [--seq 1024 2048 4096]
                    [--causal {both,yes,no}] [--strategy NAME ...] [--baseline {math,flash} ...]
-                   [--dtype float32] [--repeats 5] [--gemm-size 2048] [--csv PATH] [--plot PATH]
+                   [--dtype float32] [--repeats 5] [--gemm-time 0.2] [--csv PATH] [--plot PATH]
 
 What is measured, for q, k, v: [B, H, N, d] (requires_grad) and every N, causal or not:
 
@@ -26,62 +26,57 @@ What is measured, for q, k, v: [B, H, N, d] (requires_grad) and every N, causal 
   ``sdpa_kernel(SDPBackend.MATH)`` (``sdpa-math``) and
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` (``sdpa-flash``), all on the same
   inputs, interleaved round by round (`attngrad.timing.interleaved`), one
-  warm-up round first, medians over ``repeats`` rounds;
+  warm-up round first, the median, min and max over ``repeats`` rounds;
 
 * FLOPs (the usual convention): forward ``4·B·H·Nq·Nk·d`` (the two products S = q k^T and
   O = P v, 2 FLOP per multiply-add), half of it with ``is_causal``; backward
   2.5x forward (five products the size of the forward's two: S recomputed,
   dV, dP, dq, dk); so forward+backward is 3.5x forward.  GFLOP/s = FLOPs / median time;
 
-* the machine's matmul rate, measured once at the start: a square
-  ``size x size @ size x size`` GEMM (2·size³ FLOP) in the run's dtype.  A large
-  square product is where the BLAS reaches its steady rate, so ``of GEMM``
-  (GFLOP/s over that rate) says how much of the machine's matmul throughput an
-  attention path turns into attention;
+* the machine's matmul rate, measured once at the start by the caller
+  (`attngrad.machine.probe`: a square GEMM in the run's dtype, grown until one
+  product takes a set time), so ``of GEMM`` (GFLOP/s over that rate) says how
+  much of the machine's matmul throughput an attention path turns into
+  attention.  Above 100%, attention ran faster than the measured GEMM: the
+  calibration's GEMM was too small to reach the BLAS's steady rate;
+
+* ``auto``: the strategy ``attention(strategy="auto")`` picks for the shape
+  (`attngrad.strategies.resolve`), on every row;
 
 * ``vs sdpa-math`` (and each other baseline): contender time / baseline time,
   medians of the same run.  Below 1 the contender is faster.
 
-The CPU rule of ``attention(strategy="auto")`` (`attngrad.strategies.resolve`:
-explicit for short sequences, flash from a number of scores Nq·Nk on) is read
-off this command's ``forward+backward`` rows; `crossover` finds the N from
-which flash beats explicit, and the command prints it.
+The CPU rule of ``attention(strategy="auto")`` (explicit for short sequences,
+flash from a number of scores Nq·Nk on) is read off this command's
+``forward+backward`` rows; `crossover` finds the N from which flash beats
+explicit, and the command prints it.  Tables, CSV and plots: `attngrad.report`.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import io
-import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TextIO
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
-from attngrad.contract import DTYPES, positive_int
-from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, refuse_unavailable
-from attngrad.timing import interleaved, medians
+from attngrad.contract import Shapes
+from attngrad.strategies import resolve
+from attngrad.timing import Spread, interleaved, spreads
 
 __all__ = [
     "BASELINES",
-    "CSV_COLUMNS",
     "PASSES",
     "BenchRow",
+    "auto_choice",
+    "baseline_label",
     "crossover",
     "flops",
-    "format_table",
-    "gemm_rate",
-    "plot",
-    "register",
     "run_bench",
-    "write_csv",
+    "steps",
 ]
 
 Pass = Literal["forward", "backward", "forward+backward"]
@@ -94,11 +89,6 @@ BASELINES: dict[str, SDPBackend] = {
     "math": SDPBackend.MATH,
     "flash": SDPBackend.FLASH_ATTENTION,
 }
-
-
-# 2048³: 17 GFLOP, a fraction of a second on a few cores, and large enough for
-# the BLAS to reach its steady rate (blocking overheads fade well before that).
-GEMM_SIZE = 2048
 
 
 def baseline_label(name: str) -> str:
@@ -132,44 +122,14 @@ def flops(
     return forward * _PASS_FACTOR[pass_]
 
 
-def gemm_rate(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE, repeats: int = 5) -> float:
-    """The machine's matmul rate in ``dtype``, GFLOP/s: the best of two shapes.
-
-    A square ``[size, size] @ [size, size]`` product (2·size³ FLOP) and a
-    batched attention tile, 8 x ``[size/16, 64] @ [64, size/2]`` (the q k^T of
-    one flash tile at the defaults), each timed ``repeats`` times after a
-    warm-up into a preallocated output.  The fastest repeat of the faster
-    shape counts: a rate the machine demonstrably reaches, so that a noisy
-    moment in this measurement cannot make "of GEMM" exceed 100% by much.
-    """
-    rows, cols = max(1, size // 16), max(1, size // 2)
-    operands = {
-        "square": (torch.randn(size, size), torch.randn(size, size)),
-        "tile": (torch.randn(8, rows, 64), torch.randn(8, 64, cols)),
-    }
-    fns = {}
-    flops = {}
-    for name, (a, b) in operands.items():
-        a, b = a.to(dtype), b.to(dtype)
-        out = torch.matmul(a, b)
-        fns[name] = lambda a=a, b=b, out=out: torch.matmul(a, b, out=out)
-        flops[name] = (
-            2.0
-            * a.shape[-2]
-            * a.shape[-1]
-            * b.shape[-1]
-            * (a.numel() // a.shape[-2] // a.shape[-1])
-        )
-    times = interleaved(fns, repeats=repeats, warmup=1)
-    return max(flops[name] / min(ts) / 1e9 for name, ts in times.items())
-
-
 @dataclass(frozen=True)
 class BenchRow:
     """One (shape, causal, pass, contender) measurement.
 
-    ``ratios[baseline]`` = this contender's median / that baseline's median,
-    keyed by the baseline's contender name (``"sdpa-math"``).
+    ``time_s`` is the median over ``repeats`` rounds, ``low_s`` and ``high_s`` the
+    fastest and slowest round; ``ratios[baseline]`` = this contender's median / that
+    baseline's median, keyed by the baseline's contender name (``"sdpa-math"``);
+    ``auto`` is the strategy ``attention(strategy="auto")`` picks for this shape.
     """
 
     batch: int
@@ -183,7 +143,10 @@ class BenchRow:
     contender: str
     repeats: int
     time_s: float
+    low_s: float
+    high_s: float
     gemm_gflops: float
+    auto: str
     ratios: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -198,6 +161,12 @@ class BenchRow:
     def gemm_fraction(self) -> float:
         """GFLOP/s over the machine's measured GEMM rate (same dtype)."""
         return self.gflops / self.gemm_gflops
+
+
+def auto_choice(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> str:
+    """The strategy ``attention(strategy="auto")`` runs for CPU q, k, v: [B, H, N, d]."""
+    shapes = Shapes((batch,), heads, heads, seq, seq, head_dim, head_dim)
+    return resolve("auto", shapes, tiling_given=False, banded=causal, device=torch.device("cpu"))
 
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
@@ -263,12 +232,12 @@ def _time_passes(
     causal: bool,
     repeats: int,
     step: Callable[[str], None],
-) -> dict[str, dict[str, float]]:
-    """Median seconds ``{pass: {contender: t}}``, contenders interleaved within each pass.
+) -> dict[str, dict[str, Spread]]:
+    """Seconds ``{pass: {contender: spread}}``, contenders interleaved within each pass.
 
     q, k, v: [B, H, N, d] (requires_grad), do: [B, H, N, d].
     """
-    result: dict[str, dict[str, float]] = {}
+    result: dict[str, dict[str, Spread]] = {}
     for pass_ in PASSES:
         kept: list[object] = []
         fns = _timed_calls(pass_, contenders, q, k, v, do, causal, kept)
@@ -280,9 +249,14 @@ def _time_passes(
             kept.clear()
             step(f"{pass_} round {r + 1}/{repeats}")
 
-        result[pass_] = medians(interleaved(fns, repeats=repeats, warmup=0, on_round=end_round))
+        result[pass_] = spreads(interleaved(fns, repeats=repeats, warmup=0, on_round=end_round))
         del fns  # frees the graphs the backward calls held
     return result
+
+
+def steps(seqs: Sequence[int], causal_modes: Sequence[bool], repeats: int) -> int:
+    """How many times `run_bench` calls its ``step``: once per timed round."""
+    return len(seqs) * len(causal_modes) * len(PASSES) * repeats
 
 
 def run_bench(
@@ -295,20 +269,20 @@ def run_bench(
     head_dim: int = 64,
     dtype: torch.dtype = torch.float32,
     repeats: int = 5,
-    progress: bool = True,
     *,
-    gemm_size: int = GEMM_SIZE,
+    gemm_gflops: float,
     seed: int = 0,
-    stream: TextIO | None = None,
+    step: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
     """Time every contender over ``seqs`` x ``causal_modes`` x `PASSES`.
 
     q, k, v: [batch, heads, N, head_dim] in ``dtype``, the same for every
     contender.  ``strategies`` are names for ``attention(strategy=...)``
-    (``"auto"`` included); ``baselines`` are keys of `BASELINES`.  Returns one
-    `BenchRow` per (N, causal, pass, contender), in that order; every row
-    carries its ratio against each baseline and the GEMM rate measured first.
-    The progress bar goes to ``stream`` (stderr by default).
+    (``"auto"`` included); ``baselines`` are keys of `BASELINES`;
+    ``gemm_gflops`` is the machine's matmul rate in ``dtype``
+    (`attngrad.machine.probe`).  Returns one `BenchRow` per (N, causal, pass,
+    contender), in that order, each with its ratio against each baseline.
+    ``step`` hears a note after each timed round (`steps` of them).
     """
     for name in baselines:
         if name not in BASELINES:
@@ -316,45 +290,46 @@ def run_bench(
     contenders: dict[str, Attention] = {name: _strategy_fn(name) for name in strategies}
     contenders |= {baseline_label(b): _sdpa_fn(BASELINES[b]) for b in baselines}
     dtype_name = str(dtype).removeprefix("torch.")
-    rounds = len(seqs) * len(causal_modes) * len(PASSES) * repeats
     rows: list[BenchRow] = []
-    bar_stream = stream if progress else io.StringIO()
-    with Progress(rounds + 1, "bench", stream=bar_stream) as bar:
-        gemm = gemm_rate(dtype, gemm_size)
-        bar.step(f"GEMM {gemm:.1f} GFLOP/s")
-        generator = torch.Generator().manual_seed(seed)
-        for n in seqs:
-            shape = (batch, heads, n, head_dim)  # (B, H, N, d)
-            q, k, v, do = (torch.randn(shape, generator=generator).to(dtype) for _ in range(4))
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            for causal in causal_modes:
+    generator = torch.Generator().manual_seed(seed)
+    for n in seqs:
+        shape = (batch, heads, n, head_dim)  # (B, H, N, d)
+        q, k, v, do = (torch.randn(shape, generator=generator).to(dtype) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        for causal in causal_modes:
 
-                def step(note: str, n: int = n, causal: bool = causal) -> None:
-                    bar.step(f"N={n} causal={'yes' if causal else 'no'} {note}")
+            def note(text: str, n: int = n, causal: bool = causal) -> None:
+                if step is not None:
+                    step(f"N={n} causal={'yes' if causal else 'no'} {text}")
 
-                times = _time_passes(contenders, q, k, v, do, causal, repeats, step)
-                for pass_, by_name in times.items():
-                    for name, t in by_name.items():
-                        ratios = {
-                            baseline_label(b): t / by_name[baseline_label(b)] for b in baselines
-                        }
-                        rows.append(
-                            BenchRow(
-                                batch=batch,
-                                heads=heads,
-                                seq_q=n,
-                                seq_k=n,
-                                head_dim=head_dim,
-                                dtype=dtype_name,
-                                causal=causal,
-                                pass_=pass_,
-                                contender=name,
-                                repeats=repeats,
-                                time_s=t,
-                                gemm_gflops=gemm,
-                                ratios=ratios,
-                            )
+            times = _time_passes(contenders, q, k, v, do, causal, repeats, note)
+            auto = auto_choice(batch, heads, n, head_dim, causal)
+            for pass_, by_name in times.items():
+                for name, t in by_name.items():
+                    ratios = {
+                        baseline_label(b): t.median / by_name[baseline_label(b)].median
+                        for b in baselines
+                    }
+                    rows.append(
+                        BenchRow(
+                            batch=batch,
+                            heads=heads,
+                            seq_q=n,
+                            seq_k=n,
+                            head_dim=head_dim,
+                            dtype=dtype_name,
+                            causal=causal,
+                            pass_=pass_,
+                            contender=name,
+                            repeats=repeats,
+                            time_s=t.median,
+                            low_s=t.low,
+                            high_s=t.high,
+                            gemm_gflops=gemm_gflops,
+                            auto=auto,
+                            ratios=ratios,
                         )
+                    )
     return rows
 
 
@@ -380,250 +355,3 @@ def crossover(
             break
         found = n
     return found
-
-
-def _baselines_of(rows: Sequence[BenchRow]) -> list[str]:
-    return list(rows[0].ratios) if rows else []
-
-
-CSV_COLUMNS = (
-    "batch",
-    "heads",
-    "seq_q",
-    "seq_k",
-    "head_dim",
-    "dtype",
-    "causal",
-    "pass",
-    "contender",
-    "repeats",
-    "median_ms",
-    "gflops",
-    "gemm_gflops",
-    "gemm_fraction",
-)
-"""The fixed CSV columns; a ``ratio_vs_<baseline>`` column per baseline follows."""
-
-
-def _csv_record(r: BenchRow) -> dict[str, object]:
-    record: dict[str, object] = {
-        "batch": r.batch,
-        "heads": r.heads,
-        "seq_q": r.seq_q,
-        "seq_k": r.seq_k,
-        "head_dim": r.head_dim,
-        "dtype": r.dtype,
-        "causal": r.causal,
-        "pass": r.pass_,
-        "contender": r.contender,
-        "repeats": r.repeats,
-        "median_ms": f"{r.time_s * 1e3:.6g}",
-        "gflops": f"{r.gflops:.6g}",
-        "gemm_gflops": f"{r.gemm_gflops:.6g}",
-        "gemm_fraction": f"{r.gemm_fraction:.6g}",
-    }
-    for b, ratio in r.ratios.items():
-        record[_ratio_column(b)] = f"{ratio:.6g}"
-    return record
-
-
-def _ratio_column(baseline: str) -> str:
-    """``"sdpa-math"`` -> ``"ratio_vs_sdpa_math"``."""
-    return "ratio_vs_" + baseline.replace("-", "_")
-
-
-def write_csv(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> None:
-    """One CSV line per `BenchRow`: `CSV_COLUMNS`, then ``ratio_vs_<baseline>`` columns."""
-    columns = [*CSV_COLUMNS, *(_ratio_column(b) for b in _baselines_of(rows))]
-    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(_csv_record(r) for r in rows)
-
-
-def format_table(rows: Sequence[BenchRow]) -> str:
-    """The rows as a text table, one block per (N, causal), a blank line between passes."""
-    if not rows:
-        return "(no measurements)"
-    first = rows[0]
-    baselines = _baselines_of(rows)
-    lines = [
-        f"B={first.batch} H={first.heads} d={first.head_dim} {first.dtype}, "
-        f"median of {first.repeats} (after 1 warm-up), GEMM {first.gemm_gflops:.1f} GFLOP/s",
-        "vs <baseline> = time / baseline time (below 1: faster)",
-    ]
-    header = f"{'pass':<17}{'contender':<12}{'time ms':>10}{'GFLOP/s':>9}{'of GEMM':>9}" + "".join(
-        f"{'vs ' + b:>16}" for b in baselines
-    )
-    block: tuple[int, bool] | None = None
-    pass_: str | None = None
-    for r in rows:
-        if (r.seq_q, r.causal) != block:
-            block, pass_ = (r.seq_q, r.causal), None
-            lines += ["", f"N={r.seq_q} causal={'yes' if r.causal else 'no'}", header]
-        elif r.pass_ != pass_:
-            lines.append("")
-        pass_ = r.pass_
-        lines.append(
-            f"{r.pass_:<17}{r.contender:<12}{r.time_s * 1e3:>10.2f}{r.gflops:>9.1f}"
-            f"{r.gemm_fraction:>9.1%}" + "".join(f"{r.ratios[b]:>16.2f}" for b in baselines)
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> None:
-    """A PNG: GFLOP/s against N, one panel per (causal, pass), the GEMM rate dashed.
-
-    Raises ModuleNotFoundError naming the fix when matplotlib is not installed.
-    """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ModuleNotFoundError(
-            "matplotlib is not installed; install it with `pip install 'attngrad[plot]'`"
-        ) from e
-    if not rows:
-        raise ValueError("plot needs at least one BenchRow, got none")
-    causal_modes = sorted({r.causal for r in rows})
-    contenders = list(dict.fromkeys(r.contender for r in rows))
-    seqs = sorted({r.seq_q for r in rows})
-    fig = Figure(figsize=(4.5 * len(PASSES), 3.5 * len(causal_modes)), layout="constrained")
-    axes: Any = fig.subplots(len(causal_modes), len(PASSES), squeeze=False, sharey=True)
-    for i, causal in enumerate(causal_modes):
-        for j, pass_ in enumerate(PASSES):
-            ax = axes[i][j]
-            for name in contenders:
-                pts = sorted(
-                    (r.seq_q, r.gflops)
-                    for r in rows
-                    if r.causal == causal and r.pass_ == pass_ and r.contender == name
-                )
-                style = "--" if name.startswith("sdpa-") else "-"
-                ax.plot([n for n, _ in pts], [g for _, g in pts], style, marker="o", label=name)
-            ax.axhline(rows[0].gemm_gflops, color="grey", linestyle=":", label="GEMM rate")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(seqs, labels=[str(n) for n in seqs])
-            ax.minorticks_off()
-            ax.set_title(f"{pass_}, causal={'yes' if causal else 'no'}")
-            ax.set_xlabel("N")
-            if j == 0:
-                ax.set_ylabel("GFLOP/s")
-    axes[0][0].legend(fontsize="small")
-    r = rows[0]
-    fig.suptitle(f"attngrad bench: B={r.batch} H={r.heads} d={r.head_dim} {r.dtype}")
-    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-
-
-# ---------------------------------------------------------------------- CLI
-
-
-def _run(args: argparse.Namespace) -> int:
-    cpu = torch.device("cpu")
-    if refuse_unavailable("bench", args.strategy, cpu):
-        return 2
-    strategies = list(dict.fromkeys(args.strategy or available(cpu)))
-    baselines = list(dict.fromkeys(args.baseline or BASELINES))
-    causal_modes = {"both": [False, True], "no": [False], "yes": [True]}[args.causal]
-    rows = run_bench(
-        args.seq,
-        causal_modes,
-        strategies,
-        baselines,
-        batch=args.batch,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        dtype=DTYPES[args.dtype],
-        repeats=args.repeats,
-        gemm_size=args.gemm_size,
-    )
-    print(format_table(rows))
-    if "flash" in strategies and "explicit" in strategies:
-        print()
-        for causal in causal_modes:
-            n = crossover(rows, causal=causal)
-            where = f"from N={n}" if n is not None else "at no measured N"
-            print(
-                f"forward+backward, causal={'yes' if causal else 'no'}: "
-                f"flash is faster than explicit {where}"
-            )
-    if args.csv:
-        write_csv(rows, args.csv)
-        print(f"wrote {args.csv}")
-    if args.plot:
-        try:
-            plot(rows, args.plot)
-            print(f"wrote {args.plot}")
-        except ModuleNotFoundError as e:
-            print(f"skipped the plot: {e}", file=sys.stderr)
-    return 0
-
-
-def register(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add the ``bench`` subcommand to ``parser.add_subparsers()``; returns its parser."""
-    bench = subparsers.add_parser(
-        "bench",
-        help="time each strategy against SDPA's MATH and FLASH_ATTENTION backends",
-        description=(
-            "Forward, backward and forward+backward time of each strategy against "
-            "F.scaled_dot_product_attention under sdpa_kernel(MATH / FLASH_ATTENTION), "
-            "interleaved in one process: GFLOP/s, fraction of the measured GEMM rate, "
-            "ratio to each baseline."
-        ),
-    )
-    bench.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
-    bench.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
-    bench.add_argument("--head-dim", type=positive_int, default=64, help="d (default 64)")
-    bench.add_argument(
-        "--seq",
-        type=positive_int,
-        nargs="+",
-        default=[1024, 2048, 4096],
-        metavar="N",
-        help="sequence lengths, Nq = Nk = N (default 1024 2048 4096)",
-    )
-    bench.add_argument(
-        "--causal",
-        choices=("both", "yes", "no"),
-        default="both",
-        help="is_causal runs (default both)",
-    )
-    bench.add_argument(
-        "--strategy",
-        action="append",
-        choices=(*STRATEGIES, "auto"),
-        help="time only this strategy (repeatable; default every one that runs on CPU)",
-    )
-    bench.add_argument(
-        "--baseline",
-        action="append",
-        choices=tuple(BASELINES),
-        help="SDPA backend to compare with (repeatable; default math and flash)",
-    )
-    bench.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    bench.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed rounds, after 1 warm-up (default 5)"
-    )
-    bench.add_argument(
-        "--gemm-size",
-        type=positive_int,
-        default=GEMM_SIZE,
-        help=f"size of the GEMMs that measure the matmul rate (default {GEMM_SIZE})",
-    )
-    bench.add_argument(
-        "--csv",
-        default="results/bench.csv",
-        metavar="PATH",
-        help="write the rows here ('' to skip; default results/bench.csv)",
-    )
-    bench.add_argument(
-        "--plot",
-        default="results/bench.png",
-        metavar="PATH",
-        help="write a PNG plot here ('' to skip; default results/bench.png)",
-    )
-    bench.set_defaults(run=_run)
-    return bench

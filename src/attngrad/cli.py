@@ -1,10 +1,17 @@
-"""The ``attngrad`` command.
+"""The ``attngrad`` command (also ``python -m attngrad``).
 
-attngrad check   [--strategy NAME ...] [--json PATH] [--seed N] [--no-gradcheck]
+attngrad check   [--strategy NAME ...] [--json PATH|-] [--failures] [--seed N] [--no-gradcheck]
                  the conformance grid; exit 1 on a failed case, 2 on a strategy that can't run
-attngrad ledger  [--seq-q N ...] [--sweep N ...]   saved bytes and peak memory per path
+attngrad ledger  [--seq-q N ...] [--sweep N ...] [--strategy NAME ...]
+                 saved bytes and peak memory per path; exit 1 when a prediction misses
 attngrad explain [--strategy NAME ...]             the grad_fn graph and saved tensors per path
 attngrad bench   [--seq N ...] [--strategy NAME]   time against SDPA's MATH and FLASH backends
+attngrad --version
+
+The commands compute rows (`attngrad.verify`, `attngrad.ledger`, `attngrad.explain`,
+`attngrad.bench`) and hand them to `attngrad.report`; this module parses, refuses what
+cannot run here, and says where each file went.  ``--csv ''`` and ``--plot ''`` skip
+that file.
 """
 
 from __future__ import annotations
@@ -12,24 +19,71 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from attngrad import bench, explain, ledger
+import attngrad
+from attngrad import bench, ledger, report
+from attngrad.cli_args import (
+    measure_device,
+    positive_float,
+    positive_int,
+    refuse_unavailable,
+    skipped,
+)
+from attngrad.contract import DTYPES
+from attngrad.explain import explain
+from attngrad.machine import Machine, probe
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, refuse_unavailable, skipped
-from attngrad.verify import GRADIENTS, CaseResult, default_cases, format_error, run_case
+from attngrad.strategies import STRATEGIES, available
+from attngrad.verify import CaseResult, default_cases, run_case
 
 __all__ = ["main"]
 
+_CAUSAL_MODES = {"both": [False, True], "no": [False], "yes": [True]}
 
-def _row(r: CaseResult) -> str:
-    errs = " ".join(f"{format_error(r.errors.get(g)):>8}" for g in GRADIENTS)
-    rule = "pass" if r.rule_passed and not r.nan else ("NaN" if r.nan else "FAIL")
-    grad = {None: "-", True: "pass", False: "FAIL"}[r.gradcheck_passed]
-    line = f"{r.strategy:<10} {r.case:<40} {errs} {rule:>5} {grad:>9}"
-    return line + (f"  {r.message}" if r.message else "")
+
+# ------------------------------------------------------------------- shared steps
+
+
+def _destination(given: str | None, default: str | None) -> str | None:
+    """Where to write a file: ``default`` when the flag is absent, nowhere for ``''``."""
+    return default if given is None else (given or None)
+
+
+def _write_csv(
+    path: str | None, records: Sequence[dict[str, object]], machine: Machine | None
+) -> None:
+    if path and records:
+        report.write_csv(records, path, machine)
+        print(f"wrote {path}")
+
+
+def _write_plot(path: str | None, draw: Callable[[str], None]) -> None:
+    """``draw(path)`` and say so; without matplotlib, say how to install it and go on."""
+    if not path:
+        return
+    try:
+        draw(path)
+    except ModuleNotFoundError as e:
+        print(f"skipped the plot {path}: {e}", file=sys.stderr)
+        return
+    print(f"wrote {path}")
+
+
+def _machine(dtype: torch.dtype, device: torch.device, budget: float) -> Machine:
+    """`attngrad.machine.probe`, each calibration step shown on stderr."""
+    name = str(dtype).removeprefix("torch.")
+    print(f"calibrating the {name} matmul rate ({budget:g} s per GEMM)...", file=sys.stderr)
+
+    def note(text: str) -> None:
+        print(f"  {text}", file=sys.stderr, flush=True)
+
+    return probe(dtype, device, budget, note=note)
+
+
+# -------------------------------------------------------------------------- check
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -47,58 +101,336 @@ def _check(args: argparse.Namespace) -> int:
             for case in cases:
                 results.append(run_case(strategy, case, args.seed, gradcheck=args.gradcheck))
                 bar.step(f"{strategy} {case.id}")
-    header = " ".join(f"{g:>8}" for g in GRADIENTS)
-    print(f"{'strategy':<10} {'case':<40} {header} {'rule':>5} {'gradcheck':>9}")
-    for r in results:
-        print(_row(r))
-    failed = [r for r in results if not r.passed]
-    print(
-        f"\n{len(results) - len(failed)} passed, {len(failed)} failed "
-        "(max abs error vs float64; rule: float64 <= 1e-9, others <= 2x plain PyTorch + a few ulps)"
-    )
+    # with --json -, stdout carries the JSON alone
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(report.check_table(results, failures_only=args.failures), file=out)
+    print(report.check_summary(results), file=out)
+    failed = any(not r.passed for r in results)
     if args.json:
         payload = {
             "torch": torch.__version__,
+            "attngrad": attngrad.__version__,
             "strategies": strategies,
             "passed": not failed,
             "results": [r.as_dict() for r in results],
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2)
-        print(f"wrote {args.json}")
+        if args.json == "-":
+            json.dump(payload, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(payload, f, indent=2)
+            print(f"wrote {args.json}", file=out)
     return 1 if failed else 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="attngrad", description="Attention with hand-written backward passes: check them."
+def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "check",
+        help="conformance grid of every strategy against a float64 reference",
+        description=(
+            "Run every strategy over a grid of dtypes, masks and layouts and compare the "
+            "output and every gradient with a float64 reference: float64 to 1e-9, the other "
+            "dtypes by the 2x rule against plain PyTorch in the same dtype; gradcheck on "
+            "float64 cases.  Exit 1 on a failed case, 2 when a strategy asked for cannot run here."
+        ),
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser(
-        "check", help="conformance grid of every strategy against a float64 reference"
-    )
-    check.add_argument(
+    p.add_argument(
         "--strategy",
         action="append",
         choices=STRATEGIES,
         help="check only this strategy (repeatable)",
     )
-    check.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    check.add_argument(
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH; '-' writes them to stdout (the table then goes to stderr)",
+    )
+    p.add_argument(
+        "--failures",
+        action="store_true",
+        help="list only the failing cases (the per-strategy counts still print)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument(
         "--no-gradcheck", dest="gradcheck", action="store_false", help="skip gradcheck (faster)"
     )
-    check.set_defaults(run=_check)
-    ledger.register(sub)
-    explain.register(sub)
-    bench.register(sub)
+    p.set_defaults(run=_check)
+
+
+# ------------------------------------------------------------------------- ledger
+
+
+def _ledger_layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> ledger.Layout:
+    return ledger.Layout(
+        batch=args.batch,
+        heads_q=args.heads,
+        heads_kv=args.heads_kv or args.heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=args.head_dim,
+        value_dim=args.value_dim or args.head_dim,
+        dtype=DTYPES[args.dtype],
+        causal=args.causal,
+    )
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    device: torch.device = args.device
+    if refuse_unavailable("ledger", args.strategy, device):
+        return 2
+    paths = list(dict.fromkeys(args.strategy or [*available(device), *ledger.BASELINES]))
+    sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]
+    layouts = [_ledger_layout(args, seq_q, seq_k) for seq_q, seq_k in sizes]
+    machine = _machine(DTYPES[args.dtype], device, args.gemm_time)
+    try:
+        with Progress(len(paths) * len(layouts), "ledger") as bar:
+            rows, notes = ledger.run_ledger(
+                paths, layouts, str(device), peak=not args.no_peak, step=bar.step
+            )
+    except (ValueError, TypeError) as e:
+        print(f"attngrad ledger: error: {e}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line, file=sys.stderr)
+    print(report.ledger_table(rows, machine))
+    sweep_default = "results/ledger.{}" if args.sweep else None
+    csv_path = _destination(args.csv, sweep_default and sweep_default.format("csv"))
+    _write_csv(csv_path, report.ledger_records(rows), machine)
+    plot_path = _destination(args.plot, sweep_default and sweep_default.format("png"))
+    _write_plot(plot_path, lambda path: report.ledger_plot(rows, path, machine))
+    mismatched = [r for r in rows if r.match is False]
+    for r in mismatched:
+        print(
+            f"MISMATCH {r.path} N={r.seq_q}: predicted {r.predicted_saved} measured {r.measured_saved}"
+        )
+    return 1 if mismatched else 0
+
+
+def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "ledger",
+        help="saved bytes (predicted vs measured) and peak memory of every path",
+        description=(
+            "What each path saves between forward and backward, predicted from the "
+            "strategies' saved-bytes formulas and measured, and the peak memory of "
+            "forward+backward, beside SDPA's MATH and FLASH_ATTENTION backends.  Exit 1 "
+            "when a prediction misses."
+        ),
+    )
+    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads Hq (default 8)")
+    p.add_argument("--heads-kv", type=positive_int, help="key/value heads Hkv for GQA (default Hq)")
+    p.add_argument(
+        "--seq-q", type=positive_int, default=1024, help="query length Nq (default 1024)"
+    )
+    p.add_argument("--seq-k", type=positive_int, help="key length Nk (default Nq)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="q/k head dim d (default 64)")
+    p.add_argument("--value-dim", type=positive_int, help="value head dim dv (default d)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
+    p.add_argument("--causal", action="store_true", help="is_causal=True")
+    p.add_argument(
+        "--device",
+        type=measure_device,
+        default=torch.device("cpu"),
+        help="cpu, or cuda with a CUDA GPU (default cpu)",
+    )
+    p.add_argument(
+        "--strategy",
+        action="append",
+        choices=(*STRATEGIES, *ledger.BASELINES),
+        help="a strategy or SDPA backend (repeatable; default every one that runs here)",
+    )
+    p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
+    p.add_argument(
+        "--sweep",
+        type=positive_int,
+        nargs="+",
+        metavar="N",
+        help="run over these N (Nq = Nk) instead of --seq-q/--seq-k; writes CSV and PNG",
+    )
+    _add_machine_and_files(p, "results/ledger", "with --sweep: ")
+    p.set_defaults(run=_ledger)
+
+
+# ------------------------------------------------------------------------ explain
+
+
+def _explain(args: argparse.Namespace) -> int:
+    cpu = torch.device("cpu")
+    if refuse_unavailable("explain", args.strategy, cpu):
+        return 2
+    for line in [] if args.strategy else skipped(cpu, interpreted=True):
+        print(line, file=sys.stderr)
+    reports = explain(
+        batch=args.batch,
+        heads=args.heads,
+        seq_q=args.seq_q,
+        seq_k=args.seq_k,
+        head_dim=args.head_dim,
+        dtype=DTYPES[args.dtype],
+        is_causal=args.causal,
+        strategies=args.strategy,
+    )
+    print(report.explain_text(reports))
+    return 0
+
+
+def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="show each path's grad_fn graph and the tensors it saves for backward",
+        description=(
+            "For a small input, the grad_fn graph of PyTorch's plain math, SDPA's MATH "
+            "backend and each strategy, numbered in the order the autograd engine runs "
+            "backward, with the tensors each node saved, and what each path keeps alive."
+        ),
+    )
+    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=positive_int, default=2, help="H (default 2)")
+    p.add_argument("--seq-q", type=positive_int, default=8, help="Nq, query length (default 8)")
+    p.add_argument("--seq-k", type=positive_int, default=8, help="Nk, key length (default 8)")
+    p.add_argument("--head-dim", type=positive_int, default=4, help="d (default 4)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
+    p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
+    p.add_argument(
+        "--strategy",
+        action="append",
+        choices=STRATEGIES,
+        help="explain only this strategy (repeatable; default all); the baselines always run",
+    )
+    p.set_defaults(run=_explain)
+
+
+# -------------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    cpu = torch.device("cpu")
+    if refuse_unavailable("bench", args.strategy, cpu):
+        return 2
+    strategies = list(dict.fromkeys(args.strategy or available(cpu)))
+    baselines = list(dict.fromkeys(args.baseline or bench.BASELINES))
+    causal_modes = _CAUSAL_MODES[args.causal]
+    dtype = DTYPES[args.dtype]
+    machine = _machine(dtype, cpu, args.gemm_time)
+    with Progress(bench.steps(args.seq, causal_modes, args.repeats), "bench") as bar:
+        rows = bench.run_bench(
+            args.seq,
+            causal_modes,
+            strategies,
+            baselines,
+            batch=args.batch,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            dtype=dtype,
+            repeats=args.repeats,
+            gemm_gflops=machine.gemm_gflops,
+            step=bar.step,
+        )
+    print(report.bench_table(rows, machine))
+    if "flash" in strategies and "explicit" in strategies:
+        print()
+        for causal in causal_modes:
+            n = bench.crossover(rows, causal=causal)
+            where = f"from N={n}" if n is not None else "at no measured N"
+            print(
+                f"forward+backward, causal={'yes' if causal else 'no'}: "
+                f"flash is faster than explicit {where}"
+            )
+    _write_csv(_destination(args.csv, "results/bench.csv"), report.bench_records(rows), machine)
+    plot_path = _destination(args.plot, "results/bench.png")
+    _write_plot(plot_path, lambda path: report.bench_plot(rows, path, machine))
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time each strategy against SDPA's MATH and FLASH_ATTENTION backends",
+        description=(
+            "Forward, backward and forward+backward time of each strategy against "
+            "F.scaled_dot_product_attention under sdpa_kernel(MATH / FLASH_ATTENTION), "
+            "interleaved in one process: median and min-max time, GFLOP/s, fraction of the "
+            "measured GEMM rate, ratio to each baseline, and the strategy 'auto' picks."
+        ),
+    )
+    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="d (default 64)")
+    p.add_argument(
+        "--seq",
+        type=positive_int,
+        nargs="+",
+        default=[1024, 2048, 4096],
+        metavar="N",
+        help="sequence lengths, Nq = Nk = N (default 1024 2048 4096)",
+    )
+    p.add_argument(
+        "--causal",
+        choices=tuple(_CAUSAL_MODES),
+        default="both",
+        help="is_causal runs (default both)",
+    )
+    p.add_argument(
+        "--strategy",
+        action="append",
+        choices=(*STRATEGIES, "auto"),
+        help="time only this strategy (repeatable; default every one that runs on CPU)",
+    )
+    p.add_argument(
+        "--baseline",
+        action="append",
+        choices=tuple(bench.BASELINES),
+        help="SDPA backend to compare with (repeatable; default math and flash)",
+    )
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed rounds, after 1 warm-up (default 5)"
+    )
+    _add_machine_and_files(p, "results/bench", "")
+    p.set_defaults(run=_bench)
+
+
+def _add_machine_and_files(p: argparse.ArgumentParser, stem: str, when: str) -> None:
+    """``--gemm-time``, ``--csv`` and ``--plot``, alike on bench and ledger."""
+    p.add_argument(
+        "--gemm-time",
+        type=positive_float,
+        default=0.2,
+        metavar="SECONDS",
+        help="grow the GEMM that measures the matmul rate until one product takes about "
+        "this long (default 0.2)",
+    )
+    p.add_argument(
+        "--csv", metavar="PATH", help=f"write the rows here ('' to skip; default {when}{stem}.csv)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help=f"write a PNG plot here ('' to skip; default {when}{stem}.png)",
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attngrad",
+        description=(
+            "Attention with hand-written backward passes: check every strategy against "
+            "float64, account for its memory, explain its graph, time it."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"attngrad {attngrad.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_check, _add_ledger, _add_explain, _add_bench):
+        add(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     args = _parser().parse_args(argv)
     return int(args.run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,26 +12,22 @@ saves between forward and backward.  For a small input this module runs forward 
 * ``sdpa-math``: ``F.scaled_dot_product_attention`` under ``SDPBackend.MATH``,
 * every strategy in `attngrad.STRATEGIES`,
 
-then walks the graph from O in the order the autograd engine runs it and lists, per node,
-each saved tensor: shape, dtype, bytes (numel * element_size) and whether it is one of the
-inputs q, k, v (same storage) or a tensor computed in forward (P, lse, O, ...).  The total is
-cross-checked against the bytes packed by `torch.autograd.graph.saved_tensors_hooks` during
-the same forward.
+then lists, per grad_fn node reachable from O, each saved tensor: shape, dtype, bytes
+(numel * element_size) and whether it is one of the inputs q, k, v (same storage) or a
+tensor computed in forward (P, lse, O, ...).  The total is cross-checked against the bytes
+packed by `torch.autograd.graph.saved_tensors_hooks` during the same forward.  Then backward
+runs once, and a pre-hook on every node records the order in which the autograd engine
+really runs them (`backward_order`).  The text: `attngrad.report.explain_text`.
 
 >>> reports = explain(seq_q=8, seq_k=8)
 >>> [r.path for r in reports][:3]
 ['pytorch-math', 'sdpa-math', 'explicit']
->>> print(format_report(reports))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import argparse
-import heapq
 import importlib
-import itertools
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,19 +39,16 @@ from torch.autograd.graph import Node, saved_tensors_hooks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.contract import DTYPES, positive_int
-from attngrad.strategies import STRATEGIES, available, refuse_unavailable, skipped
+from attngrad.contract import DTYPES
+from attngrad.strategies import STRATEGIES, available
 
 __all__ = [
     "BASELINES",
-    "DTYPES",
     "NodeReport",
     "PathReport",
     "SavedTensor",
     "backward_order",
     "explain",
-    "format_report",
-    "register",
 ]
 
 BASELINES: tuple[str, ...] = ("pytorch-math", "sdpa-math")
@@ -175,39 +168,41 @@ def _sequence_nr(node: Node) -> int:
     return int(node._sequence_nr())  # type: ignore[attr-defined]
 
 
-def backward_order(root: Node) -> list[Node]:
-    """The nodes reachable from ``root`` in the order the autograd engine runs them.
-
-    The engine (single device) keeps a queue of ready nodes (all their inputs' gradients
-    have arrived) and always runs the one with the highest sequence number, i.e. the most
-    recently created; AccumulateGrad nodes carry the largest number (2**64 - 1) and so run
-    as soon as they are ready.  Ties keep the order in which nodes became ready.
-    """
-    deps: dict[Node, int] = {}
+def _reachable(root: Node) -> list[Node]:
+    """Every node reachable from ``root``, root first (depth first)."""
     seen = {root}
-    stack = [root]
+    stack, found = [root], []
     while stack:
         node = stack.pop()
+        found.append(node)
         for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            deps[nxt] = deps.get(nxt, 0) + 1
-            if nxt not in seen:
+            if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 stack.append(nxt)
-    tie = itertools.count()
-    ready: list[tuple[int, int, Node]] = [(-_sequence_nr(root), next(tie), root)]
-    order: list[Node] = []
-    while ready:
-        _, _, node = heapq.heappop(ready)
-        order.append(node)
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            deps[nxt] -= 1
-            if deps[nxt] == 0:
-                heapq.heappush(ready, (-_sequence_nr(nxt), next(tie), nxt))
-    return order
+    return found
+
+
+def backward_order(out: torch.Tensor) -> list[Node]:
+    """Run backward from ``out`` (gradient ones) and return the nodes in the order the engine ran them.
+
+    A pre-hook on every node reachable from ``out.grad_fn`` appends the node when the
+    engine calls it (AccumulateGrad included), so this is the engine's own order, not a
+    model of its scheduling.  Backward frees the saved tensors: read them first.
+    """
+    if out.grad_fn is None:
+        raise ValueError(
+            "out has no grad_fn; pass the output of a forward on leaves that require grad"
+        )
+    ran: list[Node] = []
+
+    def recorder(node: Node) -> Callable[..., None]:
+        return lambda *_: ran.append(node)
+
+    handles = [node.register_prehook(recorder(node)) for node in _reachable(out.grad_fn)]
+    torch.autograd.backward(out, torch.ones_like(out))
+    for handle in handles:
+        handle.remove()
+    return ran
 
 
 def _depths(root: Node) -> dict[Node, int]:
@@ -354,7 +349,8 @@ def _description(path: str) -> str:
 def _run_path(
     path: str, base: tuple[torch.Tensor, torch.Tensor, torch.Tensor], is_causal: bool
 ) -> PathReport:
-    """Forward ``path`` on fresh leaves copied from ``base`` and report its graph."""
+    """Forward ``path`` on fresh leaves copied from ``base``, read what each node saved,
+    then run backward to number the nodes in the engine's order, and report."""
     q, k, v = (x.detach().clone().requires_grad_() for x in base)
     b, h, nq, d = q.shape
     nk = k.shape[2]
@@ -387,11 +383,8 @@ def _run_path(
     # unpacking hands back a new Python tensor over the same memory: match by layout
     unmatched = Counter(_layout(t) for t in packed)
 
-    order = backward_order(root)
-    step = {node: i + 1 for i, node in enumerate(order)}
-    depth = _depths(root)
-    nodes = []
-    for node in order:
+    saved_by_node = {}
+    for node in _reachable(root):
         found, none_slots = _saved_of(node)
         saved = tuple(
             SavedTensor(
@@ -406,6 +399,14 @@ def _run_path(
             )
             for slot, t in found
         )
+        saved_by_node[node] = (saved, none_slots)
+    depth = _depths(root)
+    output_shape = tuple(o.shape)
+    order = backward_order(o)
+    step = {node: i + 1 for i, node in enumerate(order)}
+    nodes = []
+    for node in order:
+        saved, none_slots = saved_by_node[node]
         variable = getattr(node, "variable", None)
         nodes.append(
             NodeReport(
@@ -427,7 +428,7 @@ def _run_path(
         nodes=tuple(nodes),
         hooked_count=len(packed),
         hooked_bytes=sum(t.numel() * t.element_size() for t in packed),
-        output_shape=tuple(o.shape),
+        output_shape=output_shape,
     )
 
 
@@ -451,7 +452,8 @@ def explain(
 
     The baselines `BASELINES` come first, then ``strategies`` (default: every one of
     `attngrad.STRATEGIES` that runs on CPU here, triton in its interpreter included).  Inputs are drawn from a generator seeded with ``seed``;
-    each path gets its own leaf copies of the same values.  Only forward runs.
+    each path gets its own leaf copies of the same values, and runs forward and backward
+    once.
     """
     for name, value in [
         ("batch", batch),
@@ -474,191 +476,3 @@ def explain(
     k = torch.randn(batch, heads, seq_k, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, heads, seq_k, head_dim, generator=gen).to(dtype)
     return [_run_path(path, (q, k, v), is_causal) for path in [*BASELINES, *chosen]]
-
-
-# --- text ------------------------------------------------------------------------------
-
-
-def _fmt_bytes(n: int) -> str:
-    """512 B, 1.5 KiB, 64.0 MiB: exact bytes while small, since the small cases are checked by eye."""
-    if n < 1024:
-        return f"{n} B"
-    size, unit = n / 1024, "KiB"
-    for bigger in ("MiB", "GiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, bigger
-    return f"{size:.1f} {unit}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _per_head(t: SavedTensor, nq: int, nk: int, d: int) -> str:
-    """The tensor's size per (batch, head) in symbols: N×N for P, N for lse, N×d for O."""
-    n_q, n_k = ("N", "N") if nq == nk else ("Nq", "Nk")
-    base = t.role.split("*")[0].split(" ")[0]
-    if base in ("P", "S"):
-        return f"{n_q}×{n_k} per head"
-    if base == "lse":
-        return f"{n_q} per head"
-    if base in ("O", "q"):
-        return f"{n_q}×d per head"
-    if base in ("k", "v"):
-        return f"{n_k}×d per head"
-    if base == "scalar":
-        return "one number"
-    return "shape " + "×".join(map(str, t.shape))
-
-
-def _kept_line(r: PathReport) -> str:
-    _, _, nq, nk, d = r.shape
-    parts = [
-        f"{t.role} ({_per_head(t, nq, nk, d)}, {_dtype_name(t.dtype)}) {_fmt_bytes(t.nbytes)}"
-        for t in r.kept
-    ]
-    return " + ".join(parts) if parts else "nothing"
-
-
-def _format_path(r: PathReport) -> list[str]:
-    lines = [f"== {r.path}: {r.description} =="]
-    width = max((len(n.name) + 2 * n.depth for n in r.nodes), default=0) + 8
-    for n in r.nodes:
-        pad = "  " * (n.depth + 1)
-        head = f"{pad}#{n.step} {n.name}" + (f" -> {n.leaf}.grad" if n.leaf else "")
-        nxt = ", ".join(f"#{s}" for s in n.next_steps)
-        lines.append((f"{head:<{width}}" + (f" then {nxt}" if nxt else "")).rstrip())
-        for t in n.saved:
-            kind = "input" if t.is_input else "computed"
-            shape = "[" + ", ".join(map(str, t.shape)) + "]"
-            note = "" if t.hooked else "  (not seen by hooks)"
-            lines.append(
-                f"{pad}    saved {t.slot:<17} {shape:<15} {_dtype_name(t.dtype):<9}"
-                f" {_fmt_bytes(t.nbytes):>9}  {t.role} ({kind}){note}"
-            )
-        if n.none_slots:
-            lines.append(f"{pad}    saved {n.none_slots} × None (optional inputs not given)")
-    check = "agree" if r.graph_bytes == r.hooked_bytes else "differ"
-    lines.append(
-        f"  total: {r.graph_count} saved tensors, {_fmt_bytes(r.graph_bytes)} found on the graph; "
-        f"saved_tensors_hooks packed {r.hooked_count}, {_fmt_bytes(r.hooked_bytes)} ({check})"
-    )
-    if r.unhooked:
-        extra = sum(t.nbytes for t in r.unhooked)
-        lines.append(
-            f"  the {_fmt_bytes(extra)} difference: {len(r.unhooked)} 0-dim tensor(s) wrapping a "
-            "Python scalar, which PyTorch saves without calling the hooks"
-            if all(not t.shape for t in r.unhooked)
-            else f"  the {_fmt_bytes(extra)} difference: tensors the hooks did not see"
-        )
-    inputs = ", ".join(r.inputs_saved) or "none"
-    lines.append(f"  inputs saved by reference (no new memory): {inputs}")
-    lines.append(
-        f"  kept alive for backward besides the inputs: {_fmt_bytes(r.kept_bytes)} = {_kept_line(r)}"
-    )
-    return lines
-
-
-def _summary(reports: Sequence[PathReport]) -> list[str]:
-    first = reports[0]
-    b, h, nq, nk, d = first.shape
-    base = next((r for r in reports if r.path == "pytorch-math"), first)
-    name_w = max(len(r.path) for r in reports)
-    lines = [
-        "== summary: same formulas, different paths ==",
-        "  every path differentiates the same forward with the same formulas:",
-        "    dV = P^T dO    dP = dO V^T    dS = P∘(dP − rowsum(P∘dP))    dQ = s·dS K    dK = s·dS^T Q",
-        f"  what each path keeps alive between forward and backward besides q, k, v "
-        f"(B={b}, H={h}, Nq={nq}, Nk={nk}, d={d}, {_dtype_name(first.dtype)}):",
-    ]
-    for r in reports:
-        ratio = r.kept_bytes / base.kept_bytes if base.kept_bytes else float("nan")
-        lines.append(
-            f"    {r.path:<{name_w}}  keeps {_kept_line(r)}"
-            f"  = {_fmt_bytes(r.kept_bytes)}, {ratio:.2f}× {base.path}"
-        )
-    recompute_like = [r.path for r in reports if r.path in ("recompute", "flash")]
-    if recompute_like:
-        lines.append(
-            f"  {' and '.join(recompute_like)} pay for the smaller ledger in backward: they "
-            "recompute S = s·q k^T and P = exp(S − lse) instead of reading a saved P"
-        )
-    # the same per-head ledger at a long-context shape, from the same element sizes
-    n, dd = 4096, 64
-    elem = first.dtype.itemsize
-    lse_elem = 8 if first.dtype == torch.float64 else 4
-    lines.append(
-        f"  P grows as N², O and lse as N: at N={n}, d={dd} per head, "
-        f"P = {_fmt_bytes(n * n * elem)}, O = {_fmt_bytes(n * dd * elem)}, "
-        f"lse = {_fmt_bytes(n * lse_elem)}"
-    )
-    return lines
-
-
-def format_report(reports: Sequence[PathReport]) -> str:
-    """Readable text: per path its nodes in backward order (indented by depth from O) with
-    their saved tensors and the totals, then a summary comparing what each path keeps."""
-    if not reports:
-        return ""
-    b, h, nq, nk, d = reports[0].shape
-    lines = [
-        f"attngrad explain: q [{b}, {h}, {nq}, {d}], k, v [{b}, {h}, {nk}, {d}], "
-        f"{_dtype_name(reports[0].dtype)}",
-        "Each path's grad_fn graph from O, #n = the step at which backward runs the node "
-        "(indent = distance from O); under each node the tensors it saved for backward.",
-        "",
-    ]
-    for r in reports:
-        lines += [*_format_path(r), ""]
-    lines += _summary(reports)
-    return "\n".join(lines)
-
-
-# --- command line ----------------------------------------------------------------------
-
-
-def _run(args: argparse.Namespace) -> int:
-    cpu = torch.device("cpu")
-    if refuse_unavailable("explain", args.strategy, cpu):
-        return 2
-    for line in [] if args.strategy else skipped(cpu, interpreted=True):
-        print(line, file=sys.stderr)
-    reports = explain(
-        batch=args.batch,
-        heads=args.heads,
-        seq_q=args.seq_q,
-        seq_k=args.seq_k,
-        head_dim=args.head_dim,
-        dtype=DTYPES[args.dtype],
-        is_causal=args.causal,
-        strategies=args.strategy,
-    )
-    print(format_report(reports))
-    return 0
-
-
-def register(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``explain`` to ``subparsers``; parsed args carry ``run(args) -> int``."""
-    p = subparsers.add_parser(
-        "explain",
-        help="show each path's grad_fn graph and the tensors it saves for backward",
-        description=(__doc__ or "").strip().splitlines()[0],
-    )
-    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
-    p.add_argument("--heads", type=positive_int, default=2, help="H (default 2)")
-    p.add_argument("--seq-q", type=positive_int, default=8, help="Nq, query length (default 8)")
-    p.add_argument("--seq-k", type=positive_int, default=8, help="Nk, key length (default 8)")
-    p.add_argument("--head-dim", type=positive_int, default=4, help="d (default 4)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
-    p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
-    p.add_argument(
-        "--strategy",
-        action="append",
-        choices=STRATEGIES,
-        help="explain only this strategy (repeatable; default all); the baselines always run",
-    )
-    p.set_defaults(run=_run)
-    return p

@@ -13,35 +13,32 @@ Measured saved bytes add up every tensor autograd packs during forward, seen
 through `torch.autograd.graph.saved_tensors_hooks`.  Peak memory of
 forward+backward is measured on CPU by replaying the allocator's events that
 the profiler records (every allocation and free, in order), and on CUDA by the
-allocator's own peak counter.
+allocator's own peak counter.  Tables, CSV and plots: `attngrad.report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
-from attngrad.contract import DTYPES, positive_int
-from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available, refuse_unavailable
 
 __all__ = [
     "BASELINES",
+    "Layout",
     "LedgerRow",
+    "ledger_row",
     "measure_peak_bytes",
     "measure_saved_bytes",
     "predicted_saved_bytes",
-    "register",
+    "run_ledger",
 ]
 
 BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
@@ -167,13 +164,23 @@ def measure_peak_bytes(run: Callable[[], object], device: str = "cpu") -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-@dataclass
+@dataclass(frozen=True)
 class LedgerRow:
-    """One path of the ledger; bytes throughout."""
+    """One path of the ledger at one `Layout` (its sizes copied out); bytes throughout.
+
+    ``peak`` and ``peak_beyond_io`` are None when not measured.
+    """
 
     path: str
+    batch: int
+    heads_q: int
+    heads_kv: int
     seq_q: int
     seq_k: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    causal: bool
     predicted_saved: int | None
     measured_saved: int
     peak: int | None
@@ -206,8 +213,15 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
         beyond_io = max(0, peak_bytes - io)
     return LedgerRow(
         path=path,
+        batch=layout.batch,
+        heads_q=layout.heads_q,
+        heads_kv=layout.heads_kv,
         seq_q=layout.seq_q,
         seq_k=layout.seq_k,
+        head_dim=layout.head_dim,
+        value_dim=layout.value_dim,
+        dtype=str(layout.dtype).removeprefix("torch."),
+        causal=layout.causal,
         predicted_saved=predicted_saved_bytes(path, layout),
         measured_saved=saved,
         peak=peak_bytes,
@@ -215,196 +229,27 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
     )
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.2f} MiB"
-
-
-def format_rows(rows: Sequence[LedgerRow]) -> str:
-    """The ledger as a text table."""
-    head = (
-        f"{'path':<11} {'Nq x Nk':>13} {'predicted saved':>17} {'measured saved':>17} "
-        f"{'match':>5} {'peak fwd+bwd':>15} {'beyond I/O':>15}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        match = {None: "-", True: "yes", False: "NO"}[r.match]
-        lines.append(
-            f"{r.path:<11} {f'{r.seq_q} x {r.seq_k}':>13} {_mib(r.predicted_saved):>17} "
-            f"{_mib(r.measured_saved):>17} {match:>5} {_mib(r.peak):>15} {_mib(r.peak_beyond_io):>15}"
-        )
-    return "\n".join(lines)
-
-
-def write_csv(rows: Sequence[LedgerRow], path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), "match"])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**asdict(r), "match": r.match})
-
-
-def plot(rows: Sequence[LedgerRow], path: str, title: str) -> None:
-    """Two log-log panels against N, one line per path: saved bytes (predicted as
-    hollow markers where a formula exists) and peak bytes of forward+backward."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("bytes saved for backward", "measured_saved")]
-    if all(r.peak is not None for r in rows):
-        panels.append(("peak of forward+backward", "peak"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-    markers = "osD^vx"
-    for ax, (label, field_name) in zip(axes[0], panels, strict=True):
-        for i, name in enumerate(dict.fromkeys(r.path for r in rows)):
-            mine = [r for r in rows if r.path == name]
-            n = [r.seq_q for r in mine]
-            # paths that save the same bytes overlap: thinner lines on top keep each visible
-            (line,) = ax.plot(
-                n,
-                [getattr(r, field_name) for r in mine],
-                marker=markers[i % len(markers)],
-                lw=3.0 - 0.4 * i,
-                ms=7 - i,
-                label=name,
-            )
-            predicted = [r.predicted_saved for r in mine if r.predicted_saved is not None]
-            if field_name == "measured_saved" and len(predicted) == len(mine):
-                ax.plot(
-                    n,
-                    predicted,
-                    ls="none",
-                    marker="o",
-                    ms=12,
-                    mfc="none",
-                    color=line.get_color(),
-                    alpha=0.5,
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("sequence length N (Nq = Nk)")
-        ax.set_ylabel(label + " (bytes)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title + "   (hollow circles: predicted by the saved-bytes formulas)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> Layout:
-    return Layout(
-        batch=args.batch,
-        heads_q=args.heads,
-        heads_kv=args.heads_kv or args.heads,
-        seq_q=seq_q,
-        seq_k=seq_k,
-        head_dim=args.head_dim,
-        value_dim=args.value_dim or args.head_dim,
-        dtype=DTYPES[args.dtype],
-        causal=args.causal,
-    )
-
-
-def _row_or_none(path: str, layout: Layout, args: argparse.Namespace) -> LedgerRow | None:
-    """The row of one path; None (with a note) where the path cannot run here.
-
-    That is an SDPA backend that rejects the layout.
-    """
-    try:
-        return ledger_row(path, layout, args.device, peak=not args.no_peak)
-    except RuntimeError as e:
-        if path not in BASELINES:
-            raise
-        print(f"{path}: not available for this layout ({str(e).splitlines()[0]})", file=sys.stderr)
-        return None
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("attngrad ledger: error: --device cuda, but torch sees no CUDA GPU", file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    if refuse_unavailable("ledger", args.path, device):
-        return 2
-    paths = args.path or [*available(device), *BASELINES]
-    sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]
+def run_ledger(
+    paths: Sequence[str],
+    layouts: Sequence[Layout],
+    device: str = "cpu",
+    peak: bool = True,
+    step: Callable[[str], None] | None = None,
+) -> tuple[list[LedgerRow], list[str]]:
+    """The rows of every path at every layout, layout by layout, and one note per
+    baseline left out: an SDPA backend that rejects the layout raises RuntimeError,
+    which becomes a note; a strategy's error propagates.  ``step`` hears each
+    (path, layout) pair as it is done."""
     rows: list[LedgerRow] = []
-    try:
-        with Progress(len(paths) * len(sizes), "ledger") as bar:
-            for seq_q, seq_k in sizes:
-                for p in paths:
-                    row = _row_or_none(p, _layout(args, seq_q, seq_k), args)
-                    if row is not None:
-                        rows.append(row)
-                    bar.step(f"{p} Nq={seq_q} Nk={seq_k}")
-    except (ValueError, TypeError) as e:
-        print(f"attngrad ledger: error: {e}", file=sys.stderr)
-        return 2
-    print(format_rows(rows))
-    csv_path = args.csv or ("results/ledger.csv" if args.sweep else None)
-    if csv_path:
-        write_csv(rows, csv_path)
-        print(f"wrote {csv_path}")
-    plot_path = args.plot or ("results/ledger.png" if args.sweep else None)
-    if plot_path:
-        title = f"B={args.batch} H={args.heads} d={args.head_dim} {args.dtype}"
-        plot(rows, plot_path, title)
-        print(f"wrote {plot_path}")
-    mismatched = [r for r in rows if r.match is False]
-    for r in mismatched:
-        print(
-            f"MISMATCH {r.path} N={r.seq_q}: predicted {r.predicted_saved} measured {r.measured_saved}"
-        )
-    return 1 if mismatched else 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``attngrad ledger`` to a subparsers object."""
-    p = sub.add_parser(
-        "ledger",
-        help="saved bytes (predicted vs measured) and peak memory of every path",
-        description="What each path saves between forward and backward, predicted from "
-        "the strategies' saved-bytes formulas and measured, and the peak memory of "
-        "forward+backward, beside SDPA's MATH and FLASH_ATTENTION backends.",
-    )
-    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
-    p.add_argument("--heads", type=positive_int, default=8, help="query heads Hq (default 8)")
-    p.add_argument("--heads-kv", type=positive_int, help="key/value heads Hkv for GQA (default Hq)")
-    p.add_argument(
-        "--seq-q", type=positive_int, default=1024, help="query length Nq (default 1024)"
-    )
-    p.add_argument("--seq-k", type=positive_int, help="key length Nk (default Nq)")
-    p.add_argument("--head-dim", type=positive_int, default=64, help="q/k head dim d (default 64)")
-    p.add_argument("--value-dim", type=positive_int, help="value head dim dv (default d)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
-    p.add_argument("--causal", action="store_true", help="is_causal=True")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument(
-        "--path",
-        action="append",
-        choices=[*STRATEGIES, *BASELINES],
-        help="a strategy or SDPA backend (repeatable; default all)",
-    )
-    p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
-    p.add_argument(
-        "--sweep",
-        type=positive_int,
-        nargs="+",
-        metavar="N",
-        help="run over these N (Nq = Nk) instead of --seq-q/--seq-k; writes CSV and PNG",
-    )
-    p.add_argument(
-        "--csv",
-        metavar="PATH",
-        help="write the rows as CSV (default with --sweep: results/ledger.csv)",
-    )
-    p.add_argument(
-        "--plot",
-        metavar="PATH",
-        help="write the log-log plot (default with --sweep: results/ledger.png)",
-    )
-    p.set_defaults(run=_run)
+    notes: list[str] = []
+    for layout in layouts:
+        for path in paths:
+            try:
+                rows.append(ledger_row(path, layout, device, peak))
+            except RuntimeError as e:
+                if path not in BASELINES:
+                    raise
+                notes.append(f"{path}: not available for this layout ({str(e).splitlines()[0]})")
+            if step is not None:
+                step(f"{path} Nq={layout.seq_q} Nk={layout.seq_k}")
+    return rows, notes

@@ -11,8 +11,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["interleaved", "medians"]
+__all__ = ["Spread", "interleaved", "medians", "spreads"]
 
 
 def interleaved(
@@ -39,3 +40,17 @@ def interleaved(
 def medians(times: Mapping[str, list[float]]) -> dict[str, float]:
     """The median of each contender's times."""
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Seconds over one contender's repeats: the median and the fastest and slowest."""
+
+    median: float
+    low: float
+    high: float
+
+
+def spreads(times: Mapping[str, list[float]]) -> dict[str, Spread]:
+    """Each contender's median, min and max."""
+    return {name: Spread(statistics.median(ts), min(ts), max(ts)) for name, ts in times.items()}

@@ -9,8 +9,7 @@ strategy cannot run on a device here (only "triton" ever has a reason).
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -22,9 +21,7 @@ __all__ = [
     "STRATEGIES",
     "TILED",
     "available",
-    "refuse_unavailable",
     "resolve",
-    "skipped",
     "unavailable_reason",
 ]
 
@@ -52,26 +49,6 @@ AUTO_FLASH_SCORES_BANDED = 2**18
 def unavailable_reason(strategy: str, device: torch.device) -> str | None:
     """Why ``strategy`` cannot run on ``device`` tensors here, or None when it can."""
     return triton.unavailable_reason(device) if strategy == "triton" else None
-
-
-def refuse_unavailable(command: str, names: Iterable[str] | None, device: torch.device) -> bool:
-    """For the commands: True, after saying why on stderr, when one of the strategies
-    ``names`` asked for cannot run on ``device`` here (the command then exits 2)."""
-    reasons = (unavailable_reason(n, device) for n in names or () if n in IMPLEMENTATIONS)
-    reason = next((r for r in reasons if r is not None), None)
-    if reason is not None:
-        print(f"attngrad {command}: error: {reason}", file=sys.stderr)
-    return reason is not None
-
-
-def skipped(device: torch.device, interpreted: bool = False) -> list[str]:
-    """One line per strategy that `available` leaves out: its name and why."""
-    chosen = available(device, interpreted)
-    return [
-        f"{s}: skipped. {unavailable_reason(s, device) or 'Triton interpreter: too slow here.'}"
-        for s in STRATEGIES
-        if s not in chosen
-    ]
 
 
 def available(device: torch.device, interpreted: bool = False) -> tuple[str, ...]:

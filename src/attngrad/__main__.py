@@ -1,0 +1,7 @@
+"""``python -m attngrad``: the same as the ``attngrad`` command."""
+
+import sys
+
+from attngrad.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""The machine a figure was measured on: processor, threads and matmul rate.
+
+Every command and benchmark that prints a figure prints `Machine.line` above it
+and adds `Machine.columns` to each CSV row, so a number never travels without
+the machine it came from.
+
+The matmul rate is calibrated by time, not by size: square GEMMs
+``[n, n] @ [n, n]`` (2·n³ FLOP) grow from n = 64 until one product takes at
+least half of ``budget`` seconds (or n reaches `MAX_GEMM_SIZE`); the fastest of
+a few products at that size counts.  A fixed size cannot serve every dtype: a 2048² float16
+GEMM takes minutes on a CPU without float16 matmul units and milliseconds on a
+GPU.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MAX_GEMM_SIZE", "Machine", "gemm_rate", "probe", "processor_name"]
+
+# Growth stops here: on a GPU even 8192³ takes milliseconds, and the rate has long
+# stopped rising with the size.
+MAX_GEMM_SIZE = 8192
+_FIRST_SIZE = 64
+_ALIGN = 64  # sizes stay multiples of a BLAS-friendly block
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where figures were measured: ``processor`` (CPU model or GPU name), intra-op
+    ``threads`` (`torch.get_num_threads`) and the ``gemm_size``² GEMM rate in
+    ``gemm_dtype``, GFLOP/s."""
+
+    processor: str
+    threads: int
+    gemm_dtype: str
+    gemm_size: int
+    gemm_gflops: float
+
+    def line(self) -> str:
+        """One header line, e.g. ``machine: AMD EPYC, 2 threads, float32 GEMM 1536² 61.2 GFLOP/s``."""
+        return (
+            f"machine: {self.processor}, {self.threads} threads, {self.gemm_dtype} GEMM "
+            f"{self.gemm_size}² {self.gemm_gflops:.1f} GFLOP/s"
+        )
+
+    def columns(self) -> dict[str, object]:
+        """The same facts as CSV columns, appended to every row."""
+        return {
+            "machine": self.processor,
+            "threads": self.threads,
+            "gemm_dtype": self.gemm_dtype,
+            "gemm_size": self.gemm_size,
+            "gemm_gflops": f"{self.gemm_gflops:.6g}",
+        }
+
+
+def processor_name(device: torch.device | None = None) -> str:
+    """The GPU's name for a CUDA ``device``; else the CPU model from /proc/cpuinfo
+    (Linux) or `platform` elsewhere."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: platform knows less, but something
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of one call, the device drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def gemm_rate(
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    budget: float = 0.2,
+    repeats: int = 3,
+    note: Callable[[str], None] | None = None,
+) -> tuple[int, float]:
+    """(n, GFLOP/s): the size the calibration settled on and the best rate there.
+
+    Each size is warmed up once and timed twice; the next size aims at ``budget``
+    seconds (the cube root of the time ratio, at most twice the size) and growth
+    stops from ``budget / 2`` on, so the whole calibration takes a few times
+    ``budget``.  The rate is that of the fastest of ``repeats`` products at the
+    final size.  ``note`` hears one line per size.
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be a positive number of seconds, got {budget}; try 0.2")
+    if repeats < 2:
+        raise ValueError(f"repeats must be at least 2, got {repeats}; try 3")
+    device = device or torch.device("cpu")
+    size = _FIRST_SIZE
+    while True:
+        a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+        out = torch.matmul(a, b)  # the warm-up, and the output every timed product reuses
+
+        def product(a: torch.Tensor = a, b: torch.Tensor = b, out: torch.Tensor = out) -> None:
+            torch.matmul(a, b, out=out)
+
+        best = min(_seconds(product, device) for _ in range(2))  # the first may pay for setup
+        if note is not None:
+            note(f"GEMM {size}² {str(dtype).removeprefix('torch.')}: {best:.3f} s")
+        if best >= budget / 2 or size >= MAX_GEMM_SIZE:
+            break
+        grow = min(2.0, (budget / max(best, 1e-9)) ** (1 / 3))
+        size = min(MAX_GEMM_SIZE, _ALIGN * max(size // _ALIGN + 1, round(size * grow / _ALIGN)))
+    for _ in range(repeats - 2):
+        best = min(best, _seconds(product, device))
+    return size, 2.0 * size**3 / best / 1e9
+
+
+def probe(
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    budget: float = 0.2,
+    note: Callable[[str], None] | None = None,
+) -> Machine:
+    """The `Machine` here: its processor, thread count and calibrated ``dtype`` GEMM rate."""
+    size, gflops = gemm_rate(dtype, device, budget, note=note)
+    return Machine(
+        processor=processor_name(device),
+        threads=torch.get_num_threads(),
+        gemm_dtype=str(dtype).removeprefix("torch."),
+        gemm_size=size,
+        gemm_gflops=gflops,
+    )

@@ -1,0 +1,512 @@
+"""What the commands show and write: text tables, CSV files and PNG plots.
+
+* check: `check_table` (every row, or only the failing ones) and `check_summary`;
+* bench: `bench_table`, `bench_records`, `bench_plot`;
+* ledger: `ledger_table`, `ledger_records`, `ledger_plot`;
+* explain: `explain_text`.
+
+`write_csv` writes any list of records, the `attngrad.machine.Machine` columns on
+every row.  The plots need matplotlib: without it they raise ModuleNotFoundError
+whose message says how to install it (`PLOT_INSTALL`), and write nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from attngrad.bench import PASSES, BenchRow
+from attngrad.explain import PathReport, SavedTensor
+from attngrad.ledger import LedgerRow
+from attngrad.machine import Machine
+from attngrad.verify import GRADIENTS, CaseResult, format_error
+
+__all__ = [
+    "PLOT_INSTALL",
+    "bench_plot",
+    "bench_records",
+    "bench_table",
+    "check_summary",
+    "check_table",
+    "explain_text",
+    "format_bytes",
+    "ledger_plot",
+    "ledger_records",
+    "ledger_table",
+    "write_csv",
+]
+
+PLOT_INSTALL = "matplotlib is not installed; install it with `pip install 'attngrad[plot]'`"
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def format_bytes(n: int | None) -> str:
+    """``840 B``, ``1.50 KiB``, ``536.00 MiB``; ``-`` for None.  Exact bytes while small,
+    since the small cases are checked by eye."""
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:,.2f} {unit}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _pair(a: int, b: int, sep: str) -> str:
+    """``8`` when equal, else ``8:2`` (GQA heads, d:dv) or ``64 x 128`` (Nq x Nk)."""
+    return str(a) if a == b else f"{a}{sep}{b}"
+
+
+def _columns(
+    header: Sequence[str], rows: Sequence[Sequence[str]], left: int
+) -> tuple[str, list[str]]:
+    """The header line and one line per row, every column as wide as its widest cell;
+    the first ``left`` columns align left, the others right."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            f"{c:<{w}}" if i < left else f"{c:>{w}}"
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return line(header), [line(r) for r in rows]
+
+
+def write_csv(
+    records: Sequence[Mapping[str, object]],
+    path: str | os.PathLike[str],
+    machine: Machine | None = None,
+) -> None:
+    """One line per record (columns from the first), then ``machine``'s columns."""
+    if not records:
+        raise ValueError(f"write_csv needs at least one record for {os.fspath(path)!r}, got none")
+    extra = machine.columns() if machine is not None else {}
+    clash = sorted(set(records[0]) & set(extra))
+    if clash:
+        raise ValueError(f"records have the machine's columns {clash}; rename them in the records")
+    columns = [*records[0], *extra]
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({**r, **extra} for r in records)
+
+
+@contextmanager
+def _figure(path: str | os.PathLike[str], width: float, height: float) -> Iterator[Any]:
+    """A matplotlib Figure to draw on, saved to ``path`` as PNG on exit."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ModuleNotFoundError(PLOT_INSTALL) from e
+    fig = Figure(figsize=(width, height), layout="constrained")
+    yield fig
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+
+
+# ------------------------------------------------------------------------- check
+
+_RULE = "max abs error vs float64; rule: float64 <= 1e-9, others <= 2x plain PyTorch + a few ulps"
+
+
+def _failure(r: CaseResult) -> str:
+    """What failed: the verifier's message, else each quantity over its bound."""
+    if r.message:
+        return r.message
+    over = [
+        f"{name}: error {format_error(e)} > bound {format_error(r.bounds[name])}"
+        for name, e in r.errors.items()
+        if name in r.bounds and not e <= r.bounds[name]
+    ]
+    if r.nan:
+        over.append("NaN in the output or a gradient")
+    if r.gradcheck_passed is False:
+        over.append("gradcheck failed")
+    return "; ".join(over)
+
+
+def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> str:
+    """One row per result (only the failing ones with ``failures_only``): the max error
+    of each quantity and the verdicts; under a failing row, what failed and its bound."""
+    shown = [r for r in results if not (failures_only and r.passed)]
+    if not shown:
+        return "no failing cases" if failures_only else "no cases"
+    cells = [
+        [
+            r.strategy,
+            r.case,
+            *(format_error(r.errors.get(g)) for g in GRADIENTS),
+            "NaN" if r.nan else ("pass" if r.rule_passed else "FAIL"),
+            {None: "-", True: "pass", False: "FAIL"}[r.gradcheck_passed],
+        ]
+        for r in shown
+    ]
+    head, lines = _columns(["strategy", "case", *GRADIENTS, "rule", "gradcheck"], cells, left=2)
+    out = [head]
+    for r, line in zip(shown, lines, strict=True):
+        out.append(line)
+        if not r.passed:
+            out.append(f"    {_failure(r)}")
+    return "\n".join(out)
+
+
+def check_summary(results: Sequence[CaseResult]) -> str:
+    """Passed and failed counts per strategy, then in all."""
+    lines = []
+    for strategy in dict.fromkeys(r.strategy for r in results):
+        mine = [r for r in results if r.strategy == strategy]
+        failed = sum(not r.passed for r in mine)
+        lines.append(f"{strategy}: {len(mine) - failed} passed, {failed} failed")
+    failed = sum(not r.passed for r in results)
+    lines.append(f"{len(results) - failed} passed, {failed} failed ({_RULE})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- bench
+
+
+def _ratio_column(baseline: str) -> str:
+    """``"sdpa-math"`` -> ``"ratio_vs_sdpa_math"``."""
+    return "ratio_vs_" + baseline.replace("-", "_")
+
+
+def bench_records(rows: Sequence[BenchRow]) -> list[dict[str, object]]:
+    """CSV records: shape, pass, contender, median/min/max ms, GFLOP/s, fraction of the
+    GEMM rate, the strategy "auto" picks, then one ``ratio_vs_<baseline>`` per baseline."""
+    return [
+        {
+            "batch": r.batch,
+            "heads": r.heads,
+            "seq_q": r.seq_q,
+            "seq_k": r.seq_k,
+            "head_dim": r.head_dim,
+            "dtype": r.dtype,
+            "causal": r.causal,
+            "pass": r.pass_,
+            "contender": r.contender,
+            "auto": r.auto,
+            "repeats": r.repeats,
+            "median_ms": f"{r.time_s * 1e3:.6g}",
+            "min_ms": f"{r.low_s * 1e3:.6g}",
+            "max_ms": f"{r.high_s * 1e3:.6g}",
+            "gflops": f"{r.gflops:.6g}",
+            "gemm_fraction": f"{r.gemm_fraction:.6g}",
+            **{_ratio_column(b): f"{ratio:.6g}" for b, ratio in r.ratios.items()},
+        }
+        for r in rows
+    ]
+
+
+def _above_gemm(machine: Machine) -> str:
+    """The footnote of a starred ``of GEMM``: why attention outran the measured GEMM."""
+    why = (
+        "16-bit inputs compute in float32 inside attention, and a CPU BLAS seldom has fast "
+        f"{machine.gemm_dtype} kernels"
+        if machine.gemm_dtype in ("float16", "bfloat16")
+        else "that GEMM did not reach the BLAS's steady rate; a longer --gemm-time measures "
+        "a larger one"
+    )
+    return (
+        f"* above 100%: attention ran faster than the measured {machine.gemm_dtype} GEMM "
+        f"({machine.gemm_gflops:.1f} GFLOP/s at {machine.gemm_size}²), so that rate "
+        f"underestimates what this machine's matmuls reach here: {why}."
+    )
+
+
+def bench_table(rows: Sequence[BenchRow], machine: Machine) -> str:
+    """The machine, then one block per (N, causal) naming the strategy "auto" picks, a
+    blank line between passes; an ``of GEMM`` above 100% is starred and explained."""
+    if not rows:
+        return machine.line() + "\n(no measurements)"
+    first = rows[0]
+    baselines = list(first.ratios)
+    cells = [
+        [
+            r.pass_,
+            r.contender,
+            f"{r.time_s * 1e3:.2f}",
+            f"{r.low_s * 1e3:.2f}–{r.high_s * 1e3:.2f}",
+            f"{r.gflops:.1f}",
+            f"{r.gemm_fraction:.1%}" + ("*" if r.gemm_fraction > 1 else " "),
+            *(f"{r.ratios[b]:.2f}" for b in baselines),
+        ]
+        for r in rows
+    ]
+    header = ["pass", "contender", "median ms", "min–max ms", "GFLOP/s", "of GEMM "]
+    head, lines = _columns([*header, *(f"vs {b}" for b in baselines)], cells, left=2)
+    out = [
+        machine.line(),
+        f"B={first.batch} H={first.heads} d={first.head_dim} {first.dtype}, median and "
+        f"min–max of {first.repeats} rounds (after 1 warm-up)",
+        "vs <baseline> = median time / baseline median time (below 1: faster)",
+    ]
+    previous: BenchRow | None = None
+    for r, line in zip(rows, lines, strict=True):
+        if previous is None or (r.seq_q, r.causal) != (previous.seq_q, previous.causal):
+            title = f"N={r.seq_q} causal={_yes(r.causal)} (strategy auto picks {r.auto})"
+            out += ["", title, head]
+        elif r.pass_ != previous.pass_:
+            out.append("")
+        out.append(line)
+        previous = r
+    if any(r.gemm_fraction > 1 for r in rows):
+        out += ["", _above_gemm(machine)]
+    return "\n".join(out)
+
+
+def bench_plot(rows: Sequence[BenchRow], path: str | os.PathLike[str], machine: Machine) -> None:
+    """A PNG: GFLOP/s against N, one panel per (causal, pass), the GEMM rate dotted."""
+    if not rows:
+        raise ValueError("bench_plot needs at least one BenchRow, got none")
+    causal_modes = sorted({r.causal for r in rows})
+    contenders = list(dict.fromkeys(r.contender for r in rows))
+    seqs = sorted({r.seq_q for r in rows})
+    with _figure(path, 4.5 * len(PASSES), 3.5 * len(causal_modes) + 0.5) as fig:
+        axes = fig.subplots(len(causal_modes), len(PASSES), squeeze=False, sharey=True)
+        for i, causal in enumerate(causal_modes):
+            for j, pass_ in enumerate(PASSES):
+                ax = axes[i][j]
+                for name in contenders:
+                    pts = sorted(
+                        (r.seq_q, r.gflops)
+                        for r in rows
+                        if r.causal == causal and r.pass_ == pass_ and r.contender == name
+                    )
+                    style = "--" if name.startswith("sdpa-") else "-"
+                    ax.plot([n for n, _ in pts], [g for _, g in pts], style, marker="o", label=name)
+                ax.axhline(machine.gemm_gflops, color="grey", linestyle=":", label="GEMM rate")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(seqs, labels=[str(n) for n in seqs])
+                ax.minorticks_off()
+                ax.set_title(f"{pass_}, causal={_yes(causal)}")
+                ax.set_xlabel("N")
+                if j == 0:
+                    ax.set_ylabel("GFLOP/s")
+        axes[0][0].legend(fontsize="small")
+        r = rows[0]
+        fig.suptitle(
+            f"attngrad bench: B={r.batch} H={r.heads} d={r.head_dim} {r.dtype}\n{machine.line()}"
+        )
+
+
+# ------------------------------------------------------------------------ ledger
+
+
+def ledger_records(rows: Sequence[LedgerRow]) -> list[dict[str, object]]:
+    """CSV records: every `LedgerRow` field (bytes) and ``match``."""
+    return [{**asdict(r), "match": r.match} for r in rows]
+
+
+def ledger_table(rows: Sequence[LedgerRow], machine: Machine) -> str:
+    """The machine, then one row per path and layout."""
+    cells = [
+        [
+            r.path,
+            str(r.batch),
+            _pair(r.heads_q, r.heads_kv, ":"),
+            _pair(r.seq_q, r.seq_k, " x "),
+            _pair(r.head_dim, r.value_dim, ":"),
+            r.dtype,
+            _yes(r.causal),
+            format_bytes(r.predicted_saved),
+            format_bytes(r.measured_saved),
+            {None: "-", True: "yes", False: "NO"}[r.match],
+            format_bytes(r.peak),
+            format_bytes(r.peak_beyond_io),
+        ]
+        for r in rows
+    ]
+    header = ["path", "B", "H", "Nq x Nk", "d", "dtype", "causal", "predicted saved"]
+    header += ["measured saved", "match", "peak fwd+bwd", "beyond I/O"]
+    head, lines = _columns(header, cells, left=1)
+    return "\n".join([machine.line(), head, "-" * len(head), *lines])
+
+
+def ledger_plot(rows: Sequence[LedgerRow], path: str | os.PathLike[str], machine: Machine) -> None:
+    """Two log-log panels against N, one line per path: saved bytes (predicted as hollow
+    circles where a formula exists) and, when measured, the peak of forward+backward."""
+    if not rows:
+        raise ValueError("ledger_plot needs at least one LedgerRow, got none")
+    panels = [("bytes saved for backward", "measured_saved")]
+    if all(r.peak is not None for r in rows):
+        panels.append(("peak of forward+backward", "peak"))
+    markers = "osD^vx"
+    with _figure(path, 6.5 * len(panels), 5.0) as fig:
+        axes = fig.subplots(1, len(panels), squeeze=False)
+        for ax, (label, field_name) in zip(axes[0], panels, strict=True):
+            for i, name in enumerate(dict.fromkeys(r.path for r in rows)):
+                mine = [r for r in rows if r.path == name]
+                n = [r.seq_q for r in mine]
+                # paths that save the same bytes overlap: thinner lines on top keep each visible
+                (line,) = ax.plot(
+                    n,
+                    [getattr(r, field_name) for r in mine],
+                    marker=markers[i % len(markers)],
+                    lw=3.0 - 0.4 * i,
+                    ms=7 - i,
+                    label=name,
+                )
+                predicted = [r.predicted_saved for r in mine if r.predicted_saved is not None]
+                if field_name == "measured_saved" and len(predicted) == len(mine):
+                    ax.plot(n, predicted, ls="none", marker="o", ms=12, mfc="none",
+                            color=line.get_color(), alpha=0.5)  # fmt: skip
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xlabel("sequence length N (Nq = Nk)")
+            ax.set_ylabel(label + " (bytes)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        r = rows[0]
+        fig.suptitle(
+            f"attngrad ledger: B={r.batch} H={_pair(r.heads_q, r.heads_kv, ':')} "
+            f"d={r.head_dim} {r.dtype}   (hollow circles: predicted by the saved-bytes "
+            f"formulas)\n{machine.line()}"
+        )
+
+
+# ----------------------------------------------------------------------- explain
+
+
+def _per_head(t: SavedTensor, nq: int, nk: int) -> str:
+    """The tensor's size per (batch, head) in symbols: N×N for P, N for lse, N×d for O."""
+    n_q, n_k = ("N", "N") if nq == nk else ("Nq", "Nk")
+    base = t.role.split("*")[0].split(" ")[0]
+    if base in ("P", "S"):
+        return f"{n_q}×{n_k} per head"
+    if base == "lse":
+        return f"{n_q} per head"
+    if base in ("O", "q"):
+        return f"{n_q}×d per head"
+    if base in ("k", "v"):
+        return f"{n_k}×d per head"
+    if base == "scalar":
+        return "one number"
+    return "shape " + "×".join(map(str, t.shape))
+
+
+def _kept_line(r: PathReport) -> str:
+    _, _, nq, nk, _ = r.shape
+    parts = [
+        f"{t.role} ({_per_head(t, nq, nk)}, {_dtype(t.dtype)}) {format_bytes(t.nbytes)}"
+        for t in r.kept
+    ]
+    return " + ".join(parts) if parts else "nothing"
+
+
+def _explain_path(r: PathReport) -> list[str]:
+    lines = [f"== {r.path}: {r.description} =="]
+    width = max((len(n.name) + 2 * n.depth for n in r.nodes), default=0) + 8
+    for n in r.nodes:
+        pad = "  " * (n.depth + 1)
+        head = f"{pad}#{n.step} {n.name}" + (f" -> {n.leaf}.grad" if n.leaf else "")
+        nxt = ", ".join(f"#{s}" for s in n.next_steps)
+        lines.append((f"{head:<{width}}" + (f" then {nxt}" if nxt else "")).rstrip())
+        for t in n.saved:
+            kind = "input" if t.is_input else "computed"
+            shape = "[" + ", ".join(map(str, t.shape)) + "]"
+            note = "" if t.hooked else "  (not seen by hooks)"
+            lines.append(
+                f"{pad}    saved {t.slot:<17} {shape:<15} {_dtype(t.dtype):<9}"
+                f" {format_bytes(t.nbytes):>10}  {t.role} ({kind}){note}"
+            )
+        if n.none_slots:
+            lines.append(f"{pad}    saved {n.none_slots} × None (optional inputs not given)")
+    check = "agree" if r.graph_bytes == r.hooked_bytes else "differ"
+    lines.append(
+        f"  total: {r.graph_count} saved tensors, {format_bytes(r.graph_bytes)} found on the "
+        f"graph; saved_tensors_hooks packed {r.hooked_count}, {format_bytes(r.hooked_bytes)} "
+        f"({check})"
+    )
+    if r.unhooked:
+        extra = format_bytes(sum(t.nbytes for t in r.unhooked))
+        lines.append(
+            f"  the {extra} difference: {len(r.unhooked)} 0-dim tensor(s) wrapping a "
+            "Python scalar, which PyTorch saves without calling the hooks"
+            if all(not t.shape for t in r.unhooked)
+            else f"  the {extra} difference: tensors the hooks did not see"
+        )
+    lines.append(
+        f"  inputs saved by reference (no new memory): {', '.join(r.inputs_saved) or 'none'}"
+    )
+    lines.append(
+        f"  kept alive for backward besides the inputs: {format_bytes(r.kept_bytes)} = "
+        f"{_kept_line(r)}"
+    )
+    return lines
+
+
+def _explain_summary(reports: Sequence[PathReport]) -> list[str]:
+    first = reports[0]
+    b, h, nq, nk, d = first.shape
+    base = next((r for r in reports if r.path == "pytorch-math"), first)
+    name_w = max(len(r.path) for r in reports)
+    lines = [
+        "== summary: same formulas, different paths ==",
+        "  every path differentiates the same forward with the same formulas:",
+        "    dV = P^T dO    dP = dO V^T    dS = P∘(dP − rowsum(P∘dP))    dQ = s·dS K    dK = s·dS^T Q",
+        f"  what each path keeps alive between forward and backward besides q, k, v "
+        f"(B={b}, H={h}, Nq={nq}, Nk={nk}, d={d}, {_dtype(first.dtype)}):",
+    ]
+    for r in reports:
+        ratio = r.kept_bytes / base.kept_bytes if base.kept_bytes else math.nan
+        lines.append(
+            f"    {r.path:<{name_w}}  keeps {_kept_line(r)}"
+            f"  = {format_bytes(r.kept_bytes)}, {ratio:.2f}× {base.path}"
+        )
+    recompute_like = [r.path for r in reports if r.path in ("recompute", "flash")]
+    if recompute_like:
+        lines.append(
+            f"  {' and '.join(recompute_like)} pay for the smaller ledger in backward: they "
+            "recompute S = s·q k^T and P = exp(S − lse) instead of reading a saved P"
+        )
+    # the same per-head ledger at a long-context shape, from the same element sizes
+    n, dd = 4096, 64
+    elem = first.dtype.itemsize
+    lse_elem = 8 if first.dtype == torch.float64 else 4
+    lines.append(
+        f"  P grows as N², O and lse as N: at N={n}, d={dd} per head, "
+        f"P = {format_bytes(n * n * elem)}, O = {format_bytes(n * dd * elem)}, "
+        f"lse = {format_bytes(n * lse_elem)}"
+    )
+    return lines
+
+
+def explain_text(reports: Sequence[PathReport]) -> str:
+    """Per path its nodes in the order backward ran them (indented by depth from O) with
+    their saved tensors and the totals, then a summary comparing what each path keeps."""
+    if not reports:
+        return ""
+    b, h, nq, nk, d = reports[0].shape
+    lines = [
+        f"attngrad explain: q [{b}, {h}, {nq}, {d}], k, v [{b}, {h}, {nk}, {d}], "
+        f"{_dtype(reports[0].dtype)}",
+        "Each path's grad_fn graph from O, #n = the step at which the autograd engine ran "
+        "the node in backward (indent = distance from O); under each node the tensors it "
+        "saved for backward.",
+        "",
+    ]
+    for r in reports:
+        lines += [*_explain_path(r), ""]
+    lines += _explain_summary(reports)
+    return "\n".join(lines)
