@@ -4,20 +4,21 @@
                                        [--repeats 7] [--csv results/benchmark_cpu.csv]
 
 Both run in this one process, interleaved round by round; the median ratio
-explicit / SDPA-MATH is printed (target: <= 0.9).
+explicit / SDPA-MATH is printed (target: <= 0.9), under a line naming the
+machine (`attngrad.machine`), whose columns every CSV row carries too.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
+from attngrad.machine import probe
+from attngrad.report import write_csv
 from attngrad.timing import interleaved, medians
 
 
@@ -57,33 +58,30 @@ def main() -> None:
             attngrad.attention, q, k, v, dout, is_causal=args.causal, strategy="explicit"
         ),
     }
+    machine = probe(torch.float32)
     times = medians(interleaved(contenders, repeats=args.repeats))
     ratio = times["explicit"] / times["sdpa_math"]
+    print(machine.line())
     print(
         f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 causal={args.causal}"
     )
     for name, t in times.items():
         print(f"  {name:<10} forward+backward {t * 1e3:8.1f} ms (median of {args.repeats})")
     print(f"  explicit / sdpa_math = {ratio:.3f}  (target <= 0.9)")
-    os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(
-            [
-                "batch",
-                "heads",
-                "seq",
-                "head_dim",
-                "causal",
-                "contender",
-                "median_s",
-                "ratio_vs_sdpa_math",
-            ]
-        )
-        for name, t in times.items():
-            writer.writerow(
-                [*shape, args.causal, name, f"{t:.6f}", f"{t / times['sdpa_math']:.4f}"]
-            )
+    records = [
+        {
+            "batch": args.batch,
+            "heads": args.heads,
+            "seq": args.seq,
+            "head_dim": args.head_dim,
+            "causal": args.causal,
+            "contender": name,
+            "median_s": f"{t:.6f}",
+            "ratio_vs_sdpa_math": f"{t / times['sdpa_math']:.4f}",
+        }
+        for name, t in times.items()
+    ]
+    write_csv(records, args.csv, machine)
     print(f"wrote {args.csv}")
 
 

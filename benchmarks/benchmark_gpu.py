@@ -12,8 +12,10 @@ a shape (a backend without it, a kernel that does not compile) is left out of
 that shape.  Each row goes to the CSV as soon as it is measured, so a run cut
 short keeps what it measured.  FLOPs follow
 `attngrad.bench.flops` (forward 4*B*H*N*N*d, half when causal; backward 2.5x).
-The GPU's bfloat16 matmul rate is measured first, in the same run.  Ratios are
-triton's speed over each backend's (above 1: triton faster).
+The GPU's bfloat16 matmul rate is measured first, in the same run, and printed
+with the GPU's name and the host's threads (`attngrad.machine.Machine`), which
+every CSV row carries too.  Ratios are triton's speed over each backend's
+(above 1: triton faster).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
 from attngrad.bench import PASSES, flops
+from attngrad.machine import Machine, processor_name
 
 BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -38,12 +41,15 @@ BACKENDS = {
 }
 
 
-def matmul_tflops(n: int = 8192) -> float:
-    """The bfloat16 GEMM rate of this GPU: an n x n x n product, in TFLOP/s."""
+def gpu_machine(n: int = 8192) -> Machine:
+    """This GPU and its bfloat16 GEMM rate: an n x n x n product timed by do_bench."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+    device = torch.device("cuda")
+    return Machine(
+        processor_name(device), torch.get_num_threads(), "bfloat16", n, 2 * n**3 / ms / 1e6
+    )
 
 
 def attention_fn(name: str, causal: bool) -> Callable[..., torch.Tensor]:
@@ -96,20 +102,20 @@ def main() -> None:
         raise SystemExit("benchmark_gpu.py needs a CUDA GPU")
 
     torch.manual_seed(0)
-    gemm = matmul_tflops()
-    print(f"{torch.cuda.get_device_name()}: bfloat16 matmul {gemm:.0f} TFLOP/s")
+    machine = gpu_machine()
+    print(machine.line())
     modes = {"both": [False, True], "no": [False], "yes": [True]}[args.causal]
     if args.csv:
         os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     with open(args.csv or os.devnull, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=[*CSV_COLUMNS, *machine.columns()])
         writer.writeheader()
         print(f"{'d':>4} {'N':>6} {'causal':>6} {'pass':<17} {'contender':<15} {'ms':>8}", end="")
         print(f" {'TFLOP/s':>8} {'triton/it':>9}")
         for d in args.head_dim:
             for n in args.seq:
                 for causal in modes:
-                    measure(args, d, n, causal, gemm, writer)
+                    measure(args, d, n, causal, machine, writer)
                     f.flush()
     if args.csv:
         print(f"wrote {args.csv}")
@@ -117,12 +123,12 @@ def main() -> None:
 
 CSV_COLUMNS = [
     "batch", "heads", "head_dim", "seq", "causal", "dtype", "pass", "contender",
-    "ms", "tflops", "gemm_tflops",
+    "ms", "tflops",
 ]  # fmt: skip
 
 
 def measure(
-    args: argparse.Namespace, d: int, n: int, causal: bool, gemm: float, writer: csv.DictWriter
+    args: argparse.Namespace, d: int, n: int, causal: bool, machine: Machine, writer: csv.DictWriter
 ) -> None:
     """Every pass of every contender at one shape: a printed line and a CSV row each."""
     shape = (args.batch, args.heads, n, d)
@@ -142,7 +148,7 @@ def measure(
                 {
                     "batch": args.batch, "heads": args.heads, "head_dim": d, "seq": n,
                     "causal": causal, "dtype": "bfloat16", "pass": pass_, "contender": name,
-                    "ms": times[name], "tflops": rates[name], "gemm_tflops": gemm,
+                    "ms": times[name], "tflops": rates[name], **machine.columns(),
                 }
             )  # fmt: skip
         for name in names:

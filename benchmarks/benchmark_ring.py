@@ -14,20 +14,22 @@ Peak memory is what forward+backward allocates beyond its inputs (q, k, v and
 dO, already there), measured like `attngrad ledger` does on CPU (the
 profiler's allocation events, `attngrad.ledger.measure_peak_bytes`): the ring
 per rank, the single process for the whole sequence.  "+ inputs" adds the
-input bytes each holds (its shard, or the whole sequence).
+input bytes each holds (its shard, or the whole sequence).  Rank 0 names its
+machine (`attngrad.machine`, on the single process's threads) above the table
+and in every CSV row.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 
 import torch
 import torch.distributed as dist
 
 import attngrad
 from attngrad.ledger import measure_peak_bytes
+from attngrad.machine import Machine, probe
+from attngrad.report import write_csv
 from attngrad.ring import LAYOUTS, ring_attention, shard
 from attngrad.timing import interleaved, medians
 from benchmark_cpu import forward_backward
@@ -98,18 +100,21 @@ def main() -> None:
     if rank == 0:
         torch.set_num_threads(threads)
         single_peak = measure_peak_bytes(single)
-        _report(args, world, threads, times, [int(p) for p in peaks], single_peak, full, mine)
+        machine = probe(torch.float32)
+        peaks_ = [int(p) for p in peaks]
+        _report(args, world, threads, times, peaks_, single_peak, full, mine, machine)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _report(args, world, threads, times, ring_peaks, single_peak, full, mine) -> None:
+def _report(args, world, threads, times, ring_peaks, single_peak, full, mine, machine: Machine):
     ring_peak = max(ring_peaks)
     ring_in, single_in = _nbytes(*mine), _nbytes(*full)
     rows = [
         ("single flash", threads, times["single"], single_peak, single_peak + single_in),
         (f"ring P={world}", 1, times["ring"], ring_peak, ring_peak + ring_in),
     ]
+    print(machine.line())
     print(
         f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 "
         f"causal={args.causal} layout={args.layout}; ring: {world} ranks x 1 thread, "
@@ -132,20 +137,24 @@ def _report(args, world, threads, times, ring_peaks, single_peak, full, mine) ->
         f"{ratios['peak']:.2f}, with inputs {ratios['peak_with_inputs']:.2f} (target <= 0.6)"
     )
     if args.csv:
-        os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(
-                ["path", "threads", "batch", "heads", "seq", "head_dim", "causal", "layout"]
-                + ["median_s", "peak_bytes", "peak_with_inputs_bytes"]
-                + [f"ring_over_single_{name}" for name in ratios]
-            )
-            for name, n_threads, t, peak, with_inputs in rows:
-                writer.writerow(
-                    [name, n_threads, args.batch, args.heads, args.seq, args.head_dim]
-                    + [args.causal, args.layout, f"{t:.6f}", peak, with_inputs]
-                    + [f"{r:.4f}" for r in ratios.values()]
-                )
+        records = [
+            {
+                "path": name,
+                "compute_threads": n_threads,
+                "batch": args.batch,
+                "heads": args.heads,
+                "seq": args.seq,
+                "head_dim": args.head_dim,
+                "causal": args.causal,
+                "layout": args.layout,
+                "median_s": f"{t:.6f}",
+                "peak_bytes": peak,
+                "peak_with_inputs_bytes": with_inputs,
+                **{f"ring_over_single_{key}": f"{r:.4f}" for key, r in ratios.items()},
+            }
+            for name, n_threads, t, peak, with_inputs in rows
+        ]
+        write_csv(records, args.csv, machine)
         print(f"wrote {args.csv}")
 
 
