@@ -4,7 +4,8 @@ Four kernels over contiguous q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d],
 v: [B, Hkv, Nk, dv] (GQA: query head h reads key/value head h // G):
 
 * `attention_forward`   one program per (query block, batch*query head): online
-  softmax over the key tiles the band allows; writes O and lse.
+  softmax over the key tiles the band allows; writes O and the row statistics
+  Stats = (m, log l) (see `attngrad.ops`).
 * `attention_delta`     Delta = rowsum(O * dO), one program per query block.
 * `attention_dkdv`      one program per (key block, batch*kv head): walks the G
   query heads of its group and the query tiles the band allows; dK and dV
@@ -12,14 +13,16 @@ v: [B, Hkv, Nk, dv] (GQA: query head h reads key/value head h // G):
 * `attention_dq`        one program per (query block, batch*query head): dQ, and
   dS itself where the caller needs a bias gradient.
 
-Scores are in base 2 (q k^T * scale * log2 e, bias * log2 e) so the softmax
-uses exp2.  The scale and log2 e come in a small tensor of the accumulation
-dtype (Scales = [scale * log2 e, scale, log2 e]): a Python float argument would
-reach a compiled kernel as float32 and cost float64 its precision.  The grid is
+Scores stay in natural units (q k^T * scale + bias) until the row max m is
+subtracted; the softmax is exp2((s - m) * log2 e), never exp2 of a score
+itself, so no finite score overflows (finfo.min * log2 e would).  The scale
+and log2 e come in a small tensor of the accumulation dtype (Scales =
+[scale, log2 e]): a Python float argument would reach a compiled kernel as
+float32 and cost float64 its precision.  The grid is
 (batch * heads, blocks): the first grid axis has no 65535 limit.  Head dims are padded to a power of two >= 16 inside the kernels
 (masked loads), never in memory.  Every score outside Nq x Nk, the band or the
-keep mask is -inf; a row that attends nothing has l = 0: O = 0, lse = -inf,
-and backward rebuilds its P as exp2(S - inf) = 0.
+keep mask is -inf; a row that attends nothing has l = 0: O = 0, Stats =
+(0, +inf), and backward rebuilds its P as exp2(-inf) = 0.
 
 Import this module only after deciding on TRITON_INTERPRET: Triton reads it
 when the kernels are decorated.
@@ -86,13 +89,12 @@ def _mask_scores(
     nk,
     left,
     right,
-    log2e,
     HAS_BIAS: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
 ):
-    """Base-2 scores s with the bias added and -inf wherever query qi may not
+    """Scores s with the bias added and -inf wherever query qi may not
     see key kj (bounds, band, keep mask).  qi, kj broadcast against s; mask
     offsets in int64 (a mask may hold 2**31 elements)."""
     qi = qi.to(tl.int64)
@@ -107,7 +109,7 @@ def _mask_scores(
         valid = valid & (keep != 0)
     if HAS_BIAS:
         bias = tl.load(Bias + b * sbb + h * sbh + qi * sbm + kj * sbn, mask=valid, other=0.0)
-        s = s + bias.to(s.dtype) * log2e
+        s = s + bias.to(s.dtype)
     return tl.where(valid, s, float("-inf"))
 
 
@@ -121,8 +123,8 @@ def _heads(bh, heads_q, groups):
 
 @triton.jit
 def _scales(Scales):
-    """(scale * log2 e, scale, log2 e) from the Scales tensor, in its dtype."""
-    return tl.load(Scales), tl.load(Scales + 1), tl.load(Scales + 2)
+    """(scale, log2 e) from the Scales tensor, in its dtype."""
+    return tl.load(Scales), tl.load(Scales + 1)
 
 
 @triton.jit
@@ -141,7 +143,7 @@ def _key_range(
 
 @triton.jit
 def attention_forward(
-    Q, K, V, Out, Lse, Bias, Keep,
+    Q, K, V, Out, Stats, Bias, Keep,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
     Scales,
     heads_q, groups, nq, nk, d, dv, left, right,
@@ -153,7 +155,7 @@ def attention_forward(
 ):  # fmt: skip
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    qk_scale, _, log2e = _scales(Scales)
+    scale, log2e = _scales(Scales)
     b, h, bhk = _heads(bh, heads_q, groups)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -167,24 +169,25 @@ def attention_forward(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
         v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
-        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
+        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
-                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right, log2e,
+                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
                          HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no key yet keeps m = -inf: shift it by 0 so exp2(-inf) = 0, not NaN
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2((s - shift[:, None]) * log2e)
+        alpha = tl.exp2((m_i - shift) * log2e)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC, UPCAST, PRECISION)
         m_i = m_new
     dead = l_i == 0.0
     o = acc / tl.where(dead, 1.0, l_i)[:, None]
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = tl.where(dead, float("-inf"), (shift + tl.log2(tl.where(dead, 1.0, l_i))) / log2e)
+    log_l = tl.where(dead, float("inf"), tl.log(tl.where(dead, 1.0, l_i)))
     _store_tile(Out, bh, offs_m, nq, offs_dv, dv, o)
-    tl.store(Lse + bh * nq + offs_m, lse, mask=offs_m < nq)
+    tl.store(Stats + (bh * nq + offs_m) * 2, shift, mask=offs_m < nq)
+    tl.store(Stats + (bh * nq + offs_m) * 2 + 1, log_l, mask=offs_m < nq)
 
 
 @triton.jit
@@ -202,16 +205,20 @@ def attention_delta(
 
 
 @triton.jit
-def _row_stats(Lse, Delta, bh, offs_m, nq, log2e):
-    """(shift, Delta) of rows offs_m: shift = lse * log2 e, +inf for a dead row."""
-    lse = tl.load(Lse + bh * nq + offs_m, mask=offs_m < nq, other=0.0)
+def _row_stats(Stats, Delta, bh, offs_m, nq, log2e):
+    """(m, -log2 l, Delta) of rows offs_m: P = exp2((s - m) * log2 e - log2 l).
+
+    -log2 l is -inf on a dead row (log l = +inf) and past Nq (so P = 0 there)."""
+    at = (bh * nq + offs_m) * 2
+    m = tl.load(Stats + at, mask=offs_m < nq, other=0.0)
+    log_l = tl.load(Stats + at + 1, mask=offs_m < nq, other=float("inf"))
     delta = tl.load(Delta + bh * nq + offs_m, mask=offs_m < nq, other=0.0)
-    return tl.where(lse == float("-inf"), float("inf"), lse * log2e), delta
+    return m, -log_l * log2e, delta
 
 
 @triton.jit
 def attention_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Keep,
+    Q, K, V, DO, Stats, Delta, DK, DV, Bias, Keep,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
     Scales,
     heads_q, groups, nq, nk, d, dv, left, right,
@@ -225,7 +232,7 @@ def attention_dkdv(
     working in the transposed orientation (keys along rows)."""
     n0 = tl.program_id(1) * BLOCK_N
     bhk = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    qk_scale, scale, log2e = _scales(Scales)
+    scale, log2e = _scales(Scales)
     heads_kv = heads_q // groups
     b = bhk // heads_kv
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -249,12 +256,12 @@ def attention_dkdv(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
             do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
-            shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq, log2e)
-            s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
+            s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * scale  # [BLOCK_N, BLOCK_M]
             s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], b, h, Bias, Keep,
-                               sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right, log2e,
+                               sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
                                HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
-            p_t = tl.exp2(s_t - shift[None, :])
+            p_t = tl.exp2((s_t - m[None, :]) * log2e + neg_log2_l[None, :])
             dv_acc += _dot(p_t.to(do.dtype), do, ACC, UPCAST, PRECISION)
             dp_t = _dot(v, tl.trans(do), ACC, UPCAST, PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -265,7 +272,7 @@ def attention_dkdv(
 
 @triton.jit
 def attention_dq(
-    Q, K, V, DO, Lse, Delta, DQ, DS, Bias, Keep,
+    Q, K, V, DO, Stats, Delta, DQ, DS, Bias, Keep,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
     Scales,
     heads_q, groups, nq, nk, d, dv, left, right,
@@ -279,25 +286,25 @@ def attention_dq(
     """dQ = scale * dS k for one query block; with STORE_DS also dS into DS [B*Hq, Nq, Nk]."""
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    qk_scale, scale, log2e = _scales(Scales)
+    scale, log2e = _scales(Scales)
     b, h, bhk = _heads(bh, heads_q, groups)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
     do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
-    shift, delta = _row_stats(Lse, Delta, bh, offs_m, nq, log2e)
+    m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
         v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
-        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * qk_scale
+        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
-                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right, log2e,
+                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
                          HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
-        p = tl.exp2(s - shift[:, None])
+        p = tl.exp2((s - m[:, None]) * log2e + neg_log2_l[:, None])
         dp = _dot(do, tl.trans(v), ACC, UPCAST, PRECISION)
         ds = p * (dp - delta[:, None])
         if STORE_DS:

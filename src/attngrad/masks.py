@@ -159,43 +159,20 @@ class Mask:
 
     # -- applying ----------------------------------------------------------
 
-    def apply_(
-        self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL, unit: float = 1.0
-    ) -> torch.Tensor:
+    def apply_(self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL) -> torch.Tensor:
         """Mask a tile of scores in place and return it.
 
         s: [B, Hkv, G, r, c], the scores of query rows ``rows`` against key
-        columns ``cols`` (slices with explicit bounds when not whole).  ``unit``
-        scales the bias like the scores were scaled (log2(e) for base-2 scores).
+        columns ``cols`` (slices with explicit bounds when not whole).
         """
         if self.bias is not None:
-            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols), alpha=unit)
+            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
         if self.keep is not None:
             keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
             s.masked_fill_(keep.logical_not(), float("-inf"))
         if self.banded and not self.band_covers(rows, cols):
             s.masked_fill_(self.band_drop(rows, cols, s.device), float("-inf"))
         return s
-
-    def dead_rows(self, device: torch.device) -> torch.Tensor | None:
-        """[Bm, Hkv|1, G|1, Nq|1] bool, True for query rows that attend no key; None if none can be.
-
-        Computed from the masks, never from the scores.  For the strategies
-        that hold a whole score matrix; the tiled ones see dead rows as l = 0.
-        """
-        alive = self.keep
-        if self.bias is not None:
-            finite = self.bias != float("-inf")
-            alive = finite if alive is None else alive & finite
-        # With left unbounded, row i always reaches key min(i, Nk-1) (right >= 0).
-        if self.left is not None and self.seq_k > 0:
-            band = ~self.band_drop(_ALL, _ALL, device)
-            alive = band if alive is None else alive & band
-        if alive is None:
-            return None
-        while alive.ndim < 4:
-            alive = alive.unsqueeze(0)
-        return group_heads(~alive.any(dim=-1), self.heads_kv)
 
 
 def add_bias_gradient_(

@@ -15,11 +15,16 @@ and backward from ``dO = dout``::
 
 Each forward step sits right above the local backward that differentiates it.
 
-The flash strategy keeps scores in base 2 — S2 = S * log2(e), with log2(e)
-folded into q's scale and the bias — because exp2 runs about 3x faster than
-exp on CPU and exp(S - lse) == exp2(S2 - lse * log2(e)).  Forward and backward
-must then both use base 2: P rebuilt from an lse of the other base differs by
-the rounding of S * log2(e), which float32 gradients notice.
+Row statistics.  The softmax of a row is P = exp(S - m) / l with m = max_j S
+and l = sum_j exp(S - m); the O(N) strategies save ``stats`` = (m, log l) per
+row instead of lse = m + log l, and rebuild P = exp((S - m) - log l).  One
+float lse cannot do that when |m| dwarfs log l: a bias of finfo.min rounds
+lse to m and loses log l (P = 1 instead of 1/Nk), and at |S| ~ 1e3 its
+rounding scales every P of the row by exp(|m| u), which saturated rows
+(dS ~ 0) turn into large gradient errors.  S - m, in contrast, is exact near
+the max.  exp runs as exp2 of (S - m) * log2(e): the difference is formed
+first, so no finite score overflows on the way (finfo.min * log2(e) would),
+and exp2 is about twice as fast as exp on CPU.
 Every op works on any number of leading batch dims (``[..., N, d]``).
 """
 
@@ -35,15 +40,16 @@ __all__ = [
     "LOG2E",
     "attend",
     "compute_dtype",
-    "lse_shift",
-    "probabilities",
+    "log_normalizer",
+    "lse",
+    "probabilities_",
     "probability_gradient",
     "query_key_gradients",
     "scores",
     "softmax",
+    "softmax_",
     "softmax_backward",
     "softmax_backward_",
-    "softmax_lse",
     "value_gradient",
 ]
 
@@ -83,57 +89,60 @@ def query_key_gradients(
     return dq, dk
 
 
-def softmax(s: torch.Tensor, dead_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """P = softmax(S, dim=-1), with rows that attend nothing set to zero.
-
-    s: [..., Nq, Nk] -> P: same shape.  ``dead_rows`` ([..., Nq], bool,
-    broadcastable against the rows of ``s``) marks rows whose every score is
-    -inf; plain softmax would give NaN there (0/0), the attention convention
-    is P = 0 so that O = 0 and every gradient is zero.
-    """
-    p = torch.softmax(s, dim=-1)
-    if dead_rows is not None and bool(dead_rows.any()):
-        p.masked_fill_(dead_rows.unsqueeze(-1), 0.0)
-    return p
+def _shift(m: torch.Tensor) -> torch.Tensor:
+    """The row max as a shift: 0 for a row with no finite score (so exp(-inf - 0) = 0)."""
+    return m.masked_fill(m == float("-inf"), 0.0)
 
 
-def softmax_lse(
-    s: torch.Tensor, dead_rows: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """P = `softmax` (S) and lse = logsumexp(S, dim=-1): [..., Nq, Nk] -> (P, [..., Nq]).
+def log_normalizer(l: torch.Tensor) -> torch.Tensor:
+    """log l, with +inf for a row that attends nothing (l = 0): exp(S - m - inf) = 0."""
+    return torch.where(l == 0, float("inf"), torch.log(l))
 
-    lse comes from P's largest entry: P_max = exp(m - lse) with m = max_j S,
-    so lse = m - log(P_max).  P_max >= 1/Nk keeps full relative precision and
-    it costs two row reductions instead of a second exp pass.  A dead row has
-    lse = -inf.
+
+def softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P = softmax(S) in place in ``s``, and the row statistics: [..., Nq, Nk] -> (P, stats).
+
+    stats: [..., Nq, 2] = (m, log l), m = max_j S (0 on a dead row), l = sum_j
+    exp(S - m) (log l = +inf on a dead row).  A row whose every score is -inf
+    (masked) gets P = 0: exp2 gives 0 everywhere, l = 0, and nothing divides
+    by it, so no dead-row mask is needed.
     """
     if s.shape[-1] == 0:  # no keys: every row is dead
-        return torch.softmax(s, dim=-1), s.new_full(s.shape[:-1], float("-inf"))
-    m = s.amax(dim=-1)
-    p = softmax(s, dead_rows)
-    p_max = p.amax(dim=-1)
-    lse = torch.where(p_max > 0, m - torch.log(p_max), float("-inf"))
-    return p, lse
+        stats = s.new_zeros(*s.shape[:-1], 2)
+        stats[..., 1] = float("inf")
+        return s, stats
+    m = _shift(s.amax(dim=-1, keepdim=True))  # [..., Nq, 1]
+    p = s.sub_(m).mul_(LOG2E).exp2_()
+    l = p.sum(dim=-1, keepdim=True)
+    p.div_(l.masked_fill(l == 0, 1.0))
+    return p, torch.cat((m, log_normalizer(l)), dim=-1)
 
 
-def lse_shift(lse: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
-    """lse * unit as the row shift that rebuilds P: [..., Nq] -> [..., Nq, 1].
+def softmax(s: torch.Tensor) -> torch.Tensor:
+    """P = softmax(S, dim=-1): [..., Nq, Nk] -> same shape, zero on rows that attend nothing.
 
-    ``unit`` is 1 for natural-base scores, LOG2E for base-2 ones.  A dead row
-    (lse = -inf) gets +inf, so that its P is exp(-inf) = 0, not NaN.
+    A row whose every score is -inf (fully masked) would be 0/0 = NaN in plain
+    softmax; the attention convention is P = 0, so that O = 0 and every
+    gradient is zero.
     """
-    return torch.where(lse == float("-inf"), float("inf"), lse * unit).unsqueeze(-1)
+    return softmax_(s.clone())[0]
 
 
-def probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """P = exp(S - lse), rebuilt in place in ``s`` from the saved lse.
+def lse(stats: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row from its statistics: [..., Nq, 2] -> [..., Nq]; -inf on a dead row."""
+    m, log_l = stats.unbind(-1)
+    return torch.where(log_l == float("inf"), float("-inf"), m + log_l)
 
-    s: [..., Nq, Nk] masked scores, computed exactly as in forward;
-    lse: [..., Nq] -> P in the storage of s.
+
+def probabilities_(s: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """P = exp((S - m) - log l), rebuilt in place in ``s`` from saved row statistics.
+
+    s: [..., Nq, Nk] masked scores, computed exactly as in forward (so S - m
+    is exact near the max); stats: [..., Nq, 2] -> P in the storage of s.
     """
-    # exp(x) as exp2(x * log2 e), x = S - lse formed first: the extra rounding
-    # is relative to |x|, small wherever P is not, and exp2 is ~3x faster on CPU
-    return s.sub_(lse_shift(lse)).mul_(LOG2E).exp2_()
+    m, log_l = stats[..., 0:1], stats[..., 1:2]
+    # (S - m) * log2(e) - log l * log2(e) as one add: -log2(l) + log2(e) * (S - m)
+    return torch.add(log_l * -LOG2E, s.sub_(m), alpha=LOG2E, out=s).exp2_()
 
 
 def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:

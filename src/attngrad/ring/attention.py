@@ -4,23 +4,23 @@ Rank r holds q, k, v of its shard (N/P positions).  At step s = 0..P-1 it
 holds the k/v shard of rank r - s (mod P), computes its queries against it
 with the block kernel (flash's tiled forward by default) while sending that
 shard on to rank r + 1 and receiving the next from rank r - 1, and merges the
-partial result through its lse:
+partial result through its row statistics (m, log l) (see `attngrad.ops`):
 
-    lse = logaddexp(lse_a, lse_b)
-    O   = O_a * exp(lse_a - lse) + O_b * exp(lse_b - lse)     (weights <= 1: no overflow)
+    m = max(m_a, m_b)    w_a = l_a exp(m_a - m)    w_b = l_b exp(m_b - m)
+    l = w_a + w_b        O = (O_a w_a + O_b w_b) / l     (weights / l <= 1: no overflow)
 
-A partial whose rows attend nothing has lse = -inf and weight 0; when both
-are -inf the row stays O = 0, lse = -inf (never NaN).
+A partial whose rows attend nothing has l = 0 and weight 0; when both do,
+the row stays O = 0, l = 0 (never NaN).
 
-Backward needs, for each block, only P = exp(S - lse) with the *final* lse,
-and Delta = rowsum(dO * O) with the *final* O:
+Backward needs, for each block, only P = exp((S - m) - log l) with the
+*final* statistics, and Delta = rowsum(dO * O) with the *final* O:
 
     dV_blk = P^T dO    dS = P * (dO v_blk^T - Delta)    dq += s dS k_blk    dK_blk = s dS^T q
 
 so the block kernel's backward runs unchanged on each (q shard, k/v block)
 pair.  k/v travel the ring again, and each block's dK/dV travel with it,
 collecting every rank's contribution, until they reach their owner.  Each
-rank saves only its own q, k, v, O and lse: O(N/P) memory per rank.
+rank saves only its own q, k, v, O and statistics: O(N/P) memory per rank.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch.autograd.function import FunctionCtx
 from attngrad.api import attention
 from attngrad.contract import validate_attention
 from attngrad.masks import Mask
-from attngrad.ops import compute_dtype
+from attngrad.ops import compute_dtype, log_normalizer
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
@@ -58,12 +58,12 @@ _NEG_INF = float("-inf")
 class BlockKernels:
     """The compute of one block: a rank's query rows against one k/v block.
 
-    forward(q, k, v, mask, scale) -> (O, lse) and
-    backward((dq, dk, dv), dout, q, k, v, o, lse, mask, scale) -> None, which adds
+    forward(q, k, v, mask, scale) -> (O, stats) and
+    backward((dq, dk, dv), dout, q, k, v, o, stats, mask, scale) -> None, which adds
     the block's gradients into dq: like q, dk: like k, dv: like v (compute
     dtype, views of the ring's accumulators), with q: [B, Hq, r, d],
-    k: [B, Hkv, c, d], v: [B, Hkv, c, dv], O, dout: [B, Hq, r, dv], lse: [B, Hq, r].
-    Backward takes the final O and lse of the rows.
+    k: [B, Hkv, c, d], v: [B, Hkv, c, dv], O, dout: [B, Hq, r, dv], stats: [B, Hq, r, 2].
+    Backward takes the final O and statistics of the rows.
     """
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -87,11 +87,11 @@ def _flash_block_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: Mask,
     scale: float,
 ) -> None:
-    flash_backward_into((*grads, None), dout, q, k, v, o, lse, mask, scale, _tiles(q, k))
+    flash_backward_into((*grads, None), dout, q, k, v, o, stats, mask, scale, _tiles(q, k))
 
 
 def _triton_block_forward(
@@ -108,13 +108,13 @@ def _triton_block_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: Mask,
     scale: float,
 ) -> None:
-    q, k, v, o, lse = (t.contiguous() for t in (q, k, v, o, lse))
+    q, k, v, o, stats = (t.contiguous() for t in (q, k, v, o, stats))
     blocks = triton_strategy.tiles_for(q, k, v)
-    parts = triton_strategy.triton_backward(dout, q, k, v, o, lse, mask, scale, blocks, None)
+    parts = triton_strategy.triton_backward(dout, q, k, v, o, stats, mask, scale, blocks, None)
     for total, part in zip(grads, parts[:3], strict=True):
         total += part
 
@@ -134,22 +134,31 @@ def block_strategy(device: torch.device, head_dim: int, value_dim: int) -> str:
     return "triton" if usable else "flash"
 
 
-# -- forward: partial outputs merged through their lse --------------------------
+# -- forward: partial outputs merged through their stats --------------------------
+
+
+def _max_and_sum(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, l) from stats [..., r, 2]: m = -inf and l = 0 on a row that attends nothing."""
+    m, log_l = stats.unbind(-1)
+    dead = log_l == float("inf")
+    return m.masked_fill(dead, _NEG_INF), torch.exp(log_l).masked_fill(dead, 0.0)
 
 
 def merge_partial_(
-    o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+    o: torch.Tensor, stats: torch.Tensor, o_b: torch.Tensor, stats_b: torch.Tensor
 ) -> None:
-    """Merge the partial (o_b, lse_b) into (o, lse) in place (see the module docstring).
+    """Merge the partial (o_b, stats_b) into (o, stats) in place (see the module docstring).
 
-    o, o_b: [..., r, dv]; lse, lse_b: [..., r].  o and lse are updated.
+    o, o_b: [..., r, dv]; stats, stats_b: [..., r, 2].  o and stats are updated.
     """
-    lse_new = torch.logaddexp(lse, lse_b)
-    # rows that attend nothing in either part: shift by 0, so both weights are exp(-inf) = 0
-    shift = lse_new.masked_fill(lse_new == _NEG_INF, 0.0)
-    o.mul_(torch.exp(lse - shift).unsqueeze(-1))
-    o.addcmul_(o_b, torch.exp(lse_b - shift).unsqueeze(-1))
-    lse.copy_(lse_new)
+    (m_a, l_a), (m_b, l_b) = _max_and_sum(stats), _max_and_sum(stats_b)
+    m = torch.maximum(m_a, m_b)
+    shift = m.masked_fill(m == _NEG_INF, 0.0)  # both parts dead: weights exp(-inf) = 0
+    w_a, w_b = l_a * torch.exp(m_a - shift), l_b * torch.exp(m_b - shift)
+    l = w_a + w_b
+    inv = 1 / l.masked_fill(l == 0, 1.0)
+    o.mul_((w_a * inv).unsqueeze(-1)).addcmul_(o_b, (w_b * inv).unsqueeze(-1))
+    stats.copy_(torch.stack((shift, log_normalizer(l)), dim=-1))
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,7 @@ def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
 def ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, n, dv] (input dtype) and lse: [B, Hq, n] of this rank's queries over all keys.
+    """O: [B, Hq, n, dv] (input dtype) and stats: [B, Hq, n, 2] of this rank's queries over all keys.
 
     q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv], contiguous; n = N / P.
     """
@@ -186,24 +195,25 @@ def ring_forward(
     hkv, dtype = k.shape[1], compute_dtype(q.dtype)
     shape = torch.Size((b, hq, n, v.shape[-1]))
     o: torch.Tensor | None = None
-    lse = torch.full((b, hq, n), _NEG_INF, dtype=dtype, device=q.device)
+    stats = torch.zeros((b, hq, n, 2), dtype=dtype, device=q.device)
+    stats[..., 1] = float("inf")  # no key seen yet: l = 0
     steps = ring.steps(n)
     kc, vc = k, v
     for s, blocks in enumerate(steps):
         incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
         for blk in blocks:
-            o_b, lse_b = ring.kernels.forward(
+            o_b, stats_b = ring.kernels.forward(
                 _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols), blk.mask(hkv), scale
             )
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
-                o, lse = o_b.to(dtype), lse_b
+                o, stats = o_b.to(dtype), stats_b
             else:
                 o = o if o is not None else torch.zeros(shape, dtype=dtype, device=q.device)
-                merge_partial_(_rows(o, blk.rows), _rows(lse, blk.rows), o_b, lse_b)
+                merge_partial_(_rows(o, blk.rows), _rows(stats, blk.rows), o_b, stats_b)
         if incoming is not None:
             kc, vc = incoming.wait()
     assert o is not None  # step 0 always has the own (diagonal) block
-    return o.to(q.dtype), lse
+    return o.to(q.dtype), stats
 
 
 # -- backward: dK/dV travel with their k/v block ---------------------------------
@@ -221,7 +231,7 @@ def ring_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     ring: _Ring,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,7 +252,7 @@ def ring_backward(
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
         dk[:, kh], dv[:, kh] = _ring_backward_group(
             dq[:, qh], dout[:, qh], q[:, qh], k[:, kh].contiguous(), v[:, kh].contiguous(),
-            o[:, qh], lse[:, qh], ring, scale,
+            o[:, qh], stats[:, qh], ring, scale,
         )  # fmt: skip
     return dq.to(q.dtype), dk, dv
 
@@ -254,7 +264,7 @@ def _ring_backward_group(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     ring: _Ring,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,7 +289,7 @@ def _ring_backward_group(
             grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols))
             ring.kernels.backward(
                 grads, _rows(dout, blk.rows), _rows(q, blk.rows), _rows(kc, blk.cols),
-                _rows(vc, blk.cols), _rows(o, blk.rows), _rows(lse, blk.rows), blk.mask(hkv),
+                _rows(vc, blk.cols), _rows(o, blk.rows), _rows(stats, blk.rows), blk.mask(hkv),
                 scale,
             )  # fmt: skip
 
@@ -317,16 +327,16 @@ class RingAttention(torch.autograd.Function):
         ring: _Ring,
         scale: float,
     ) -> torch.Tensor:
-        o, lse = ring_forward(q, k, v, ring, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, stats = ring_forward(q, k, v, ring, scale)
+        ctx.save_for_backward(q, k, v, o, stats)
         ctx.ring, ctx.scale = ring, scale
         return o
 
     @staticmethod
     @first_order_only("ring")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, o, lse, ctx.ring, ctx.scale)
+        q, k, v, o, stats = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, o, stats, ctx.ring, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -373,7 +383,7 @@ def ring_attention(
 
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
-    all_gather).  Saved for backward per rank: its own q, k, v, O and lse.
+    all_gather).  Saved for backward per rank: its own q, k, v, O and stats.
     Backward is a ring too: every rank that called forward must run it.
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)

@@ -30,7 +30,7 @@ __all__ = [
     "explicit_backward",
     "explicit_forward",
     "masked_scores",
-    "output_and_lse",
+    "output_and_stats",
     "row_chunks",
     "saved_probabilities",
 ]
@@ -76,13 +76,6 @@ def chunks(q: torch.Tensor, mask: Mask) -> Iterator[tuple[slice, slice]]:
         yield rows, slice(*mask.key_span(rows))
 
 
-def _dead(dead: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    """Rows ``rows`` of `Mask.dead_rows` (which may broadcast along Nq)."""
-    if dead is None or dead.shape[-1] == 1:
-        return dead
-    return dead[..., rows]
-
-
 def _forward_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,31 +83,32 @@ def _forward_chunks(
     mask: Mask,
     scale: float,
     p: torch.Tensor | None,
-    lse: torch.Tensor | None,
+    stats: torch.Tensor | None,
 ) -> torch.Tensor:
-    """O: [B, Hq, Nq, dv] in the input dtype, chunk by chunk, filling ``p`` and ``lse``.
+    """O: [B, Hq, Nq, dv] in the input dtype, chunk by chunk, filling ``p`` and ``stats``.
 
     q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].  ``p``
-    ([B, Hkv, G, Nq, Nk], zero outside the band) collects P, ``lse``
-    ([B, Hkv, G, Nq]) the row logsumexps; None skips either.
+    ([B, Hkv, G, Nq, Nk], zero outside the band) collects P, ``stats``
+    ([B, Hkv, G, Nq, 2]) the row statistics (m, log l); None skips either.
+    A chunk holds whole rows (every key the band allows), so a row that
+    attends nothing shows as a row of -inf scores: `ops.softmax_` gives it P = 0.
     """
     b, hq, nq, _ = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     q5, k, v = group_heads(q, hkv), k.to(dtype), v.to(dtype)
-    o = q.new_empty(b, hkv, g, nq, dv)
-    dead = mask.dead_rows(q.device)
+    o = q.new_empty(b, hq, nq, dv)  # a base tensor, not a view: callers may edit it in place
+    o5 = group_heads(o, hkv)
     for rows, cols in chunks(q, mask):
         s = masked_scores(q5, k, mask, scale, rows, cols)  # (B, Hkv, G, r, c)
-        if lse is None:
-            p_c = ops.softmax(s, _dead(dead, rows))
-        else:
-            p_c, lse[:, :, :, rows] = ops.softmax_lse(s, _dead(dead, rows))
+        p_c, stats_c = ops.softmax_(s)
+        if stats is not None:
+            stats[:, :, :, rows] = stats_c
         if p is not None:
             p[:, :, :, rows, cols] = p_c
         o_c = ops.attend(p_c.flatten(2, 3), v[:, :, cols])  # (B, Hkv, G*r, dv)
-        o[:, :, :, rows] = o_c.view(b, hkv, g, rows.stop - rows.start, dv)
-    return o.view(b, hq, nq, dv)
+        o5[:, :, :, rows] = o_c.view(b, hkv, g, rows.stop - rows.start, dv)
+    return o
 
 
 def explicit_forward(
@@ -128,22 +122,23 @@ def explicit_forward(
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
-    o = _forward_chunks(q, k, v, mask, scale, p, lse=None)
+    o = _forward_chunks(q, k, v, mask, scale, p, stats=None)
     return o, p.view(b, hq, nq, nk)
 
 
-def output_and_lse(
+def output_and_stats(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hq, Nq] (compute dtype).
+    """O: [B, Hq, Nq, dv] (input dtype) and stats: [B, Hq, Nq, 2] (m, log l; compute dtype).
 
     Each chunk of P is dropped once O has used it: the whole P never exists.
     """
     b, hq, nq, _ = q.shape
     hkv = k.shape[1]
-    lse = torch.empty(b, hkv, hq // hkv, nq, dtype=ops.compute_dtype(q.dtype), device=q.device)
-    o = _forward_chunks(q, k, v, mask, scale, None, lse)
-    return o, lse.view(b, hq, nq)
+    dtype = ops.compute_dtype(q.dtype)
+    stats = torch.empty(b, hkv, hq // hkv, nq, 2, dtype=dtype, device=q.device)
+    o = _forward_chunks(q, k, v, mask, scale, None, stats)
+    return o, stats.view(b, hq, nq, 2)
 
 
 def saved_probabilities(p: torch.Tensor, heads_kv: int) -> ProbabilityChunks:

@@ -3,17 +3,20 @@
 Forward walks key tiles for each block of query rows, keeping a running row
 max ``m_i``, running sum ``l_i`` and a rescaled accumulator ``acc``; it writes
 O and lse = m_i + log(l_i) and never holds more than one [block_q, block_k]
-score tile per (batch, head).  Backward walks the same tiles key block by key
-block (dK and dV of a block accumulate in place inside the matmuls), recomputes
-each P tile from lse and uses Delta = rowsum(dO * O) in place of rowsum(P * dP):
+score tile per (batch, head); it writes O and the row statistics
+stats = (m, log l) (see `attngrad.ops`).  Backward walks the same tiles key
+block by key block (dK and dV of a block accumulate in place inside the
+matmuls), recomputes each P tile from the statistics and uses
+Delta = rowsum(dO * O) in place of rowsum(P * dP):
 
-    P = exp(S - lse)   dV += P^T dO   dP = dO v^T   dS = P * (dP - Delta)
+    P = exp((S - m) - log l)   dV += P^T dO   dP = dO v^T   dS = P * (dP - Delta)
     dq += scale * dS k   dk += scale * dS^T q   dbias[tile] += dS
 
-Tiles that the causal/window band masks entirely are skipped.  Scores are
-kept in base 2 (see `attngrad.ops`): exp2 is the cheap exponential on CPU.
-Saved bytes: b * (2*B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l * B*Hq*Nq (with
-dv = d), plus the caller's mask when given.
+Tiles that the causal/window band masks entirely are skipped.  Scores stay in
+natural units until the row max is subtracted; exp runs as exp2 of the
+difference times log2(e), never of a score itself (a bias of finfo.min times
+log2(e) would overflow).  Saved bytes: b * (B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv))
++ 2 * l * B*Hq*Nq, plus the caller's mask when given.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.autograd.function import FunctionCtx
 
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_, bias_meta
-from attngrad.ops import LOG2E, compute_dtype, lse_shift
+from attngrad.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
 from attngrad.strategies.first_order import first_order_only
 
 __all__ = [
@@ -113,7 +116,7 @@ def flash_forward(
     scale: float,
     blocks: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hq, Nq] (float32, or float64).
+    """O: [B, Hq, Nq, dv] (input dtype) and stats: [B, Hq, Nq, 2] (m, log l; float32 or float64).
 
     q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
     """
@@ -123,33 +126,34 @@ def flash_forward(
     dtype = compute_dtype(q.dtype)
     q5 = group_heads(q, hkv)  # (B, Hkv, G, Nq, d)
     k, v = k.to(dtype), v.to(dtype)
-    o = q.new_empty(b, hkv, g, nq, dv)
-    lse = torch.empty(b, hkv, g, nq, dtype=dtype, device=q.device)
+    o = q.new_empty(b, hq, nq, dv)  # a base tensor, not a view: callers may edit it in place
+    o5 = group_heads(o, hkv)
+    stats = torch.empty(b, hkv, g, nq, 2, dtype=dtype, device=q.device)
     # one workspace for every score tile: a fresh multi-MiB tensor per tile costs page faults
     work = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
     for rows, key_tiles in schedule(mask, blocks):
         r = rows.stop - rows.start
-        qb = take_rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d)
+        qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
         m_i = torch.full((b, hkv, g * r, 1), _NEG_INF, dtype=dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
         shift = torch.zeros_like(m_i)
         for cols in key_tiles:
             c = cols.stop - cols.start
-            qk = _scratch(work, b, hkv, g * r, c)  # (B, Hkv, G*r, c), base 2
+            qk = _scratch(work, b, hkv, g * r, c)  # (B, Hkv, G*r, c)
             torch.matmul(qb, k[:, :, cols].transpose(-2, -1), out=qk)
-            mask.apply_(qk.view(b, hkv, g, r, c), rows, cols, unit=LOG2E)
+            mask.apply_(qk.view(b, hkv, g, r, c), rows, cols)
             m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
-            # a row with no key yet keeps m = -inf; shift by 0 so exp2(-inf) = 0, not NaN
+            # a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
             shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            p = qk.sub_(shift).exp2_()
-            alpha = torch.exp2(m_i - shift)
+            p = qk.sub_(shift).mul_(LOG2E).exp2_()
+            alpha = torch.exp2((m_i - shift) * LOG2E)
             l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             _batched(acc.mul_(alpha)).baddbmm_(_batched(p), _batched(v[:, :, cols]))
             m_i = m_new
-        o[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
-        lse[:, :, :, rows] = ((shift + torch.log2(l_i)) / LOG2E).view(b, hkv, g, r)
-    return o.view(b, hq, nq, dv), lse.view(b, hq, nq)
+        o5[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
+        stats[:, :, :, rows] = torch.cat((shift, log_normalizer(l_i)), -1).view(b, hkv, g, r, 2)
+    return o, stats.view(b, hq, nq, 2)
 
 
 def flash_backward(
@@ -158,7 +162,7 @@ def flash_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: Mask,
     scale: float,
     blocks: tuple[int, int],
@@ -166,14 +170,14 @@ def flash_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (input dtype) and dbias (its dtype, or None): `flash_backward_into` zeros.
 
-    dout, o: [B, Hq, Nq, dv]; lse: [B, Hq, Nq]; q, k, v as in `flash_forward`.
+    dout, o: [B, Hq, Nq, dv]; stats: [B, Hq, Nq, 2]; q, k, v as in `flash_forward`.
     """
     dtype = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
     dbias = None if bias_meta is None else torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
-    flash_backward_into((dq, dk, dv, dbias), dout, q, k, v, o, lse, mask, scale, blocks)
+    flash_backward_into((dq, dk, dv, dbias), dout, q, k, v, o, stats, mask, scale, blocks)
     dbias_out = None if dbias is None or bias_meta is None else dbias.to(bias_meta[1])
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
 
@@ -185,7 +189,7 @@ def flash_backward_into(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: Mask,
     scale: float,
     blocks: tuple[int, int],
@@ -197,9 +201,9 @@ def flash_backward_into(
     None.  Inputs as in `flash_backward`.  Key block by key block
     (`key_schedule`): the block's dK and dV sit in contiguous buffers that
     the matmuls add into in place and are added out once; dq rows gather one
-    small product per tile.  Scores come out base 2 from each tile's rows of
-    q scaled by scale * log2(e): a scaled copy of all of q would cost q's
-    size for no measured gain.
+    small product per tile.  Each tile's rows of q are scaled as the tile
+    needs them: a scaled copy of all of q would cost q's size for no
+    measured gain.
     """
     dq, dk, dv, dbias = grads
     b, hq, _, d = q.shape
@@ -209,7 +213,7 @@ def flash_backward_into(
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     # Delta = rowsum(dO * O), as one batched dot per row: no [.., Nq, dv] product is formed
     delta = torch.einsum("bhgnd,bhgnd->bhgn", do5, group_heads(o, hkv).to(dtype)).unsqueeze(-1)
-    shift5 = lse_shift(group_heads(lse, hkv), LOG2E)  # (B, Hkv, G, Nq, 1), base 2
+    stats5 = group_heads(stats, hkv)  # (B, Hkv, G, Nq, 2)
     q5, dq5 = group_heads(q, hkv), group_heads(dq, hkv)
     k, v = k.to(dtype), v.to(dtype)
     work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
@@ -223,14 +227,14 @@ def flash_backward_into(
         for rows, keys in tiles:
             r, n = rows.stop - rows.start, keys.stop - keys.start
             local = slice(keys.start - cols.start, keys.stop - cols.start)
-            qb = take_rows(q5, rows).to(dtype) * (scale * LOG2E)  # (B, Hkv, G*r, d), fresh
+            qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d), fresh
             dob = take_rows(do5, rows)  # (B, Hkv, G*r, dv)
-            shift_b, delta_b = take_rows(shift5, rows), take_rows(delta, rows)  # (B, Hkv, G*r, 1)
+            stats_b, delta_b = take_rows(stats5, rows), take_rows(delta, rows)  # (.., G*r, 2 | 1)
             kc, vc = k[:, :, keys], v[:, :, keys]
-            qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n): base-2 scores
+            qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n)
             torch.matmul(qb, kc.transpose(-2, -1), out=qk)
-            mask.apply_(qk.view(b, hkv, g, r, n), rows, keys, unit=LOG2E)
-            p = qk.sub_(shift_b).exp2_()
+            mask.apply_(qk.view(b, hkv, g, r, n), rows, keys)
+            p = probabilities_(qk, stats_b)
             dp = _scratch(work_ds, b, hkv, g * r, n)
             torch.matmul(dob, vc.transpose(-2, -1), out=dp)
             _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
@@ -238,8 +242,8 @@ def flash_backward_into(
             if dbias is not None:
                 add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
             dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
-            _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale * log2 e)
-        dk[:, :, cols].add_(dk_c, alpha=1 / LOG2E)  # leaves scale * dS^T q
+            _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)
+        dk[:, :, cols] += dk_c
         dv[:, :, cols] += dv_c
 
 
@@ -271,8 +275,8 @@ class FlashAttention(torch.autograd.Function):
         scale: float,
         blocks: tuple[int, int],
     ) -> torch.Tensor:
-        o, lse = flash_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
-        ctx.save_for_backward(q, k, v, o, lse, bias, keep)  # type: ignore[arg-type]
+        o, stats = flash_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
+        ctx.save_for_backward(q, k, v, o, stats, bias, keep)  # type: ignore[arg-type]
         ctx.mask = mask.with_tensors(None, None)
         ctx.scale, ctx.blocks = scale, blocks
         ctx.bias_meta = bias_meta(bias)
@@ -281,20 +285,11 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     @first_order_only("flash")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse, bias, keep = ctx.saved_tensors
+        q, k, v, o, stats, bias, keep = ctx.saved_tensors
         mask = ctx.mask.with_tensors(bias, keep)
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
         dq, dk, dv, dbias = flash_backward(
-            dout,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            mask,
-            ctx.scale,
-            ctx.blocks,
-            meta,
+            dout, q, k, v, o, stats, mask, ctx.scale, ctx.blocks, meta
         )
         return dq, dk, dv, dbias, None, None, None, None
 

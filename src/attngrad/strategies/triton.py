@@ -1,6 +1,7 @@
 """Strategy "triton": the flash algorithm as fused Triton kernels (`attngrad.kernels`).
 
-Same saved tensors as "flash" (q, k, v, O, lse, plus the caller's mask) and
+Same saved tensors as "flash" (q, k, v, O, the row statistics (m, log l),
+plus the caller's mask) and
 the same tiles skipped under a causal/window band.  Forward is one kernel;
 backward is three: Delta = rowsum(O * dO), dK/dV by key block (walking the
 query heads of a GQA group, so no atomics and a deterministic sum) and dQ by
@@ -145,8 +146,8 @@ def _mask_args(mask: Mask, shape: tuple[int, int, int, int]) -> tuple[object, ..
 
 
 def _scales(scale: float, like: torch.Tensor) -> torch.Tensor:
-    """[scale * log2 e, scale, log2 e] in the accumulation dtype of ``like`` (see kernels)."""
-    return torch.tensor([scale * LOG2E, scale, LOG2E], dtype=like.dtype, device=like.device)
+    """[scale, log2 e] in the accumulation dtype of ``like`` (see kernels)."""
+    return torch.tensor([scale, LOG2E], dtype=like.dtype, device=like.device)
 
 
 def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
@@ -194,22 +195,22 @@ def triton_forward(
     scale: float,
     blocks: dict[str, tuple[int, int]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and lse: [B, Hq, Nq] (float32, or float64).
+    """O: [B, Hq, Nq, dv] (input dtype) and stats: [B, Hq, Nq, 2] (m, log l; float32 or float64).
 
     q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv], contiguous.
     """
     b, hq, nq, _ = q.shape
     o = q.new_empty(b, hq, nq, v.shape[-1])
-    lse = torch.empty(b, hq, nq, dtype=compute_dtype(q.dtype), device=q.device)
+    stats = torch.empty(b, hq, nq, 2, dtype=compute_dtype(q.dtype), device=q.device)
     block_m, block_n = blocks["forward"]
     grid = (b * hq, _cdiv(nq, block_m))
     shape = (b, hq, nq, k.shape[2])
     _kernels().attention_forward[grid](
-        q, k, v, o, lse, *_mask_args(mask, shape), _scales(scale, lse),
+        q, k, v, o, stats, *_mask_args(mask, shape), _scales(scale, stats),
         **_problem(q, k, v, mask), BLOCK_M=block_m, BLOCK_N=block_n,
         **_launch_options(q.dtype, max(q.shape[-1], v.shape[-1])),
     )  # fmt: skip
-    return o, lse
+    return o, stats
 
 
 def triton_backward(
@@ -218,7 +219,7 @@ def triton_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     o: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: Mask,
     scale: float,
     blocks: dict[str, tuple[int, int]],
@@ -226,7 +227,7 @@ def triton_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (input dtype) and dbias (its dtype, or None).
 
-    dout, o: [B, Hq, Nq, dv]; lse: [B, Hq, Nq]; q, k, v as in `triton_forward`.
+    dout, o: [B, Hq, Nq, dv]; stats: [B, Hq, Nq, 2]; q, k, v as in `triton_forward`.
     """
     kernels = _kernels()
     b, hq, nq, d = q.shape
@@ -235,8 +236,8 @@ def triton_backward(
     problem, options = _problem(q, k, v, mask), _launch_options(q.dtype, max(d, dv_dim))
     shape = (b, hq, nq, nk)
     masks = _mask_args(mask, shape)
-    scales = _scales(scale, lse)
-    delta = torch.empty_like(lse)
+    scales = _scales(scale, stats)
+    delta = stats.new_empty(b, hq, nq)
     block_m = min(64, _pow2(nq))  # rows x dv elements of O and dO in registers
     kernels.attention_delta[(b * hq, _cdiv(nq, block_m))](
         o, dout, delta, nq, dv_dim,
@@ -245,14 +246,14 @@ def triton_backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     block_m, block_n = blocks["dkdv"]
     kernels.attention_dkdv[(b * hkv, _cdiv(nk, block_n))](
-        q, k, v, dout, lse, delta, dk, dv, *masks, scales,
+        q, k, v, dout, stats, delta, dk, dv, *masks, scales,
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options,
     )  # fmt: skip
     # dS at the scores' shape, only for a bias gradient; skipped tiles stay zero
-    ds = torch.zeros(shape, dtype=lse.dtype, device=q.device) if bias_meta is not None else lse
+    ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if bias_meta is not None else stats
     block_m, block_n = blocks["dq"]
     kernels.attention_dq[(b * hq, _cdiv(nq, block_m))](
-        q, k, v, dout, lse, delta, dq, ds, *masks, scales,
+        q, k, v, dout, stats, delta, dq, ds, *masks, scales,
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options, STORE_DS=bias_meta is not None,
     )  # fmt: skip
     dbias = None
@@ -277,8 +278,8 @@ class TritonAttention(torch.autograd.Function):
         blocks: dict[str, tuple[int, int]],
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = triton_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
-        ctx.save_for_backward(q, k, v, o, lse, bias, keep)  # type: ignore[arg-type]
+        o, stats = triton_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
+        ctx.save_for_backward(q, k, v, o, stats, bias, keep)  # type: ignore[arg-type]
         ctx.mask = mask.with_tensors(None, None)
         ctx.scale, ctx.blocks = scale, blocks
         ctx.bias_meta = bias_meta(bias)
@@ -287,11 +288,11 @@ class TritonAttention(torch.autograd.Function):
     @staticmethod
     @first_order_only("triton")
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse, bias, keep = ctx.saved_tensors
+        q, k, v, o, stats, bias, keep = ctx.saved_tensors
         mask = ctx.mask.with_tensors(bias, keep)
         meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
         dq, dk, dv, dbias = triton_backward(
-            dout, q, k, v, o, lse, mask, ctx.scale, ctx.blocks, meta
+            dout, q, k, v, o, stats, mask, ctx.scale, ctx.blocks, meta
         )
         return dq, dk, dv, dbias, None, None, None, None
 
