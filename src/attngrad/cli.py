@@ -26,17 +26,16 @@ import torch
 import attngrad
 from attngrad import bench, ledger, report
 from attngrad.cli_args import (
+    chosen_strategies,
     measure_device,
     positive_float,
     positive_int,
-    refuse_unavailable,
-    skipped,
 )
 from attngrad.contract import DTYPES
 from attngrad.explain import explain
 from attngrad.machine import Machine, probe
 from attngrad.progress import Progress
-from attngrad.strategies import STRATEGIES, available
+from attngrad.strategies import STRATEGIES
 from attngrad.verify import CaseResult, default_cases, run_case
 
 __all__ = ["main"]
@@ -87,12 +86,9 @@ def _machine(dtype: torch.dtype, device: torch.device, budget: float) -> Machine
 
 
 def _check(args: argparse.Namespace) -> int:
-    cpu = torch.device("cpu")
-    if refuse_unavailable("check", args.strategy, cpu):
+    strategies = chosen_strategies("check", args.strategy, torch.device("cpu"), interpreted=True)
+    if strategies is None:
         return 2
-    strategies = args.strategy or list(available(cpu, interpreted=True))
-    for line in [] if args.strategy else skipped(cpu, interpreted=True):
-        print(line, file=sys.stderr)
     cases = default_cases()
     results: list[CaseResult] = []
     torch.manual_seed(args.seed)
@@ -177,9 +173,10 @@ def _ledger_layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> ledger.L
 
 def _ledger(args: argparse.Namespace) -> int:
     device: torch.device = args.device
-    if refuse_unavailable("ledger", args.strategy, device):
+    strategies = chosen_strategies("ledger", args.strategy, device, interpreted=False)
+    if strategies is None:
         return 2
-    paths = list(dict.fromkeys(args.strategy or [*available(device), *ledger.BASELINES]))
+    paths = strategies if args.strategy else [*strategies, *ledger.BASELINES]
     sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]
     layouts = [_ledger_layout(args, seq_q, seq_k) for seq_q, seq_k in sizes]
     machine = _machine(DTYPES[args.dtype], device, args.gemm_time)
@@ -218,16 +215,13 @@ def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "when a prediction misses."
         ),
     )
-    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
-    p.add_argument("--heads", type=positive_int, default=8, help="query heads Hq (default 8)")
-    p.add_argument("--heads-kv", type=positive_int, help="key/value heads Hkv for GQA (default Hq)")
+    _add_sizes(p, heads=8, head_dim=64)
+    p.add_argument("--heads-kv", type=positive_int, help="key/value heads Hkv for GQA (default H)")
     p.add_argument(
         "--seq-q", type=positive_int, default=1024, help="query length Nq (default 1024)"
     )
     p.add_argument("--seq-k", type=positive_int, help="key length Nk (default Nq)")
-    p.add_argument("--head-dim", type=positive_int, default=64, help="q/k head dim d (default 64)")
     p.add_argument("--value-dim", type=positive_int, help="value head dim dv (default d)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
     p.add_argument("--causal", action="store_true", help="is_causal=True")
     p.add_argument(
         "--device",
@@ -257,11 +251,9 @@ def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _explain(args: argparse.Namespace) -> int:
-    cpu = torch.device("cpu")
-    if refuse_unavailable("explain", args.strategy, cpu):
+    strategies = chosen_strategies("explain", args.strategy, torch.device("cpu"), interpreted=True)
+    if strategies is None:
         return 2
-    for line in [] if args.strategy else skipped(cpu, interpreted=True):
-        print(line, file=sys.stderr)
     reports = explain(
         batch=args.batch,
         heads=args.heads,
@@ -270,7 +262,7 @@ def _explain(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
         dtype=DTYPES[args.dtype],
         is_causal=args.causal,
-        strategies=args.strategy,
+        strategies=strategies,
     )
     print(report.explain_text(reports))
     return 0
@@ -286,12 +278,9 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
             "backward, with the tensors each node saved, and what each path keeps alive."
         ),
     )
-    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
-    p.add_argument("--heads", type=positive_int, default=2, help="H (default 2)")
+    _add_sizes(p, heads=2, head_dim=4)
     p.add_argument("--seq-q", type=positive_int, default=8, help="Nq, query length (default 8)")
     p.add_argument("--seq-k", type=positive_int, default=8, help="Nk, key length (default 8)")
-    p.add_argument("--head-dim", type=positive_int, default=4, help="d (default 4)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
     p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
     p.add_argument(
         "--strategy",
@@ -307,9 +296,9 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def _bench(args: argparse.Namespace) -> int:
     cpu = torch.device("cpu")
-    if refuse_unavailable("bench", args.strategy, cpu):
+    strategies = chosen_strategies("bench", args.strategy, cpu, interpreted=False)
+    if strategies is None:
         return 2
-    strategies = list(dict.fromkeys(args.strategy or available(cpu)))
     baselines = list(dict.fromkeys(args.baseline or bench.BASELINES))
     causal_modes = _CAUSAL_MODES[args.causal]
     dtype = DTYPES[args.dtype]
@@ -355,9 +344,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "measured GEMM rate, ratio to each baseline, and the strategy 'auto' picks."
         ),
     )
-    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
-    p.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
-    p.add_argument("--head-dim", type=positive_int, default=64, help="d (default 64)")
+    _add_sizes(p, heads=8, head_dim=64)
     p.add_argument(
         "--seq",
         type=positive_int,
@@ -384,12 +371,23 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=tuple(bench.BASELINES),
         help="SDPA backend to compare with (repeatable; default math and flash)",
     )
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
     p.add_argument(
         "--repeats", type=positive_int, default=5, help="timed rounds, after 1 warm-up (default 5)"
     )
     _add_machine_and_files(p, "results/bench", "")
     p.set_defaults(run=_bench)
+
+
+def _add_sizes(p: argparse.ArgumentParser, heads: int, head_dim: int) -> None:
+    """``--batch``, ``--heads``, ``--head-dim`` and ``--dtype``, alike on every command."""
+    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
+    p.add_argument(
+        "--heads", type=positive_int, default=heads, help=f"query heads H (default {heads})"
+    )
+    p.add_argument(
+        "--head-dim", type=positive_int, default=head_dim, help=f"head dim d (default {head_dim})"
+    )
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
 
 
 def _add_machine_and_files(p: argparse.ArgumentParser, stem: str, when: str) -> None:

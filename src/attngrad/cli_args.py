@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
 from attngrad.strategies import STRATEGIES, available, unavailable_reason
 
 __all__ = [
+    "chosen_strategies",
     "measure_device",
     "positive_float",
     "positive_int",
@@ -23,37 +25,32 @@ __all__ = [
     "skipped",
 ]
 
+N = TypeVar("N", int, float)
+
 # Where the ledger can count bytes: the profiler's allocation events on CPU, the
 # allocator's peak counter on CUDA.
 MEASURABLE_DEVICES = ("cpu", "cuda")
 
 
+def _positive(text: str, convert: Callable[[str], N], what: str, example: str) -> N:
+    """``convert(text)`` when it gives a finite number > 0, else a message saying ``what``."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}; try {example}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}; try {example}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A size: an int >= 1, e.g. ``--seq 1024``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a positive integer, got {text!r}; try 1024"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}; try 1024")
-    return value
+    return _positive(text, int, "a positive integer", "1024")
 
 
 def positive_float(text: str) -> float:
     """A duration in seconds: a finite float > 0, e.g. ``--gemm-time 0.2``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds, got {text!r}; try 0.2"
-        ) from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"must be a positive number of seconds, got {text}; try 0.2"
-        )
-    return value
+    return _positive(text, float, "a positive number of seconds", "0.2")
 
 
 def measure_device(text: str) -> torch.device:
@@ -92,3 +89,18 @@ def skipped(device: torch.device, interpreted: bool = False) -> list[str]:
         for s in STRATEGIES
         if s not in chosen
     ]
+
+
+def chosen_strategies(
+    command: str, asked: list[str] | None, device: torch.device, interpreted: bool
+) -> list[str] | None:
+    """The strategies a command runs: those ``asked`` for, or every one `available` on
+    ``device`` (saying on stderr which are skipped and why); None, after saying why, when
+    one asked for cannot run here (the command then exits 2)."""
+    if refuse_unavailable(command, asked, device):
+        return None
+    if asked:
+        return list(dict.fromkeys(asked))
+    for line in skipped(device, interpreted):
+        print(line, file=sys.stderr)
+    return list(available(device, interpreted))
