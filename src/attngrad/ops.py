@@ -94,9 +94,9 @@ def _shift(m: torch.Tensor) -> torch.Tensor:
     return m.masked_fill(m == float("-inf"), 0.0)
 
 
-def log_normalizer(l: torch.Tensor) -> torch.Tensor:
+def log_normalizer(l_sum: torch.Tensor) -> torch.Tensor:
     """log l, with +inf for a row that attends nothing (l = 0): exp(S - m - inf) = 0."""
-    return torch.where(l == 0, float("inf"), torch.log(l))
+    return torch.where(l_sum == 0, float("inf"), torch.log(l_sum))
 
 
 def softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,9 +113,9 @@ def softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return s, stats
     m = _shift(s.amax(dim=-1, keepdim=True))  # [..., Nq, 1]
     p = s.sub_(m).mul_(LOG2E).exp2_()
-    l = p.sum(dim=-1, keepdim=True)
-    p.div_(l.masked_fill(l == 0, 1.0))
-    return p, torch.cat((m, log_normalizer(l)), dim=-1)
+    l_sum = p.sum(dim=-1, keepdim=True)
+    p.div_(l_sum.masked_fill(l_sum == 0, 1.0))
+    return p, torch.cat((m, log_normalizer(l_sum)), dim=-1)
 
 
 def softmax(s: torch.Tensor) -> torch.Tensor:

@@ -194,7 +194,8 @@ def magnitudes(
         if enable_gqa and q.shape[-3] != k.shape[-3]:
             groups = q.shape[-3] // k.shape[-3]
             for name in ("dk", "dv"):
-                part[name] = part[name].unflatten(-3, (k.shape[-3], groups)).sum(-3)
+                t = part[name]
+                part[name] = t.reshape(*t.shape[:-3], k.shape[-3], groups, *t.shape[-2:]).sum(-3)
         if mask is not None and mask.dtype != torch.bool:
             part["dmask"] = ds.sum_to_size(mask.shape)
         parts.append(part)

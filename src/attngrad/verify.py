@@ -273,30 +273,23 @@ def judge_outputs(
     """
     ref = outputs_and_grads(reference_attention, case, inputs, torch.float64)
     plain = outputs_and_grads(plain_attention, case, inputs, case.dtype)
+    q, k, v, dout = (_tensor(inputs, n) for n in ("q", "k", "v", "dout"))
     mags, sens = magnitudes(
-        *(_tensor(inputs, n) for n in ("q", "k", "v", "dout")),
-        attn_mask=inputs["mask"],
-        unit_roundoff=unit_roundoff(case.dtype),
-        **case.kwargs,  # type: ignore[arg-type]
-    )
-    n, operands = terms(case), operand_scale(case, inputs)
-    return [
-        judge(
-            name,
-            got[name],
-            r,
-            rounding_floor(mags[name], sens[name], case.dtype, n, case.shapes.head_dim, operands),
-            _get(plain, name),
-        )  # fmt: skip
-        for name, r in ref.items()
-    ]
+        q, k, v, dout, inputs["mask"], case.mask == "causal", case.scale, case.gqa, case.window,
+        unit_roundoff(case.dtype),
+    )  # fmt: skip
+    n, operands, d = terms(case), operand_scale(case, inputs), case.shapes.head_dim
+    floors = {
+        name: rounding_floor(mags[name], sens[name], case.dtype, n, d, operands) for name in ref
+    }
+    return [judge(name, got[name], r, floors[name], _get(plain, name)) for name, r in ref.items()]
 
 
 def operand_scale(case: Case, inputs: Inputs) -> float:
     """max(1, scale) times max(1, max|t|) for t in q, k, v, dout: what an underflow meets."""
-    scale = case.scale if case.scale is not None else case.shapes.head_dim**-0.5
+    scale = case.scale if case.scale is not None else 1 / math.sqrt(case.shapes.head_dim)
     largest = (_max(_tensor(inputs, n).abs()) for n in ("q", "k", "v", "dout"))
-    return math.prod(max(1.0, x) for x in largest) * max(1.0, abs(scale))
+    return float(math.prod(max(1.0, x) for x in largest)) * max(1.0, abs(scale))
 
 
 def _get(results: Mapping[str, torch.Tensor] | None, name: str) -> torch.Tensor | None:

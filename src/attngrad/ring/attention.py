@@ -155,10 +155,10 @@ def merge_partial_(
     m = torch.maximum(m_a, m_b)
     shift = m.masked_fill(m == _NEG_INF, 0.0)  # both parts dead: weights exp(-inf) = 0
     w_a, w_b = l_a * torch.exp(m_a - shift), l_b * torch.exp(m_b - shift)
-    l = w_a + w_b
-    inv = 1 / l.masked_fill(l == 0, 1.0)
+    l_sum = w_a + w_b
+    inv = 1 / l_sum.masked_fill(l_sum == 0, 1.0)
     o.mul_((w_a * inv).unsqueeze(-1)).addcmul_(o_b, (w_b * inv).unsqueeze(-1))
-    stats.copy_(torch.stack((shift, log_normalizer(l)), dim=-1))
+    stats.copy_(torch.stack((shift, log_normalizer(l_sum)), dim=-1))
 
 
 @dataclass(frozen=True)
