@@ -44,20 +44,20 @@ def test_explicit_node_saves_q_k_v_and_the_whole_p(reports: dict[str, PathReport
     assert reports["explicit"].kept_bytes == B * H * NQ * NK * 4
 
 
-def test_recompute_node_saves_lse_of_b_h_n_float32(reports: dict[str, PathReport]) -> None:
+def test_recompute_node_saves_row_stats_of_b_h_n_2_float32(reports: dict[str, PathReport]) -> None:
     node = _custom_node(reports["recompute"])
-    assert [t.role for t in node.saved] == ["q", "k", "v", "lse"]
-    lse = node.saved[3]
-    assert lse.shape == (B, H, NQ) and lse.dtype == torch.float32
-    assert lse.nbytes == B * H * NQ * 4
+    assert [t.role for t in node.saved] == ["q", "k", "v", "stats"]
+    stats = node.saved[3]  # each query row's max m and log l
+    assert stats.shape == (B, H, NQ, 2) and stats.dtype == torch.float32
+    assert stats.nbytes == B * H * NQ * 2 * 4
     assert node.none_slots == 2  # the mask tensors (bias, keep) of a call without a mask
 
 
-def test_flash_node_saves_q_k_v_o_and_lse(reports: dict[str, PathReport]) -> None:
+def test_flash_node_saves_q_k_v_o_and_row_stats(reports: dict[str, PathReport]) -> None:
     node = _custom_node(reports["flash"])
-    assert [t.role for t in node.saved] == ["q", "k", "v", "O", "lse"]
+    assert [t.role for t in node.saved] == ["q", "k", "v", "O", "stats"]
     assert node.saved[3].shape == (B, H, NQ, D)
-    assert [t.role for t in reports["flash"].kept] == ["O", "lse"]
+    assert [t.role for t in reports["flash"].kept] == ["O", "stats"]
 
 
 def test_plain_path_softmax_node_saves_its_result_p(reports: dict[str, PathReport]) -> None:
@@ -87,17 +87,18 @@ def test_hooks_total_equals_graph_total(reports: dict[str, PathReport], path: st
 
 
 @pytest.mark.parametrize(
-    ("dtype", "b", "lse_b"),
+    ("dtype", "b", "stat_b"),
     [(torch.float64, 8, 8), (torch.float32, 4, 4), (torch.float16, 2, 4), (torch.bfloat16, 2, 4)],
     ids=["float64", "float32", "float16", "bfloat16"],
 )
-def test_saved_bytes_follow_the_design_table(dtype: torch.dtype, b: int, lse_b: int) -> None:
-    # the saved-bytes formulas of attngrad.ledger: b = input element size, l (lse_b) = lse element size
+def test_saved_bytes_follow_the_design_table(dtype: torch.dtype, b: int, stat_b: int) -> None:
+    # the saved-bytes formulas of attngrad.ledger: b = input element size, l (stat_b) = the
+    # size of each of a row's two statistics m and log l
     by_path = {r.path: r.graph_bytes for r in explain(B, H, NQ, NK, D, dtype=dtype)}
     qkv = b * (B * H * NQ * D + 2 * B * H * NK * D)
     assert by_path["explicit"] == qkv + b * B * H * NQ * NK
-    assert by_path["recompute"] == qkv + lse_b * B * H * NQ
-    assert by_path["flash"] == qkv + b * B * H * NQ * D + lse_b * B * H * NQ
+    assert by_path["recompute"] == qkv + 2 * stat_b * B * H * NQ
+    assert by_path["flash"] == qkv + b * B * H * NQ * D + 2 * stat_b * B * H * NQ
 
 
 def _reachable(o: torch.Tensor) -> set[object]:
@@ -162,10 +163,10 @@ def test_report_text_names_every_path_and_states_the_point(
     summary = text.split("== summary")[1]
     line = {ln.split()[0]: ln for ln in summary.splitlines() if " keeps " in ln}
     assert f"P (Nq×Nk per head, float32) {B * H * NQ * NK * 4} B" in line["explicit"]
-    assert f"lse (Nq per head, float32) {B * H * NQ * 4} B" in line["recompute"]
-    # recompute keeps N per head where the plain path keeps N×N: the ratio is 1/Nk
-    assert f"{1 / NK:.2f}× pytorch-math" in line["recompute"]
-    assert "O (Nq×d per head" in line["flash"] and "lse" in line["flash"]
+    assert f"stats (Nq×2 per head: m, log l, float32) {B * H * NQ * 2 * 4} B" in line["recompute"]
+    # recompute keeps 2 numbers per row where the plain path keeps Nk: the ratio is 2/Nk
+    assert f"{2 / NK:.2f}× pytorch-math" in line["recompute"]
+    assert "O (Nq×d per head" in line["flash"] and "stats" in line["flash"]
 
 
 def test_cli_prints_the_report_and_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:

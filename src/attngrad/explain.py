@@ -14,7 +14,7 @@ saves between forward and backward.  For a small input this module runs forward 
 
 then lists, per grad_fn node reachable from O, each saved tensor: shape, dtype, bytes
 (numel * element_size) and whether it is one of the inputs q, k, v (same storage) or a
-tensor computed in forward (P, lse, O, ...).  The total is cross-checked against the bytes
+tensor computed in forward (P, the row statistics m and log l, O, ...).  The total is cross-checked against the bytes
 packed by `torch.autograd.graph.saved_tensors_hooks` during the same forward.  Then backward
 runs once, and a pre-hook on every node records the order in which the autograd engine
 really runs them (`backward_order`).  The text: `attngrad.report.explain_text`.
@@ -63,7 +63,7 @@ class SavedTensor:
 
     ``slot`` names where the node keeps it (``self``, ``result``, ``saved_tensors[3]``);
     ``role`` says what it is: ``q``/``k``/``v`` (an input's storage), ``O`` (the output's
-    storage), ``P`` (rows sum to 1), ``S`` (scores), ``lse``, ``q*c copy`` (a copy of q
+    storage), ``P`` (rows sum to 1), ``S`` (scores), ``stats`` (each query row's max m and log l: [..., Nq, 2]), ``q*c copy`` (a copy of q
     times c, maybe in another dtype), ``mask``, ``scalar`` (0-dim) or ``tensor``.  ``hooked`` is False when the tensor did not
     pass through ``saved_tensors_hooks`` (PyTorch saves a Python scalar wrapped as a 0-dim
     tensor without calling the hooks).
@@ -270,8 +270,8 @@ def _role(
     if t.numel() == b * h * nq * nk and t.shape[-1] == nk and t.dtype.is_floating_point:
         rowsum = t.detach().double().sum(dim=-1)
         return "P" if torch.allclose(rowsum, torch.ones_like(rowsum), atol=1e-2) else "S"
-    if t.numel() == b * h * nq and t.shape[-1] == nq:
-        return "lse"
+    if t.numel() == 2 * b * h * nq and t.shape[-2:] == (nq, 2):
+        return "stats"
     return "tensor"
 
 

@@ -1,11 +1,12 @@
 """The memory ledger: what each path saves for backward, predicted and measured.
 
 Predicted saved bytes come from each strategy's formula (b = bytes per input
-element, l = bytes per lse element: 4, or 8 for float64)::
+element, l = bytes per softmax statistic: 4, or 8 for float64; each query row
+keeps two, its max m and log l, its log normalizer)::
 
-    explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk       q, k, v, P
-    recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + l*B*Hq*Nq          q, k, v, lse
-    flash      b*(B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)) + l*B*Hq*Nq   q, k, v, O, lse
+    explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk         q, k, v, P
+    recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq          q, k, v, (m, log l)
+    flash      b*(B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq   q, k, v, O, (m, log l)
     triton     as flash
 
 (recompute and flash also keep the caller's mask, when given, to re-apply it).
@@ -63,16 +64,16 @@ def predicted_saved_bytes(path: str, layout: Layout, mask_bytes: int = 0) -> int
     """A strategy's saved-bytes formula (module docstring); None for the baselines."""
     lo = layout
     b = torch.finfo(lo.dtype).bits // 8
-    lse = 8 if lo.dtype == torch.float64 else 4
+    stat = 8 if lo.dtype == torch.float64 else 4
     q = lo.batch * lo.heads_q * lo.seq_q * lo.head_dim
     kv = lo.batch * lo.heads_kv * lo.seq_k * (lo.head_dim + lo.value_dim)
     rows = lo.batch * lo.heads_q * lo.seq_q
     if path == "explicit":
         return b * (q + kv) + b * rows * lo.seq_k
     if path == "recompute":
-        return b * (q + kv) + lse * rows + mask_bytes
+        return b * (q + kv) + 2 * stat * rows + mask_bytes
     if path in ("flash", "triton"):
-        return b * (q + rows * lo.value_dim + kv) + lse * rows + mask_bytes
+        return b * (q + rows * lo.value_dim + kv) + 2 * stat * rows + mask_bytes
     return None
 
 

@@ -389,13 +389,13 @@ def ledger_plot(rows: Sequence[LedgerRow], path: str | os.PathLike[str], machine
 
 
 def _per_head(t: SavedTensor, nq: int, nk: int) -> str:
-    """The tensor's size per (batch, head) in symbols: N×N for P, N for lse, N×d for O."""
+    """The tensor's size per (batch, head) in symbols: N×N for P, N×2 for (m, log l), N×d for O."""
     n_q, n_k = ("N", "N") if nq == nk else ("Nq", "Nk")
     base = t.role.split("*")[0].split(" ")[0]
     if base in ("P", "S"):
         return f"{n_q}×{n_k} per head"
-    if base == "lse":
-        return f"{n_q} per head"
+    if base == "stats":
+        return f"{n_q}×2 per head: m, log l"
     if base in ("O", "q"):
         return f"{n_q}×d per head"
     if base in ("k", "v"):
@@ -478,16 +478,16 @@ def _explain_summary(reports: Sequence[PathReport]) -> list[str]:
     if recompute_like:
         lines.append(
             f"  {' and '.join(recompute_like)} pay for the smaller ledger in backward: they "
-            "recompute S = s·q k^T and P = exp(S − lse) instead of reading a saved P"
+            "recompute S = s·q k^T and P = exp((S − m) − log l) instead of reading a saved P"
         )
     # the same per-head ledger at a long-context shape, from the same element sizes
     n, dd = 4096, 64
     elem = first.dtype.itemsize
-    lse_elem = 8 if first.dtype == torch.float64 else 4
+    stat_elem = 8 if first.dtype == torch.float64 else 4
     lines.append(
-        f"  P grows as N², O and lse as N: at N={n}, d={dd} per head, "
+        f"  P grows as N², O and (m, log l) as N: at N={n}, d={dd} per head, "
         f"P = {format_bytes(n * n * elem)}, O = {format_bytes(n * dd * elem)}, "
-        f"lse = {format_bytes(n * lse_elem)}"
+        f"(m, log l) = {format_bytes(2 * n * stat_elem)}"
     )
     return lines
 
