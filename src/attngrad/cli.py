@@ -126,9 +126,10 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="conformance grid of every strategy against a float64 reference",
         description=(
             "Run every strategy over a grid of dtypes, masks and layouts and compare the "
-            "output and every gradient with a float64 reference: float64 to 1e-9, the other "
-            "dtypes by the 2x rule against plain PyTorch in the same dtype; gradcheck on "
-            "float64 cases.  Exit 1 on a failed case, 2 when a strategy asked for cannot run here."
+            "output and every gradient with a float64 reference, element by element: at most "
+            "2x the error of plain PyTorch in the same dtype plus a floor derived from the "
+            "magnitudes that produce each quantity (attngrad.verify); gradcheck on float64 "
+            "cases.  Exit 1 on a failed case, 2 when a strategy asked for cannot run here."
         ),
     )
     p.add_argument(

@@ -6,7 +6,6 @@ shows the value it got and suggests a fix.  Nothing here modifies a tensor.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import TypeGuard
@@ -16,7 +15,6 @@ import torch
 __all__ = [
     "DTYPES",
     "Shapes",
-    "positive_int",
     "validate_attention",
     "validate_blocks",
     "validate_strategy",
@@ -294,14 +292,3 @@ def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
                 f"{name}={value}: Triton tiles must be a power of two from 16 to 256, e.g. 16, "
                 "32, 64 or 128 (or None to choose from the shape)."
             )
-
-
-def positive_int(text: str) -> int:
-    """argparse type of the commands' sizes: an int >= 1, else a message naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
