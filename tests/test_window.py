@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import attngrad
-from attngrad.reference import reference_attention
-from helpers import TENSOR_STRATEGIES
+from attngrad.verify import make_inputs, outputs_and_grads
+from helpers import TENSOR_STRATEGIES, assert_rule, case
 
 STRATEGIES = attngrad.STRATEGIES
 
@@ -26,16 +28,14 @@ def band(nq: int, nk: int, left: int | None, right: int | None, causal: bool) ->
     return keep
 
 
-def run(fn, q, k, v, mask, **kwargs):
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.clone().requires_grad_()
-        leaves.append(mask)
-    out = fn(*leaves[:3], mask, **kwargs)
-    grads = torch.autograd.grad(
-        out, leaves, torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype)
-    )
-    return [out, *grads]
+def windowed(strategy: str, **kwargs):
+    """attention on ``strategy`` as an SDPA-like function for verify; ``kwargs`` (window,
+    tile sizes, is_causal) override the case's."""
+
+    def fn(q, k, v, mask, **kw):
+        return attngrad.attention(q, k, v, mask, strategy=strategy, **{**kw, **kwargs})
+
+    return fn
 
 
 WINDOWS = [(0, 0), (2, 1), (3, None), (None, 2), (1, 5), (30, 30)]
@@ -46,45 +46,28 @@ WINDOWS = [(0, 0), (2, 1), (3, None), (None, 2), (1, 5), (30, 30)]
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize(("nq", "nk"), [(11, 11), (7, 13), (13, 5)], ids=["N11", "N7x13", "N13x5"])
 def test_window_matches_reference_with_band_mask(strategy, window, causal, nq, nk):
-    # Nq > Nk with a left bound leaves the last rows attending nothing (dead rows)
-    q = torch.randn(2, 4, nq, 8, dtype=torch.float64)
-    k = torch.randn(2, 2, nk, 8, dtype=torch.float64)
-    v = torch.randn(2, 2, nk, 6, dtype=torch.float64)
-    keep = band(nq, nk, *window, causal)
-    want = run(reference_attention, q, k, v, keep, enable_gqa=True)
+    # Nq > Nk with a left bound leaves the last rows attending nothing (dead rows).
+    # The judge's reference sees the band as a bool mask; attention gets the window.
+    c = case((2,), 4, 2, nq, nk, 8, 6, "bool", (nq, nk))
+    inputs = make_inputs(c)
+    inputs["mask"] = band(nq, nk, *window, causal)
     extra = {"block_q": 3, "block_k": 4} if strategy == "flash" else {}
-    got = run(
-        attngrad.attention,
-        q,
-        k,
-        v,
-        None,
-        is_causal=causal,
-        enable_gqa=True,
-        strategy=strategy,
-        window=window,
-        **extra,
-    )
-    for g, w in zip(got, want, strict=True):
-        assert not g.isnan().any()
-        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
+    fn = windowed(strategy, window=window, is_causal=causal, **extra)
+    got = outputs_and_grads(lambda q, k, v, mask, **kw: fn(q, k, v, None, **kw), c, inputs, c.dtype)
+    assert_rule(c, inputs, got)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_window_combines_with_a_mask(strategy, kind):
-    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
-    if kind == "bool":
-        mask = torch.rand(1, 1, 9, 9) > 0.3
-        ref_mask = mask & band(9, 9, 2, 2, False)
-    else:
-        mask = torch.randn(2, 9, 9, dtype=torch.float64)
-        ref_mask = mask.masked_fill(~band(9, 9, 2, 2, False), float("-inf"))
-    got = run(attngrad.attention, q, k, v, mask, strategy=strategy, window=(2, 2))
-    want = run(reference_attention, q, k, v, ref_mask)
-    # the float mask's gradient outside the band is zero in both
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
+    # the judge's reference (with its own window) and attention get the same mask
+    c = case((1,), 2, 2, 9, 9, 4, 4, kind, (1, 1, 9, 9) if kind == "bool" else (2, 9, 9))
+    c = dataclasses.replace(c, window=(2, 2))
+    inputs = make_inputs(c)
+    got = outputs_and_grads(windowed(strategy), c, inputs, c.dtype)
+    assert_rule(c, inputs, got)
+    if kind == "float":  # the float mask's gradient outside the band is zero
+        assert (got["dmask"][..., ~band(9, 9, 2, 2, False)] == 0).all()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
