@@ -1,15 +1,15 @@
-"""Ring attention: layouts, the lse merge, the block math, errors, and real process groups.
+"""Ring attention: layouts, the stats merge, the block math, errors, and real process groups.
 
 The distributed tests start real gloo process groups (spawned processes, a
 FileStore in tmp_path): one group per world size runs every case in a loop and
 writes its shards to a file; the parent reassembles them with `unshard` and
-asserts against single-process attention.  Spawning costs ~2 s per group.
+judges them by the rule of `attngrad.verify` against the float64 reference.
+Spawning costs ~2 s per group.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,14 +21,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attngrad
-from attngrad.reference import reference_attention
 from attngrad.ring import ring_attention, shard, unshard
 from attngrad.ring.attention import BLOCK_KERNELS, block_strategy, merge_partial_
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, Block, step_blocks
 from attngrad.strategies import unavailable_reason
-from attngrad.verify import two_x_bound
-from helpers import assert_close_f64, max_abs_err
+from attngrad.verify import Case, judge_outputs, make_inputs
+from helpers import assert_rule, case
 
 NEG_INF = float("-inf")
 
@@ -144,12 +143,26 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(world):
 
 
 # ---------------------------------------------------------------------------
-# the lse merge and the block math
+# the stats merge and the block math
+
+DEAD = (0.0, float("inf"))  # the stats (m, log l) of a row that attends nothing
 
 
 def _flash_block(q, k, v, causal=False, scale=0.5, kernel="flash"):
     mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).mask(k.shape[1])
     return BLOCK_KERNELS[kernel].forward(q, k, v, mask, scale)
+
+
+def _block_backward(kernel, inputs, o, stats, cols, scale=0.5):
+    """dq, dk, dv of the whole call, key block by key block into the same accumulators."""
+    q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for c in cols:
+        BLOCK_KERNELS[kernel].backward(
+            (dq, dk[:, :, c], dv[:, :, c]), dout, q, k[:, :, c], v[:, :, c], o, stats,
+            Block(slice(0, q.shape[2]), c, False).mask(k.shape[1]), scale,
+        )  # fmt: skip
+    return {"dq": dq, "dk": dk, "dv": dv}
 
 
 # triton's block kernels run here in Triton's interpreter (TRITON_INTERPRET=1, see conftest)
@@ -176,67 +189,89 @@ def test_the_default_block_kernel_is_flash_on_cpu():
 
 @by_kernel
 def test_merging_two_key_halves_gives_attention_over_all_keys(kernel):
-    q = torch.randn(2, 4, 9, 8, dtype=torch.float64)
-    k = torch.randn(2, 2, 14, 8, dtype=torch.float64)
-    v = torch.randn(2, 2, 14, 5, dtype=torch.float64)
-    o_all, lse_all = _flash_block(q, k, v, kernel=kernel)
-    o, lse = _flash_block(q, k[:, :, :6], v[:, :, :6], kernel=kernel)
-    o_b, lse_b = _flash_block(q, k[:, :, 6:], v[:, :, 6:], kernel=kernel)
-    merge_partial_(o, lse, o_b, lse_b)
-    torch.testing.assert_close(o, o_all, atol=1e-13, rtol=0)
-    torch.testing.assert_close(lse, lse_all, atol=1e-13, rtol=0)
+    c = case((2,), 4, 2, 9, 14, 8, 5, scale=0.5)
+    inputs = make_inputs(c)
+    q, k, v = (inputs[n] for n in "qkv")
+    _, stats_all = _flash_block(q, k, v, kernel=kernel)
+    o, stats = _flash_block(q, k[:, :, :6], v[:, :, :6], kernel=kernel)
+    o_b, stats_b = _flash_block(q, k[:, :, 6:], v[:, :, 6:], kernel=kernel)
+    merge_partial_(o, stats, o_b, stats_b)
+    assert stats.shape == stats_all.shape == (2, 4, 9, 2)
+    # the merged O, and the merged stats through backward (they rebuild P there)
+    assert_rule(c, inputs, {"out": o, **_block_backward(kernel, inputs, o, stats, [slice(0, 14)])})
+
+
+def _dead_like(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial of a block whose rows attend nothing: O = 0 and dead stats."""
+    stats = torch.zeros(*o.shape[:-1], 2, dtype=o.dtype)
+    stats[..., 1] = float("inf")
+    return torch.zeros_like(o), stats
 
 
 def test_a_fully_masked_partial_leaves_the_other_unchanged():
-    o, lse = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
-    o0, lse0 = o.clone(), lse.clone()
-    merge_partial_(
-        o, lse, torch.zeros(3, 4, dtype=torch.float64), torch.full((3,), NEG_INF).double()
-    )
-    assert torch.equal(o, o0) and torch.equal(lse, lse0)
-    # and merged into an empty state (O = 0, lse = -inf), a partial comes through exactly
-    empty_o = torch.zeros(3, 4, dtype=torch.float64)
-    empty_lse = torch.full((3,), NEG_INF, dtype=torch.float64)
-    merge_partial_(empty_o, empty_lse, o0, lse0)
-    assert torch.equal(empty_o, o0) and torch.equal(empty_lse, lse0)
+    c = case((1,), 2, 2, 5, 7, 4, 3, scale=0.5)
+    inputs = make_inputs(c)
+    o0, stats0 = _flash_block(*(inputs[n] for n in "qkv"))
+    o, stats = o0.clone(), stats0.clone()
+    merge_partial_(o, stats, *_dead_like(o))
+    assert torch.equal(stats[..., 0], stats0[..., 0])
+    assert_rule(c, inputs, {"out": o, **_block_backward("flash", inputs, o, stats, [slice(0, 7)])})
+    # and merged into an empty state (O = 0, dead stats), a partial comes through
+    o, stats = _dead_like(o0)
+    merge_partial_(o, stats, o0, stats0)
+    assert torch.equal(stats[..., 0], stats0[..., 0])
+    assert_rule(c, inputs, {"out": o, **_block_backward("flash", inputs, o, stats, [slice(0, 7)])})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="src: merge_partial_ scales O by w * (1 / l), not w / l, and rebuilds log l as "
+    "log(exp(log l)): a partial of weight 0 moves the other by an ulp",
+)
+def test_a_fully_masked_partial_leaves_the_other_bit_for_bit():
+    f64 = dict(dtype=torch.float64)
+    o = torch.randn(64, 4, **f64)
+    stats = torch.stack((torch.randn(64, **f64), torch.rand(64, **f64) * 3), -1)
+    o0, stats0 = o.clone(), stats.clone()
+    merge_partial_(o, stats, *_dead_like(o))
+    assert torch.equal(o, o0) and torch.equal(stats, stats0)
+    o, stats = _dead_like(o0)
+    merge_partial_(o, stats, o0, stats0)
+    assert torch.equal(o, o0) and torch.equal(stats, stats0)
 
 
 def test_two_fully_masked_partials_merge_to_zero_not_nan():
-    o, lse = torch.zeros(2, 3), torch.full((2,), NEG_INF)
-    merge_partial_(o, lse, torch.zeros(2, 3), torch.full((2,), NEG_INF))
+    o, stats = torch.zeros(2, 3), torch.tensor([DEAD] * 2)
+    merge_partial_(o, stats, torch.zeros(2, 3), torch.tensor([DEAD] * 2))
     assert torch.equal(o, torch.zeros(2, 3))
-    assert torch.equal(lse, torch.full((2,), NEG_INF))
+    assert torch.equal(stats, torch.tensor([DEAD] * 2))
 
 
 def test_merge_does_not_overflow_where_exp_lse_would():
-    # exp(800) overflows float64; the merge only ever takes exp of lse differences <= 0
-    o, lse = torch.ones(1, 2, dtype=torch.float64), torch.tensor([800.0], dtype=torch.float64)
-    o_b, lse_b = torch.full((1, 2), 3.0, dtype=torch.float64), torch.tensor([790.0])
-    merge_partial_(o, lse, o_b, lse_b.double())
-    w = 1 / (1 + math.exp(-10))  # weight of the first part
-    torch.testing.assert_close(o, torch.full((1, 2), w + 3 * (1 - w), dtype=torch.float64))
-    torch.testing.assert_close(lse, torch.tensor([800 + math.log1p(math.exp(-10))]).double())
+    # exp(800) overflows float64; the merge only ever takes exp of max differences <= 0.
+    # As a block would give them: one key per part, scores 800 (value 1) and 790 (value 3).
+    c = case((1,), 1, 1, 1, 2, 1, 2, scale=1.0)
+    inputs = make_inputs(c)
+    inputs["q"] = torch.full((1, 1, 1, 1), 10.0, dtype=torch.float64)
+    inputs["k"] = torch.tensor([80.0, 79.0], dtype=torch.float64).view(1, 1, 2, 1)
+    inputs["v"] = torch.tensor([[1.0, 1.0], [3.0, 3.0]], dtype=torch.float64).view(1, 1, 2, 2)
+    o, stats = torch.ones(1, 2, dtype=torch.float64), torch.tensor([[800.0, 0.0]]).double()
+    o_b, stats_b = torch.full((1, 2), 3.0, dtype=torch.float64), torch.tensor([[790.0, 0.0]])
+    merge_partial_(o, stats, o_b, stats_b.double())
+    assert stats[0, 0] == 800.0 and torch.isfinite(stats).all()
+    assert_rule(c, inputs, {"out": o.view(1, 1, 1, 2)})
 
 
 @by_kernel
-def test_block_backward_with_the_global_lse_and_delta_sums_to_the_gradients(kernel):
-    """Per key block, P = exp(S - lse_global) and Delta = rowsum(dO * O_final) (module math)."""
-    q = torch.randn(1, 4, 10, 8, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, 12, 6, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(1, 4, 10, 6, dtype=torch.float64)
-    ref = reference_attention(q, k, v, scale=0.5, enable_gqa=True)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
-    with torch.no_grad():
-        o, lse = _flash_block(q, k, v, kernel=kernel)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for c in (slice(0, 5), slice(5, 12)):  # two key blocks add into the same accumulators
-            BLOCK_KERNELS[kernel].backward(
-                (dq, dk[:, :, c], dv[:, :, c]), dout, q, k[:, :, c], v[:, :, c], o, lse,
-                Block(slice(0, 10), c, False).mask(2), 0.5,
-            )  # fmt: skip
-    for got, ref_grad in zip((dq, dk, dv), want, strict=True):
-        torch.testing.assert_close(got, ref_grad, atol=1e-12, rtol=0)
+def test_block_backward_with_the_global_stats_and_delta_sums_to_the_gradients(kernel):
+    """Per key block, P = exp((S - m) - log l) from the global row stats and
+    Delta = rowsum(dO * O_final) (module math)."""
+    c = case((1,), 4, 2, 10, 12, 8, 6, scale=0.5)
+    inputs = make_inputs(c)
+    o, stats = _flash_block(*(inputs[n] for n in "qkv"), kernel=kernel)
+    # two key blocks add into the same accumulators
+    got = _block_backward(kernel, inputs, o, stats, [slice(0, 5), slice(5, 12)])
+    assert_rule(c, inputs, {"out": o, **got})
 
 
 # ---------------------------------------------------------------------------
@@ -309,74 +344,54 @@ def test_world_size_one_is_plain_attention(tmp_path):
 
 @dataclass(frozen=True)
 class RingCase:
-    """One ring call: full q [*lead, Hq, N, d], k/v [*lead, Hkv, N, d|dv], N = 2 * P * chunk."""
+    """One ring call: the full problem as a `verify.Case` (N = 2 * P * chunk) and its layout."""
 
-    lead: tuple[int, ...]
-    heads_q: int
-    heads_kv: int
-    chunk: int
-    head_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    causal: bool
+    case: Case
     layout: str
-    scale: float | None = None
 
     @property
     def id(self) -> str:
-        heads = f"H{self.heads_q}" + (f":{self.heads_kv}" if self.heads_kv != self.heads_q else "")
-        return "-".join(
-            [
-                f"B{'x'.join(map(str, self.lead)) or 'none'}",
-                heads,
-                f"d{self.head_dim}:{self.value_dim}",
-                str(self.dtype).removeprefix("torch."),
-                "causal" if self.causal else "full",
-                self.layout,
-                f"scale{self.scale}" if self.scale is not None else "scale-default",
-            ]
-        )
-
-    def inputs(self, world: int, seed: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        n = 2 * world * self.chunk
-        shapes = {
-            "q": (*self.lead, self.heads_q, n, self.head_dim),
-            "k": (*self.lead, self.heads_kv, n, self.head_dim),
-            "v": (*self.lead, self.heads_kv, n, self.value_dim),
-            "dout": (*self.lead, self.heads_q, n, self.value_dim),
-        }
-        return {
-            name: torch.randn(s, generator=gen, dtype=torch.float64) for name, s in shapes.items()
-        }
+        return f"{self.case.id}-{self.layout}"
 
 
-# chunk = 5: odd shard sizes (10 per rank); GQA with dv != d and a custom scale;
-# no leading dims (the [H, N, d] layout) last (the saved-tensor check runs it again).
-RING_CASES = [
-    RingCase(lead, hq, hkv, 5, d, dv, dtype, causal, layout, scale)
+# (lead, Hq, Hkv, chunk, d, dv, dtype, causal, layout, scale).  chunk = 5: odd shard
+# sizes (10 per rank); GQA with dv != d and a custom scale; no leading dims (the
+# [H, N, d] layout) last (the saved-tensor check runs it again).
+RING_SIZES = [
+    (lead, hq, hkv, 5, d, dv, dtype, causal, layout, scale)
     for dtype in (torch.float64, torch.float32)
     for causal in (False, True)
     for layout in LAYOUTS
     for lead, hq, hkv, d, dv, scale in [((2,), 2, 2, 8, 8, None), ((1,), 4, 2, 8, 5, 0.3)]
 ] + [
     # bfloat16: k/v travel in bf16, partial outputs and dK/dV accumulate in float32
-    RingCase((1,), 4, 2, 5, 8, 8, torch.bfloat16, True, "zigzag"),
-    RingCase((), 3, 1, 3, 4, 4, torch.float64, True, "zigzag"),
+    ((1,), 4, 2, 5, 8, 8, torch.bfloat16, True, "zigzag", None),
+    ((), 3, 1, 3, 4, 4, torch.float64, True, "zigzag", None),
 ]
 
 
-def _cases(world: int) -> list[tuple[RingCase, dict[str, torch.Tensor]]]:
+def _ring_cases(world: int) -> list[RingCase]:
+    """RING_SIZES at ``world`` ranks (ring attention always passes enable_gqa)."""
+    cases = []
+    for lead, hq, hkv, chunk, d, dv, dtype, causal, layout, scale in RING_SIZES:
+        n, mask = 2 * chunk * world, "causal" if causal else "none"
+        c = case(lead, hq, hkv, n, n, d, dv, mask, dtype=dtype, scale=scale, enable_gqa=True)
+        cases.append(RingCase(c, layout))
+    return cases
+
+
+def _cases(world: int) -> list[tuple[RingCase, dict]]:
     """Every case with its full inputs; the parent and each worker draw the same ones."""
-    return [(case, case.inputs(world, seed)) for seed, case in enumerate(RING_CASES)]
+    return [(rc, make_inputs(rc.case, seed)) for seed, rc in enumerate(_ring_cases(world))]
 
 
-def _run_case(case: RingCase, full: dict[str, torch.Tensor], rank: int, world: int, group=None):
+def _run_case(rc: RingCase, full: dict, rank: int, world: int, group=None):
     """This rank's out, dq, dk, dv shards for one case."""
-    mine = {n: shard(t, rank, world, case.layout).to(case.dtype) for n, t in full.items()}
+    c = rc.case
+    mine = {n: shard(full[n], rank, world, rc.layout).to(c.dtype) for n in ("q", "k", "v", "dout")}
     leaves = [mine[n].clone().requires_grad_() for n in "qkv"]
     out = ring_attention(
-        *leaves, group=group, is_causal=case.causal, scale=case.scale, layout=case.layout
+        *leaves, group=group, is_causal=c.mask == "causal", scale=c.scale, layout=rc.layout
     )
     grads = torch.autograd.grad(out, leaves, mine["dout"])
     unchanged = all(torch.equal(leaf, mine[n]) for leaf, n in zip(leaves, "qkv", strict=True))
@@ -429,15 +444,15 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cases = _cases(world)
     results: dict[str, object] = {}
-    for case, full in cases:
-        results[case.id], results[case.id + "/unchanged"] = _run_case(case, full, rank, world)
-    # what forward keeps for backward: this rank's own q, k, v, O and lse only
-    case, full = cases[-1]
+    for rc, full in cases:
+        results[rc.id], results[rc.id + "/unchanged"] = _run_case(rc, full, rank, world)
+    # what forward keeps for backward: this rank's own q, k, v, O and row stats only
+    rc, full = cases[-1]
     saved: list[tuple[int, ...]] = []
     with torch.autograd.graph.saved_tensors_hooks(
         lambda t: saved.append(tuple(t.shape)) or t, lambda t: t
     ):
-        _run_case(case, full, rank, world)
+        _run_case(rc, full, rank, world)
     results["saved"] = saved
     # shards that differ across ranks: every rank raises the same ValueError
     q = torch.randn(1, 2, 4 + 2 * (rank == 1), 8)
@@ -447,8 +462,8 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     if world == 3:  # a ring over a subgroup: ranks 0 and 2 (global ranks differ from group ranks)
         sub = dist.new_group([0, 2])
         if rank != 1:
-            case, full = cases[0]
-            results["subgroup"], _ = _run_case(case, full, rank // 2, 2, group=sub)
+            rc, full = cases[0]
+            results["subgroup"], _ = _run_case(rc, full, rank // 2, 2, group=sub)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     failure = (_peer_dies if world == 3 else _peer_never_calls)(rank, world, Path(out_dir))
     torch.save(failure, Path(out_dir) / f"failure{rank}.pt")
@@ -475,31 +490,11 @@ def _launch(world: int, tmp_path: Path, deadline: float = 60.0) -> list[int | No
     return [p.exitcode for p in procs]
 
 
-def _reference(case: RingCase, full: dict[str, torch.Tensor], dtype: torch.dtype):
-    """Out and gradients of single-process `reference_attention` in ``dtype``, detached."""
-    leaves = [full[n].to(dtype).requires_grad_() for n in "qkv"]
-    out = reference_attention(*leaves, is_causal=case.causal, scale=case.scale, enable_gqa=True)
-    grads = torch.autograd.grad(out, leaves, full["dout"].to(dtype))
-    return dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads), strict=True))
-
-
-def _case_failures(case: RingCase, got: dict[str, torch.Tensor], full: dict[str, torch.Tensor]):
-    """Out and every gradient against the float64 reference: 1e-9, or the 2x rule."""
-    ref = _reference(case, full, torch.float64)
-    if case.dtype == torch.float64:
-        try:
-            assert_close_f64(got, ref)
-        except AssertionError as e:
-            return [f"{case.id}: {e}"]
-        return []
-    base = _reference(case, full, case.dtype)  # plain PyTorch in the same dtype
-    failures = []
-    for name, r in ref.items():
-        err, base_err = max_abs_err(got[name], r), max_abs_err(base[name], r)
-        bound = two_x_bound(base_err, case.dtype, float(r.abs().max()))
-        if got[name].dtype != case.dtype or not err <= bound:  # `not <=` also catches NaN
-            failures.append(f"{case.id} {name} ({got[name].dtype}): error {err:.3e} > {bound:.3e}")
-    return failures
+def _case_failures(rc: RingCase, got: dict[str, torch.Tensor], full: dict) -> list[str]:
+    """Out and every gradient against the float64 reference, by the rule of `attngrad.verify`."""
+    c = rc.case
+    failures = [f"{rc.id} {name} is {t.dtype}" for name, t in got.items() if t.dtype != c.dtype]
+    return failures + [f"{rc.id} {v}" for v in judge_outputs(c, full, got) if not v.passed]
 
 
 def _gathered(ranks: list[dict], key: str, layout: str) -> dict[str, torch.Tensor]:
@@ -512,20 +507,20 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
     exits = _launch(world, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     failures = []
-    for case, full in _cases(world):
-        failures += _case_failures(case, _gathered(ranks, case.id, case.layout), full)
+    for rc, full in _cases(world):
+        failures += _case_failures(rc, _gathered(ranks, rc.id, rc.layout), full)
         failures += [
-            f"{case.id}: rank {r} modified an input"
+            f"{rc.id}: rank {r} modified an input"
             for r, res in enumerate(ranks)
-            if not res[case.id + "/unchanged"]
+            if not res[rc.id + "/unchanged"]
         ]
     assert not failures, "\n".join(failures)
 
-    case = RING_CASES[-1]  # no leading dims: B = 1 in the canonical [B, H, n, x] layout
-    n, hq, hkv = 2 * case.chunk, case.heads_q, case.heads_kv
-    q, kv, lse = (1, hq, n, case.head_dim), (1, hkv, n, case.head_dim), (1, hq, n)
-    for res in ranks:  # q, k, v, O, lse of this rank's shard: no other rank's block
-        assert res["saved"] == [q, kv, kv, q, lse]
+    sh = _ring_cases(world)[-1].case.shapes  # no leading dims: B = 1 in [B, H, n, x]
+    n, hq, hkv = sh.seq_q // world, sh.heads_q, sh.heads_kv
+    q, kv, stats = (1, hq, n, sh.head_dim), (1, hkv, n, sh.head_dim), (1, hq, n, 2)
+    for res in ranks:  # q, k, v, O, stats of this rank's shard: no other rank's block
+        assert res["saved"] == [q, kv, kv, q, stats]
 
     for r, res in enumerate(ranks):
         kind, message = res["unequal"]
@@ -558,5 +553,5 @@ def test_three_ranks_match_one_process_and_raise_when_a_peer_dies(tmp_path):
         failure = torch.load(tmp_path / f"failure{rank}.pt")
         _assert_timed_out(failure, rank, 3, "sending to / receiving from")
     # a ring over the subgroup of global ranks 0 and 2
-    case, full = _cases(3)[0]
-    assert not _case_failures(case, _gathered([ranks[0], ranks[2]], "subgroup", case.layout), full)
+    rc, full = _cases(3)[0]
+    assert not _case_failures(rc, _gathered([ranks[0], ranks[2]], "subgroup", rc.layout), full)
