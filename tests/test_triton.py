@@ -18,10 +18,10 @@ import torch
 import attngrad
 from attngrad.contract import Shapes
 from attngrad.ledger import Layout, ledger_row
-from attngrad.reference import reference_attention
 from attngrad.strategies import available, resolve, unavailable_reason
 from attngrad.strategies import triton as triton_strategy
-from attngrad.verify import two_x_bound
+from attngrad.verify import make_inputs, outputs_and_grads
+from helpers import assert_rule, case
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -30,34 +30,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _grads(out: torch.Tensor, inputs: list[torch.Tensor], dout: torch.Tensor):
-    return torch.autograd.grad(out, inputs, dout)
+def _triton(**kwargs):
+    """attention on "triton" as an SDPA-like function for verify; ``kwargs`` (tiles) added."""
+
+    def fn(q, k, v, mask, **kw):
+        return attngrad.attention(q, k, v, mask, strategy="triton", **kw, **kwargs)
+
+    return fn
 
 
-def _band(nq: int, nk: int, window) -> torch.Tensor:
-    """The window as an additive mask [Nq, Nk]: 0 inside, -inf outside."""
-    left, right = window
-    offset = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]  # j - i
-    inside = torch.ones(nq, nk, dtype=torch.bool)
-    if left is not None:
-        inside &= offset >= -left
-    if right is not None:
-        inside &= offset <= right
-    return torch.zeros(nq, nk, dtype=torch.float64).masked_fill(~inside, float("-inf"))
-
-
-def _compare_to_reference(q, k, v, dout, atol=1e-9, **kw):
-    """float64 inputs: output and every gradient within ``atol`` of the reference."""
-    inputs = [t for t in (q, k, v, kw.get("attn_mask")) if t is not None and t.requires_grad]
-    out = attngrad.attention(q, k, v, strategy="triton", **kw)
-    ref_kw = {key: val for key, val in kw.items() if key not in ("block_q", "block_k", "window")}
-    if kw.get("window") is not None:
-        ref_kw["attn_mask"] = kw["attn_mask"] + _band(q.shape[-2], k.shape[-2], kw["window"])
-    want = reference_attention(q, k, v, **ref_kw)
-    torch.testing.assert_close(out, want, atol=atol, rtol=0)
-    for got, ref in zip(_grads(out, inputs, dout), _grads(want, inputs, dout), strict=True):
-        assert not got.isnan().any()
-        torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+def _judge(c, inputs=None, **kwargs):
+    """Run triton on the case (its `make_inputs` unless given); assert the rule."""
+    inputs = make_inputs(c) if inputs is None else inputs
+    assert_rule(c, inputs, outputs_and_grads(_triton(**kwargs), c, inputs, c.dtype))
 
 
 def _leaf(*shape: int, dtype=torch.float64) -> torch.Tensor:
@@ -66,8 +51,7 @@ def _leaf(*shape: int, dtype=torch.float64) -> torch.Tensor:
 
 @pytest.mark.parametrize(("d", "dv"), [(16, 16), (24, 24), (40, 72), (128, 128), (200, 256)])
 def test_head_dims_up_to_256_padded_inside_the_kernel(d, dv):
-    q, k, v = _leaf(1, 2, 19, d), _leaf(1, 2, 23, d), _leaf(1, 2, 23, dv)
-    _compare_to_reference(q, k, v, torch.randn(1, 2, 19, dv, dtype=torch.float64))
+    _judge(case((1,), 2, 2, 19, 23, d, dv))
 
 
 def test_head_dim_above_256_names_the_limit():
@@ -79,32 +63,21 @@ def test_head_dim_above_256_names_the_limit():
 @pytest.mark.parametrize("window", [(None, 0), (5, 3), (7, 0), (0, None), (None, 2)], ids=str)
 def test_many_tiles_with_band_gqa_and_bias_gradient(window):
     # 16 x 16 tiles over 53 x 61 scores: partial tiles at both ends, skipped ones inside
-    q, k, v = _leaf(1, 4, 53, 16), _leaf(1, 2, 61, 16), _leaf(1, 2, 61, 8)
-    bias = _leaf(4, 53, 61)
-    _compare_to_reference(
-        q, k, v, torch.randn(1, 4, 53, 8, dtype=torch.float64),
-        attn_mask=bias, window=window, enable_gqa=True, block_q=16, block_k=16,
-    )  # fmt: skip
+    c = case((1,), 4, 2, 53, 61, 16, 8, "float", (4, 53, 61), window=window)
+    _judge(c, block_q=16, block_k=16)
 
 
 @pytest.mark.parametrize("kind", ["causal", "bool"])
 def test_many_tiles_with_causal_or_bool_mask(kind):
-    q, k, v = _leaf(2, 2, 53, 16), _leaf(2, 2, 40, 16), _leaf(2, 2, 40, 16)
-    kw = {"is_causal": True} if kind == "causal" else {"attn_mask": torch.rand(53, 40) > 0.4}
-    _compare_to_reference(
-        q, k, v, torch.randn(2, 2, 53, 16, dtype=torch.float64), block_q=16, block_k=16, **kw
-    )
+    _judge(case((2,), 2, 2, 53, 40, 16, 16, kind, (53, 40) if kind == "bool" else None),
+           block_q=16, block_k=16)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "mask_shape", [(1, 1, 1, 29), (2, 1, 17, 29), (1, 4, 17, 1), (17, 29)], ids=str
 )
 def test_bias_gradient_sums_over_broadcast_dims(mask_shape):
-    q, k, v = _leaf(2, 4, 17, 16), _leaf(2, 4, 29, 16), _leaf(2, 4, 29, 16)
-    bias = _leaf(*mask_shape)
-    _compare_to_reference(
-        q, k, v, torch.randn(2, 4, 17, 16, dtype=torch.float64), attn_mask=bias, window=(None, 0)
-    )
+    _judge(case((2,), 4, 4, 17, 29, 16, 16, "float", mask_shape, window=(None, 0)))
 
 
 def test_gradcheck_across_tiles_with_gqa_bias_and_window():
@@ -123,45 +96,28 @@ def test_gradcheck_across_tiles_with_gqa_bias_and_window():
 def test_skipped_tiles_are_never_read():
     # causal with Nq = 16 < Nk = 64: keys 16.. are outside every query's band.  If a
     # kernel visited their tiles, the NaN there would reach O or the gradients.
-    q = _leaf(1, 1, 16, 16)
+    c = case((1,), 1, 1, 16, 16, 16, 16, "causal")  # the keys a query can reach
+    inputs = make_inputs(c)
+    inputs["dout"] = torch.ones(1, 1, 16, 16, dtype=torch.float64)
+    q = inputs["q"].clone().requires_grad_()
     k, v = torch.randn(1, 1, 64, 16, dtype=q.dtype), torch.randn(1, 1, 64, 16, dtype=q.dtype)
+    k[..., :16, :], v[..., :16, :] = inputs["k"], inputs["v"]
     k[..., 16:, :] = float("nan")
     v[..., 16:, :] = float("nan")
     k.requires_grad_()
     v.requires_grad_()
     out = attngrad.attention(q, k, v, is_causal=True, strategy="triton", block_q=16, block_k=16)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs["dout"])
     assert not out.isnan().any() and not dq.isnan().any()
     # the unreachable keys get exactly zero gradient, their NaN never multiplied in
     assert dk[..., 16:, :].eq(0).all() and dv[..., 16:, :].eq(0).all()
-    kv = (k.detach()[..., :16, :], v.detach()[..., :16, :])
-    want = reference_attention(q.detach(), *kv, is_causal=True)
-    torch.testing.assert_close(out.detach(), want, atol=1e-12, rtol=0)
+    got = {"out": out.detach(), "dq": dq, "dk": dk[..., :16, :], "dv": dv[..., :16, :]}
+    assert_rule(c, inputs, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_two_x_rule_with_gqa_and_float_mask(dtype):
-    q64, k64, v64 = _leaf(1, 4, 45, 64), _leaf(1, 2, 45, 64), _leaf(1, 2, 45, 64)
-    bias64 = _leaf(45, 45)
-    dout64 = torch.randn(1, 4, 45, 64, dtype=torch.float64)
-    kw = {"enable_gqa": True}
-    leaves = [q64, k64, v64, bias64]
-    ref = reference_attention(q64, k64, v64, attn_mask=bias64, **kw)
-    ref_grads = _grads(ref, leaves, dout64)
-    low = [t.detach().to(dtype).requires_grad_() for t in leaves]
-    plain = reference_attention(*low[:3], attn_mask=low[3], **kw)  # the plain path in dtype
-    out = attngrad.attention(*low[:3], attn_mask=low[3], strategy="triton", **kw)
-    assert out.dtype == dtype
-    pairs = [(out, plain, ref)]
-    grads = _grads(out, low, dout64.to(dtype))
-    plain_grads = _grads(plain, low, dout64.to(dtype))
-    pairs += list(zip(grads, plain_grads, ref_grads, strict=True))
-    for got, base, want in pairs:
-        assert got.dtype == dtype and not got.isnan().any()
-        err = (got.double() - want).abs().max().item()
-        base_err = (base.double() - want).abs().max().item()
-        bound = two_x_bound(base_err, dtype, want.abs().max().item())
-        assert err <= bound, (err, bound)
+def test_low_precision_rule_with_gqa_and_float_mask(dtype):
+    _judge(case((1,), 4, 2, 45, 45, 64, 64, "float", (45, 45), dtype=dtype))
 
 
 def test_saves_what_flash_saves():
@@ -254,7 +210,7 @@ def test_commands_refuse_triton_cleanly_where_it_cannot_run():
         "from attngrad import cli\n"
         "for argv in (['check', '--strategy', 'triton'], ['explain', '--strategy', 'triton'],\n"
         "             ['bench', '--strategy', 'triton', '--seq', '16'],\n"
-        "             ['ledger', '--path', 'triton', '--seq-q', '16']):\n"
+        "             ['ledger', '--strategy', 'triton', '--seq-q', '16']):\n"
         "    print(argv[0], cli.main(argv))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0"}

@@ -7,13 +7,15 @@ interpreter's: many tiles, partial last tiles, head dims 64..256.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import attngrad
-from attngrad.reference import reference_attention
 from attngrad.strategies import unavailable_reason
-from attngrad.verify import two_x_bound
+from attngrad.verify import make_inputs, outputs_and_grads, strategy_fn
+from helpers import assert_rule, case
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or unavailable_reason("triton", torch.device("cuda")) is not None,
@@ -23,33 +25,23 @@ pytestmark = pytest.mark.skipif(
 CUDA = torch.device("cuda")
 
 
-def _inputs(b, hq, hkv, nq, nk, d, dv, mask_kind):
-    gen = torch.Generator(device=CUDA).manual_seed(0)
+def _on_cuda(c):
+    """`make_inputs` (drawn on the CPU, the same numbers every run) moved to the GPU.
 
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=CUDA, dtype=torch.float64)
-
-    q, k, v = randn(b, hq, nq, d), randn(b, hkv, nk, d), randn(b, hkv, nk, dv)
-    dout = randn(b, hq, nq, dv)
-    mask = None
-    if mask_kind == "bool":
-        mask = torch.rand(nq, nk, generator=gen, device=CUDA) > 0.3
-        mask[1] = False  # a row that attends nothing
-    elif mask_kind == "float":
-        mask = randn(hq, nq, nk)
-        mask[:, 1] = float("-inf")
-    return q, k, v, mask, dout
+    Query row 1 attends nothing: make_inputs kills it in a bool mask, -inf here in a float one.
+    """
+    inputs = make_inputs(c)
+    if c.mask == "float":
+        inputs["mask"][..., 1, :] = float("-inf")  # type: ignore[index]
+    return {n: None if t is None else t.to(CUDA) for n, t in inputs.items()}
 
 
-def _run(q, k, v, mask, dout, dtype, fn, **kw):
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    m = None
-    if mask is not None:
-        m = mask if mask.dtype == torch.bool else mask.to(dtype).requires_grad_()
-        if m.requires_grad:
-            leaves.append(m)
-    out = fn(*leaves[:3], attn_mask=m, **kw)
-    return [out, *torch.autograd.grad(out, leaves, dout.to(dtype))]
+def _judge(c, strategy="triton", inputs=None):
+    """Run ``strategy`` on the case on the GPU; assert the rule; the results."""
+    inputs = _on_cuda(c) if inputs is None else inputs
+    got = outputs_and_grads(strategy_fn(strategy), c, inputs, c.dtype)
+    assert_rule(c, inputs, got)
+    return got
 
 
 CASES = [
@@ -63,46 +55,38 @@ CASES = [
 ]
 
 
+def _case(b, hq, hkv, nq, nk, d, dv, mask_kind, causal, dtype):
+    kind = mask_kind or ("causal" if causal else "none")
+    mask_shape = {"bool": (nq, nk), "float": (hq, nq, nk)}.get(kind)
+    return case((b,), hq, hkv, nq, nk, d, dv, kind, mask_shape, dtype=dtype, enable_gqa=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_two_x_rule_against_float64_reference(case, dtype):
-    *sizes, mask_kind, causal = case
-    q, k, v, mask, dout = _inputs(*sizes, mask_kind)
-    kw = {"is_causal": causal, "enable_gqa": True}
-    ref = _run(q, k, v, mask, dout, torch.float64, reference_attention, **kw)
-    plain = _run(q, k, v, mask, dout, dtype, reference_attention, **kw)
-    got = _run(q, k, v, mask, dout, dtype, attngrad.attention, strategy="triton", **kw)
-    for g, p, r in zip(got, plain, ref, strict=True):
-        assert g.dtype == dtype and not g.isnan().any()
-        err = (g.double() - r).abs().max().item()
-        bound = two_x_bound((p.double() - r).abs().max().item(), dtype, r.abs().max().item())
-        assert err <= bound, (err, bound)
+@pytest.mark.parametrize("sizes", CASES, ids=str)
+def test_rule_against_float64_reference(sizes, dtype):
+    _judge(_case(*sizes, dtype))
 
 
-def test_float64_matches_the_reference():
-    q, k, v, mask, dout = _inputs(1, 4, 2, 300, 257, 64, 64, "float")
-    kw = {"enable_gqa": True}
-    ref = _run(q, k, v, mask, dout, torch.float64, reference_attention, **kw)
-    got = _run(q, k, v, mask, dout, torch.float64, attngrad.attention, strategy="triton", **kw)
-    for g, r in zip(got, ref, strict=True):
-        torch.testing.assert_close(g, r, atol=1e-9, rtol=0)
+def test_float64_obeys_the_rule():
+    _judge(_case(1, 4, 2, 300, 257, 64, 64, "float", False, torch.float64))
 
 
-def test_window_matches_flash():
-    q, k, v, _, dout = _inputs(1, 4, 4, 700, 700, 64, 64, None)
-    kw = {"window": (100, 0)}
-    want = _run(q, k, v, None, dout, torch.float32, attngrad.attention, strategy="flash", **kw)
-    got = _run(q, k, v, None, dout, torch.float32, attngrad.attention, strategy="triton", **kw)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+def test_window_obeys_the_rule_like_flash():
+    c = dataclasses.replace(_case(1, 4, 4, 700, 700, 64, 64, None, False, torch.float32),
+                            window=(100, 0))  # fmt: skip
+    inputs = _on_cuda(c)
+    for strategy in ("flash", "triton"):
+        _judge(c, strategy, inputs)
 
 
 def test_backward_is_deterministic():
-    q, k, v, _, dout = _inputs(2, 8, 2, 1024, 1024, 128, 128, None)
-    first = _run(q, k, v, None, dout, torch.bfloat16, attngrad.attention, strategy="triton")
-    again = _run(q, k, v, None, dout, torch.bfloat16, attngrad.attention, strategy="triton")
-    for a, b in zip(first, again, strict=True):
-        assert torch.equal(a, b)
+    c = _case(2, 8, 2, 1024, 1024, 128, 128, None, False, torch.bfloat16)
+    inputs = _on_cuda(c)
+    fn = strategy_fn("triton")
+    first = outputs_and_grads(fn, c, inputs, c.dtype)
+    again = outputs_and_grads(fn, c, inputs, c.dtype)
+    for name in first:
+        assert torch.equal(first[name], again[name]), name
 
 
 def _graph_nodes(out: torch.Tensor) -> list[str]:
