@@ -223,12 +223,9 @@ def test_a_fully_masked_partial_leaves_the_other_unchanged():
     assert_rule(c, inputs, {"out": o, **_block_backward("flash", inputs, o, stats, [slice(0, 7)])})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src: merge_partial_ scales O by w * (1 / l), not w / l, and rebuilds log l as "
-    "log(exp(log l)): a partial of weight 0 moves the other by an ulp",
-)
 def test_a_fully_masked_partial_leaves_the_other_bit_for_bit():
+    # regression: merge_partial_ scaled O by w * (1 / l) and rebuilt log l as
+    # log(exp(log l)), so a partial of weight 0 moved the other by an ulp
     f64 = dict(dtype=torch.float64)
     o = torch.randn(64, 4, **f64)
     stats = torch.stack((torch.randn(64, **f64), torch.rand(64, **f64) * 3), -1)

@@ -123,9 +123,14 @@ def softmax(s: torch.Tensor) -> torch.Tensor:
 
     A row whose every score is -inf (fully masked) would be 0/0 = NaN in plain
     softmax; the attention convention is P = 0, so that O = 0 and every
-    gradient is zero.
+    gradient is zero.  Out of place, so autograd can differentiate it.
     """
-    return softmax_(s.clone())[0]
+    if s.shape[-1] == 0:
+        return s.clone()
+    m = _shift(s.amax(dim=-1, keepdim=True)).detach()  # a row shift: P does not depend on it
+    p = torch.exp2((s - m) * LOG2E)
+    l_sum = p.sum(dim=-1, keepdim=True)
+    return p / l_sum.masked_fill(l_sum == 0, 1.0)
 
 
 def lse(stats: torch.Tensor) -> torch.Tensor:

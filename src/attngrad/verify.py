@@ -288,7 +288,7 @@ def judge_outputs(
 def operand_scale(case: Case, inputs: Inputs) -> float:
     """max(1, scale) times max(1, max|t|) for t in q, k, v, dout: what an underflow meets."""
     scale = case.scale if case.scale is not None else 1 / math.sqrt(case.shapes.head_dim)
-    largest = (_max(_tensor(inputs, n).abs()) for n in ("q", "k", "v", "dout"))
+    largest = (_max(_tensor(inputs, n).detach().abs()) for n in ("q", "k", "v", "dout"))
     return float(math.prod(max(1.0, x) for x in largest)) * max(1.0, abs(scale))
 
 

@@ -156,9 +156,12 @@ def merge_partial_(
     shift = m.masked_fill(m == _NEG_INF, 0.0)  # both parts dead: weights exp(-inf) = 0
     w_a, w_b = l_a * torch.exp(m_a - shift), l_b * torch.exp(m_b - shift)
     l_sum = w_a + w_b
-    inv = 1 / l_sum.masked_fill(l_sum == 0, 1.0)
-    o.mul_((w_a * inv).unsqueeze(-1)).addcmul_(o_b, (w_b * inv).unsqueeze(-1))
-    stats.copy_(torch.stack((shift, log_normalizer(l_sum)), dim=-1))
+    total = l_sum.masked_fill(l_sum == 0, 1.0)
+    o.mul_((w_a / total).unsqueeze(-1)).addcmul_(o_b, (w_b / total).unsqueeze(-1))
+    # a part of weight 0 leaves the other's statistics as they were, bit for bit
+    log_a, log_b = (st[..., 1] + (st[..., 0] - shift) for st in (stats, stats_b))
+    log_l = torch.where(w_b == 0, log_a, torch.where(w_a == 0, log_b, log_normalizer(l_sum)))
+    stats.copy_(torch.stack((shift, log_l), dim=-1))
 
 
 @dataclass(frozen=True)
