@@ -9,12 +9,11 @@ import attngrad
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.strategies.flash import (
-    choose_blocks,
-    flash_backward,
-    flash_backward_into,
-    flash_forward,
+    backward_into,
+    forward,
     key_schedule,
     schedule,
+    tiles,
 )
 from attngrad.verify import make_inputs, outputs_and_grads, strategy_fn
 from helpers import assert_rule, case
@@ -59,8 +58,8 @@ def test_window_visits_only_the_band():
 def test_key_schedule_visits_each_pair_in_the_band_exactly_once(causal, window):
     mask = _mask(37, 45, causal=causal, window=window)
     seen = torch.zeros(37, 45, dtype=torch.int64)
-    for cols, tiles in key_schedule(mask, (8, 16)):
-        for rows, keys in tiles:
+    for cols, pairs in key_schedule(mask, (8, 16)):
+        for rows, keys in pairs:
             assert cols.start <= keys.start < keys.stop <= cols.stop
             seen[rows, keys] += 1
     inside = torch.zeros(37, 45, dtype=torch.bool)
@@ -90,13 +89,13 @@ def test_causal_with_more_queries_than_keys_keeps_every_key_for_late_rows():
     ("nq", "nk", "groups"), [(4096, 4096, 1), (97, 1, 1), (1, 5000, 8), (300, 300, 4)]
 )
 def test_default_blocks_are_positive_and_bounded(nq, nk, groups):
-    bq, bk = choose_blocks(nq, nk, groups, None, None)
+    bq, bk = tiles(Shapes((1,), groups, 1, nq, nk, 8, 8), torch.float32, None, None)
     assert 1 <= bq <= max(nq, 1) and 1 <= bk <= max(nk, 1)
     assert bq * groups * bk <= 256 * 1024  # one score tile per (batch, head) stays small
 
 
 def test_given_blocks_are_used():
-    assert choose_blocks(100, 100, 1, 7, 9) == (7, 9)
+    assert tiles(Shapes((1,), 1, 1, 100, 100, 8, 8), torch.float32, 7, 9) == (7, 9)
 
 
 @pytest.mark.parametrize(("bq", "bk"), [(1, 1), (5, 3), (64, 7), (1000, 1000)], ids=str)
@@ -165,19 +164,16 @@ def test_backward_into_adds_to_what_the_accumulators_hold():
     inputs = make_inputs(c)
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
     mask = Mask(None, None, None, 0, 2, 30, 21)  # causal: right = 0
-    o, stats = flash_forward(q, k, v, mask, 0.3, (8, 8))
-    assert stats.shape == (1, 4, 30, 2)
-    dq, dk, dv, _ = flash_backward(dout, q, k, v, o, stats, mask, 0.3, (8, 8), None)
+    o, saved = forward(q, k, v, mask, 0.3, (8, 8))
+    assert saved["stats"].shape == (1, 4, 30, 2) and saved["o"] is o
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    backward_into((dq, dk, dv, None), dout, q, k, v, saved, mask, 0.3, (8, 8))
     assert_rule(c, inputs, {"out": o, "dq": dq, "dk": dk, "dv": dv})
-    # into zeros: exactly what flash_backward returns (it is that call)
-    zeros = [torch.zeros_like(t) for t in (q, k, v)]
-    flash_backward_into((*zeros, None), dout, q, k, v, o, stats, mask, 0.3, (8, 8))
-    assert all(torch.equal(a, b) for a, b in zip(zeros, (dq, dk, dv), strict=True))
     # into held values: their sum (held values small, so the sum's rounding stays
     # within the rule's floor of the gradient itself)
     start = [torch.randn_like(t) / 64 for t in (q, k, v)]
     grads = [t.clone() for t in start]
-    flash_backward_into((*grads, None), dout, q, k, v, o, stats, mask, 0.3, (8, 8))
+    backward_into((*grads, None), dout, q, k, v, saved, mask, 0.3, (8, 8))
     added = [g - s for g, s in zip(grads, start, strict=True)]
     assert not any(torch.equal(a, g) for a, g in zip(added, grads, strict=True))
     assert_rule(c, inputs, dict(zip(("dq", "dk", "dv"), added, strict=True)))

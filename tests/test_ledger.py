@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from attngrad import cli
+from attngrad.contract import Shapes
 from attngrad.ledger import (
-    Layout,
     ledger_row,
     measure_peak_bytes,
     predicted_saved_bytes,
     run_ledger,
 )
+from attngrad.verify import Case
 from helpers import TENSOR_STRATEGIES
 
 # the calibration's GEMM, kept tiny: these tests check the wiring, not the rate
@@ -31,9 +32,9 @@ LAYOUTS = [
 ]
 
 
-def _layout(sizes, dtype, causal=False) -> Layout:
+def _layout(sizes, dtype, causal=False) -> Case:
     b, hq, hkv, nq, nk, d, dv = sizes
-    return Layout(b, hq, hkv, nq, nk, d, dv, dtype, causal)
+    return Case(Shapes((b,), hq, hkv, nq, nk, d, dv), dtype, "causal" if causal else "none")
 
 
 def _id(sizes) -> str:
@@ -53,13 +54,13 @@ def test_predicted_equals_measured_byte_for_byte(strategy, dtype, sizes, causal)
 
 def test_formulas_by_hand():
     # B=1, Hq=8, Hkv=2, Nq=Nk=1024, d=dv=64, float32 (b=4, l=4; two statistics per row)
-    lo = Layout(1, 8, 2, 1024, 1024, 64, 64, torch.float32)
+    lo = _layout((1, 8, 2, 1024, 1024, 64, 64), torch.float32)
     qkv = 4 * (8 * 1024 * 64 + 2 * 2 * 1024 * 64)
     assert predicted_saved_bytes("explicit", lo) == qkv + 4 * 8 * 1024 * 1024
     assert predicted_saved_bytes("recompute", lo) == qkv + 2 * 4 * 8 * 1024
     assert predicted_saved_bytes("flash", lo) == qkv + 4 * 8 * 1024 * 64 + 2 * 4 * 8 * 1024
     # the course chapter's C_saved = b(3BNd + BN^2): H = 1, Nq = Nk
-    seed = Layout(2, 1, 1, 100, 100, 16, 16, torch.float64)
+    seed = _layout((2, 1, 1, 100, 100, 16, 16), torch.float64)
     assert predicted_saved_bytes("explicit", seed) == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100)
     assert predicted_saved_bytes("recompute", seed) == 8 * 3 * 2 * 100 * 16 + 2 * 8 * 2 * 100
     assert predicted_saved_bytes("sdpa-math", seed) is None
@@ -79,7 +80,7 @@ def test_peak_memory_counts_allocations():
 def test_flash_and_recompute_peaks_are_far_below_explicit_peak():
     # N large enough that P (64 MiB) dwarfs a few flash tiles of at most 1 MiB each
     # and a few recompute chunks of ~8 MiB each
-    lo = Layout(1, 1, 1, 4096, 4096, 16, 16, torch.float32)
+    lo = _layout((1, 1, 1, 4096, 4096, 16, 16), torch.float32)
     explicit = ledger_row("explicit", lo)
     p_bytes = 4 * 4096 * 4096
     assert explicit.peak_beyond_io >= p_bytes  # P itself must be in explicit's peak

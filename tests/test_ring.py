@@ -21,11 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attngrad
+from attngrad.contract import Shapes
 from attngrad.ring import ring_attention, shard, unshard
-from attngrad.ring.attention import BLOCK_KERNELS, block_strategy, merge_partial_
+from attngrad.ring.attention import block_strategy, merge_partial_
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, Block, step_blocks
-from attngrad.strategies import unavailable_reason
+from attngrad.strategies import MODULES, unavailable_reason
 from attngrad.verify import Case, judge_outputs, make_inputs
 from helpers import assert_rule, case
 
@@ -150,17 +151,24 @@ DEAD = (0.0, float("inf"))  # the stats (m, log l) of a row that attends nothing
 
 def _flash_block(q, k, v, causal=False, scale=0.5, kernel="flash"):
     mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).mask(k.shape[1])
-    return BLOCK_KERNELS[kernel].forward(q, k, v, mask, scale)
+    impl = MODULES[kernel]
+    o, saved = impl.forward(
+        q, k, v, mask, scale, impl.tiles(Shapes.of(q, k, v), q.dtype, None, None)
+    )
+    return o, saved["stats"]
 
 
 def _block_backward(kernel, inputs, o, stats, cols, scale=0.5):
     """dq, dk, dv of the whole call, key block by key block into the same accumulators."""
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    impl = MODULES[kernel]
     for c in cols:
-        BLOCK_KERNELS[kernel].backward(
-            (dq, dk[:, :, c], dv[:, :, c]), dout, q, k[:, :, c], v[:, :, c], o, stats,
+        kc, vc = k[:, :, c], v[:, :, c]
+        impl.backward_into(
+            (dq, dk[:, :, c], dv[:, :, c], None), dout, q, kc, vc, {"o": o, "stats": stats},
             Block(slice(0, q.shape[2]), c, False).mask(k.shape[1]), scale,
+            impl.tiles(Shapes.of(q, kc, vc), q.dtype, None, None),
         )  # fmt: skip
     return {"dq": dq, "dk": dk, "dv": dv}
 

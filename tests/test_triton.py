@@ -17,10 +17,10 @@ import torch
 
 import attngrad
 from attngrad.contract import Shapes
-from attngrad.ledger import Layout, ledger_row
+from attngrad.ledger import ledger_row
 from attngrad.strategies import available, resolve, unavailable_reason
 from attngrad.strategies import triton as triton_strategy
-from attngrad.verify import make_inputs, outputs_and_grads
+from attngrad.verify import Case, make_inputs, outputs_and_grads
 from helpers import assert_rule, case
 
 CPU = torch.device("cpu")
@@ -139,7 +139,7 @@ def test_saves_what_flash_saves():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_ledger_predicts_saved_bytes_byte_for_byte(dtype):
-    layout = Layout(2, 4, 2, 24, 40, 16, 8, dtype, causal=True)
+    layout = Case(Shapes((2,), 4, 2, 24, 40, 16, 8), dtype, "causal")
     row = ledger_row("triton", layout, peak=False)
     assert (
         row.predicted_saved
@@ -223,6 +223,6 @@ def test_commands_refuse_triton_cleanly_where_it_cannot_run():
 
 
 def test_ledger_leaves_out_the_interpreters_peak():
-    layout = Layout(1, 2, 2, 16, 16, 16, 16, torch.float32)
+    layout = Case(Shapes((1,), 2, 2, 16, 16, 16, 16), torch.float32)
     row = ledger_row("triton", layout)
     assert row.peak is None and row.peak_beyond_io is None

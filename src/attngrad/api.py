@@ -13,7 +13,7 @@ from attngrad.contract import (
     validate_window,
 )
 from attngrad.masks import Mask
-from attngrad.strategies import IMPLEMENTATIONS, STRATEGIES, TILED, resolve
+from attngrad.strategies import MODULES, STRATEGIES, TILED, base, resolve
 
 __all__ = ["attention"]
 
@@ -99,5 +99,5 @@ def attention(
     mask = Mask.build(attn_mask, is_causal, band, shapes)
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     options = tiling if name in TILED else {}
-    o = IMPLEMENTATIONS[name](q, k, v, mask, s, **options)
+    o = base.attention(MODULES[name], q, k, v, mask, s, **options)
     return o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)

@@ -31,12 +31,12 @@ from attngrad.cli_args import (
     positive_float,
     positive_int,
 )
-from attngrad.contract import DTYPES
+from attngrad.contract import DTYPES, Shapes
 from attngrad.explain import explain
 from attngrad.machine import Machine, probe
 from attngrad.progress import Progress
 from attngrad.strategies import STRATEGIES
-from attngrad.verify import CaseResult, default_cases, run_case
+from attngrad.verify import Case, CaseResult, default_cases, run_case
 
 __all__ = ["main"]
 
@@ -158,18 +158,13 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 # ------------------------------------------------------------------------- ledger
 
 
-def _ledger_layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> ledger.Layout:
-    return ledger.Layout(
-        batch=args.batch,
-        heads_q=args.heads,
-        heads_kv=args.heads_kv or args.heads,
-        seq_q=seq_q,
-        seq_k=seq_k,
-        head_dim=args.head_dim,
-        value_dim=args.value_dim or args.head_dim,
-        dtype=DTYPES[args.dtype],
-        causal=args.causal,
-    )
+def _ledger_layout(args: argparse.Namespace, seq_q: int, seq_k: int) -> Case:
+    heads_kv = args.heads_kv or args.heads
+    shapes = Shapes(
+        (args.batch,), args.heads, heads_kv, seq_q, seq_k, args.head_dim,
+        args.value_dim or args.head_dim,
+    )  # fmt: skip
+    return Case(shapes, DTYPES[args.dtype], "causal" if args.causal else "none")
 
 
 def _ledger(args: argparse.Namespace) -> int:

@@ -46,6 +46,12 @@ class Shapes:
     head_dim: int
     value_dim: int
 
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Shapes:
+        """The sizes of canonical q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
+        return Shapes((q.shape[0],), q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                      v.shape[3])  # fmt: skip
+
     @property
     def batch(self) -> int:
         """All leading dims flattened into one batch dim."""

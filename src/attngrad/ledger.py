@@ -1,8 +1,9 @@
 """The memory ledger: what each path saves for backward, predicted and measured.
 
-Predicted saved bytes come from each strategy's formula (b = bytes per input
-element, l = bytes per softmax statistic: 4, or 8 for float64; each query row
-keeps two, its max m and log l, its log normalizer)::
+Predicted saved bytes come from each strategy's declaration of what it saves
+(`attngrad.strategies.base.saved_bytes`; b = bytes per input element, l =
+bytes per softmax statistic: 4, or 8 for float64; each query row keeps two,
+its max m and log l, its log normalizer)::
 
     explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk         q, k, v, P
     recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq          q, k, v, (m, log l)
@@ -30,10 +31,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attngrad.api import attention
+from attngrad.strategies import MODULES, base
+from attngrad.verify import Case
 
 __all__ = [
     "BASELINES",
-    "Layout",
     "LedgerRow",
     "ledger_row",
     "measure_peak_bytes",
@@ -45,68 +47,43 @@ __all__ = [
 BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of one ledger run: q [B, Hq, Nq, d], k [B, Hkv, Nk, d], v [B, Hkv, Nk, dv]."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    causal: bool = False
+def predicted_saved_bytes(path: str, case: Case, mask_bytes: int = 0) -> int | None:
+    """A strategy's declared saved bytes (module docstring); None for the baselines."""
+    if path not in MODULES:
+        return None
+    return base.saved_bytes(MODULES[path], case.shapes, case.dtype, mask_bytes)
 
 
-def predicted_saved_bytes(path: str, layout: Layout, mask_bytes: int = 0) -> int | None:
-    """A strategy's saved-bytes formula (module docstring); None for the baselines."""
-    lo = layout
-    b = torch.finfo(lo.dtype).bits // 8
-    stat = 8 if lo.dtype == torch.float64 else 4
-    q = lo.batch * lo.heads_q * lo.seq_q * lo.head_dim
-    kv = lo.batch * lo.heads_kv * lo.seq_k * (lo.head_dim + lo.value_dim)
-    rows = lo.batch * lo.heads_q * lo.seq_q
-    if path == "explicit":
-        return b * (q + kv) + b * rows * lo.seq_k
-    if path == "recompute":
-        return b * (q + kv) + 2 * stat * rows + mask_bytes
-    if path in ("flash", "triton"):
-        return b * (q + rows * lo.value_dim + kv) + 2 * stat * rows + mask_bytes
-    return None
-
-
-def _inputs(layout: Layout, device: str) -> tuple[torch.Tensor, ...]:
+def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device=device).manual_seed(0)
-    lo = layout
+    sh = case.shapes
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device, dtype=lo.dtype)
+        return torch.randn(*shape, generator=gen, device=device, dtype=case.dtype)
 
-    q = randn(lo.batch, lo.heads_q, lo.seq_q, lo.head_dim).requires_grad_()
-    k = randn(lo.batch, lo.heads_kv, lo.seq_k, lo.head_dim).requires_grad_()
-    v = randn(lo.batch, lo.heads_kv, lo.seq_k, lo.value_dim).requires_grad_()
-    dout = randn(lo.batch, lo.heads_q, lo.seq_q, lo.value_dim)
+    q = randn(sh.batch, sh.heads_q, sh.seq_q, sh.head_dim).requires_grad_()
+    k = randn(sh.batch, sh.heads_kv, sh.seq_k, sh.head_dim).requires_grad_()
+    v = randn(sh.batch, sh.heads_kv, sh.seq_k, sh.value_dim).requires_grad_()
+    dout = randn(sh.batch, sh.heads_q, sh.seq_q, sh.value_dim)
     return q, k, v, dout
 
 
-def path_fn(path: str, layout: Layout) -> Callable[..., torch.Tensor]:
+def path_fn(path: str, case: Case) -> Callable[..., torch.Tensor]:
     """q, k, v -> O along one path: a strategy or an SDPA backend."""
-    gqa = layout.heads_q != layout.heads_kv
+    gqa, causal = case.gqa, case.mask == "causal"
     if path in BASELINES:
         backend = BASELINES[path]
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=layout.causal, enable_gqa=gqa
+                    q, k, v, is_causal=causal, enable_gqa=gqa
                 )
 
         return sdpa
 
     def strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, is_causal=layout.causal, enable_gqa=gqa, strategy=path)
+        return attention(q, k, v, is_causal=causal, enable_gqa=gqa, strategy=path)
 
     return strategy
 
@@ -167,7 +144,7 @@ def measure_peak_bytes(run: Callable[[], object], device: str = "cpu") -> int:
 
 @dataclass(frozen=True)
 class LedgerRow:
-    """One path of the ledger at one `Layout` (its sizes copied out); bytes throughout.
+    """One path of the ledger at one `Case` (its sizes copied out); bytes throughout.
 
     ``peak`` and ``peak_beyond_io`` are None when not measured.
     """
@@ -192,14 +169,14 @@ class LedgerRow:
         return None if self.predicted_saved is None else self.predicted_saved == self.measured_saved
 
 
-def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True) -> LedgerRow:
+def ledger_row(path: str, case: Case, device: str = "cpu", peak: bool = True) -> LedgerRow:
     """Predict, then measure saved bytes and (optionally) peak memory of one path.
 
     triton on CPU runs in Triton's interpreter, whose numpy buffers the
     allocator never sees: its peak is left out (None) rather than misreported.
     """
-    q, k, v, dout = _inputs(layout, device)
-    fn = path_fn(path, layout)
+    q, k, v, dout = _inputs(case, device)
+    fn = path_fn(path, case)
     saved, out = measure_saved_bytes(lambda: fn(q, k, v))
     del out
     peak_bytes = beyond_io = None
@@ -212,18 +189,19 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
         peak_bytes = measure_peak_bytes(run, device)
         io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
         beyond_io = max(0, peak_bytes - io)
+    sh = case.shapes
     return LedgerRow(
         path=path,
-        batch=layout.batch,
-        heads_q=layout.heads_q,
-        heads_kv=layout.heads_kv,
-        seq_q=layout.seq_q,
-        seq_k=layout.seq_k,
-        head_dim=layout.head_dim,
-        value_dim=layout.value_dim,
-        dtype=str(layout.dtype).removeprefix("torch."),
-        causal=layout.causal,
-        predicted_saved=predicted_saved_bytes(path, layout),
+        batch=sh.batch,
+        heads_q=sh.heads_q,
+        heads_kv=sh.heads_kv,
+        seq_q=sh.seq_q,
+        seq_k=sh.seq_k,
+        head_dim=sh.head_dim,
+        value_dim=sh.value_dim,
+        dtype=str(case.dtype).removeprefix("torch."),
+        causal=case.mask == "causal",
+        predicted_saved=predicted_saved_bytes(path, case),
         measured_saved=saved,
         peak=peak_bytes,
         peak_beyond_io=beyond_io,
@@ -232,25 +210,25 @@ def ledger_row(path: str, layout: Layout, device: str = "cpu", peak: bool = True
 
 def run_ledger(
     paths: Sequence[str],
-    layouts: Sequence[Layout],
+    cases: Sequence[Case],
     device: str = "cpu",
     peak: bool = True,
     step: Callable[[str], None] | None = None,
 ) -> tuple[list[LedgerRow], list[str]]:
-    """The rows of every path at every layout, layout by layout, and one note per
-    baseline left out: an SDPA backend that rejects the layout raises RuntimeError,
+    """The rows of every path at every case, case by case, and one note per
+    baseline left out: an SDPA backend that rejects the case raises RuntimeError,
     which becomes a note; a strategy's error propagates.  ``step`` hears each
-    (path, layout) pair as it is done."""
+    (path, case) pair as it is done."""
     rows: list[LedgerRow] = []
     notes: list[str] = []
-    for layout in layouts:
+    for case in cases:
         for path in paths:
             try:
-                rows.append(ledger_row(path, layout, device, peak))
+                rows.append(ledger_row(path, case, device, peak))
             except RuntimeError as e:
                 if path not in BASELINES:
                     raise
-                notes.append(f"{path}: not available for this layout ({str(e).splitlines()[0]})")
+                notes.append(f"{path}: not available for this case ({str(e).splitlines()[0]})")
             if step is not None:
-                step(f"{path} Nq={layout.seq_q} Nk={layout.seq_k}")
+                step(f"{path} Nq={case.shapes.seq_q} Nk={case.shapes.seq_k}")
     return rows, notes

@@ -11,12 +11,10 @@ import math
 import torch
 from torch.autograd.function import FunctionCtx
 
+from attngrad.contract import Shapes
 from attngrad.masks import Mask
-from attngrad.strategies.explicit import (
-    explicit_backward,
-    explicit_forward,
-    saved_probabilities,
-)
+from attngrad.ops import compute_dtype
+from attngrad.strategies import explicit
 
 __all__ = ["CustomAttention"]
 
@@ -63,9 +61,11 @@ class CustomAttention(torch.autograd.Function):
         _check(q, k, v)
         scale = 1.0 / math.sqrt(q.size(-1))
         mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
-        o, p = explicit_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, scale)
-        ctx.save_for_backward(q, k, v, p)
-        ctx.scale = scale
+        q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, N, d)
+        rows = explicit.tiles(Shapes.of(q4, k4, v4), q.dtype, None, None)
+        o, saved = explicit.forward(q4, k4, v4, mask, scale, rows)
+        ctx.save_for_backward(q, k, v, saved["p"])
+        ctx.scale, ctx.rows = scale, rows
         return o.squeeze(1)
 
     @staticmethod
@@ -77,8 +77,12 @@ class CustomAttention(torch.autograd.Function):
             )
         mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
-        p_chunk = saved_probabilities(p, heads_kv=1)
-        dq, dk, dv, _ = explicit_backward(
-            dout, q, k, v, p_chunk, mask, ctx.scale, ctx.needs_input_grad
+        dq, dk, dv = (
+            torch.zeros_like(t, dtype=compute_dtype(t.dtype)) if need else None
+            for t, need in zip((q, k, v), ctx.needs_input_grad, strict=True)
         )
-        return tuple(None if g is None else g.squeeze(1) for g in (dq, dk, dv))
+        with torch.no_grad():  # the hand-written backward is not itself differentiated
+            explicit.backward_into(
+                (dq, dk, dv, None), dout, q, k, v, {"p": p}, mask, ctx.scale, ctx.rows
+            )
+        return tuple(None if g is None else g.squeeze(1).to(q.dtype) for g in (dq, dk, dv))

@@ -10,12 +10,12 @@ timeout), `checks` validates the shards on each rank and across the ring,
 `attention` computes: forward, backward and the public `ring_attention`.
 """
 
-from attngrad.ring.attention import BLOCK_KERNELS, ring_attention
+from attngrad.ring.attention import BLOCK_STRATEGIES, ring_attention
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingTimeoutError
 from attngrad.ring.layout import LAYOUTS, shard, unshard
 
 __all__ = [
-    "BLOCK_KERNELS",
+    "BLOCK_STRATEGIES",
     "DEFAULT_TIMEOUT",
     "LAYOUTS",
     "RingTimeoutError",

@@ -27,103 +27,38 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
-from attngrad.contract import validate_attention
-from attngrad.masks import Mask
+from attngrad.contract import Shapes, validate_attention
 from attngrad.ops import compute_dtype, log_normalizer
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
+from attngrad.strategies import MODULES, unavailable_reason
 from attngrad.strategies import triton as triton_strategy
-from attngrad.strategies import unavailable_reason
 from attngrad.strategies.first_order import first_order_only
-from attngrad.strategies.flash import choose_blocks, flash_backward_into, flash_forward
 
-__all__ = ["BLOCK_KERNELS", "BlockKernels", "block_strategy", "merge_partial_", "ring_attention"]
+__all__ = ["BLOCK_STRATEGIES", "block_strategy", "merge_partial_", "ring_attention"]
 
 _NEG_INF = float("-inf")
 
 
 # -- the block kernel ---------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class BlockKernels:
-    """The compute of one block: a rank's query rows against one k/v block.
-
-    forward(q, k, v, mask, scale) -> (O, stats) and
-    backward((dq, dk, dv), dout, q, k, v, o, stats, mask, scale) -> None, which adds
-    the block's gradients into dq: like q, dk: like k, dv: like v (compute
-    dtype, views of the ring's accumulators), with q: [B, Hq, r, d],
-    k: [B, Hkv, c, d], v: [B, Hkv, c, dv], O, dout: [B, Hq, r, dv], stats: [B, Hq, r, 2].
-    Backward takes the final O and statistics of the rows.
-    """
-
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., None]
+# The strategies that compute one block (a rank's query rows against one k/v
+# block): the tiled ones, whose forward returns O and the row statistics and
+# whose backward takes the rows' final O and statistics over every key.
+BLOCK_STRATEGIES = ("flash", "triton")
 
 
-def _tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
-    return choose_blocks(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], None, None)
-
-
-def _flash_block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward(q, k, v, mask, scale, _tiles(q, k))
-
-
-def _flash_block_backward(
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
-    mask: Mask,
-    scale: float,
-) -> None:
-    flash_backward_into((*grads, None), dout, q, k, v, o, stats, mask, scale, _tiles(q, k))
-
-
-def _triton_block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels read dense rows
-    return triton_strategy.triton_forward(q, k, v, mask, scale, triton_strategy.tiles_for(q, k, v))
-
-
-def _triton_block_backward(
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
-    mask: Mask,
-    scale: float,
-) -> None:
-    q, k, v, o, stats = (t.contiguous() for t in (q, k, v, o, stats))
-    blocks = triton_strategy.tiles_for(q, k, v)
-    parts = triton_strategy.triton_backward(dout, q, k, v, o, stats, mask, scale, blocks, None)
-    for total, part in zip(grads, parts[:3], strict=True):
-        total += part
-
-
-# By strategy name: the tiled strategies, on CPU and on CUDA.
-BLOCK_KERNELS: dict[str, BlockKernels] = {
-    "flash": BlockKernels(_flash_block_forward, _flash_block_backward),
-    "triton": BlockKernels(_triton_block_forward, _triton_block_backward),
-}
+def _tiles(impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+    return impl.tiles(Shapes.of(q, k, v), q.dtype, None, None)
 
 
 def block_strategy(device: torch.device, head_dim: int, value_dim: int) -> str:
@@ -166,12 +101,12 @@ def merge_partial_(
 
 @dataclass(frozen=True)
 class _Ring:
-    """What forward and backward share: the comm, the layout and the kernels."""
+    """What forward and backward share: the comm, the layout and the block strategy."""
 
     comm: RingComm
     layout: str
     is_causal: bool
-    kernels: BlockKernels
+    impl: ModuleType
 
     def steps(self, seq_local: int) -> list[list[Block]]:
         """The blocks of each step s, against the k/v shard of rank r - s."""
@@ -205,9 +140,11 @@ def ring_forward(
     for s, blocks in enumerate(steps):
         incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
         for blk in blocks:
-            o_b, stats_b = ring.kernels.forward(
-                _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols), blk.mask(hkv), scale
+            qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
+            o_b, saved = ring.impl.forward(
+                qb, kb, vb, blk.mask(hkv), scale, _tiles(ring.impl, qb, kb, vb)
             )
+            stats_b = saved["stats"]
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
                 o, stats = o_b.to(dtype), stats_b
             else:
@@ -289,11 +226,12 @@ def _ring_backward_group(
     def add_share(blocks: list[Block], kc: torch.Tensor, vc: torch.Tensor, dk: torch.Tensor,
                   dv: torch.Tensor) -> None:  # fmt: skip
         for blk in blocks:
-            grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols))
-            ring.kernels.backward(
-                grads, _rows(dout, blk.rows), _rows(q, blk.rows), _rows(kc, blk.cols),
-                _rows(vc, blk.cols), _rows(o, blk.rows), _rows(stats, blk.rows), blk.mask(hkv),
-                scale,
+            grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols), None)
+            qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
+            final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
+            ring.impl.backward_into(
+                grads, _rows(dout, blk.rows), qb, kb, vb, final, blk.mask(hkv), scale,
+                _tiles(ring.impl, qb, kb, vb),
             )  # fmt: skip
 
     incoming: Exchange | None = ring.comm.send_recv((k, v))
@@ -381,7 +319,7 @@ def ring_attention(
 
     ``timeout``: seconds a rank waits on its neighbours at each step before it
     raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
-    called).  ``strategy``: the per-block kernel, a key of `BLOCK_KERNELS`
+    called).  ``strategy``: the per-block kernel, one of `BLOCK_STRATEGIES`
     (None: triton on CUDA when Triton is installed, else flash).
 
     Shards of unequal length, or different shapes, dtypes or settings on
@@ -397,12 +335,11 @@ def ring_attention(
         )
     if strategy is None:
         strategy = block_strategy(q.device, shapes.head_dim, shapes.value_dim)
-    validate_ring(shapes, layout, timeout, strategy, tuple(BLOCK_KERNELS))
+    validate_ring(shapes, layout, timeout, strategy, BLOCK_STRATEGIES)
     reason = unavailable_reason(strategy, q.device)
     if reason is not None:
         raise RuntimeError(reason)
-    if strategy == "triton":
-        triton_strategy.check_head_dims(shapes.head_dim, shapes.value_dim)
+    MODULES[strategy].tiles(shapes, q.dtype, None, None)  # ValueError for sizes it cannot take
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(
@@ -417,6 +354,6 @@ def ring_attention(
     # k/v are sent as they are: contiguous
     kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
     vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
-    ring = _Ring(comm, layout, is_causal, BLOCK_KERNELS[strategy])
+    ring = _Ring(comm, layout, is_causal, MODULES[strategy])
     o = RingAttention.apply(qb, kb, vb, ring, s)
     return o.reshape(*shapes.lead, hq, n, shapes.value_dim)

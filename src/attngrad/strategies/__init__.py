@@ -1,15 +1,17 @@
 """Execution strategies: the same formulas along different paths.
 
-Each strategy module exposes ``attention(q, k, v, mask, scale)`` over the
-canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]
-and a `attngrad.masks.Mask`, returning O: [B, Hq, Nq, dv]; the tiled ones
-also take ``block_q`` and ``block_k``.  `unavailable_reason` says why a
-strategy cannot run on a device here (only "triton" ever has a reason).
+Each strategy module implements the interface of `attngrad.strategies.base`
+(tile choice, forward returning O and what it saves, a backward that adds
+into given accumulators, a declaration of what it saves, a reason when it
+cannot run here) over the canonical layout q: [B, Hq, Nq, d],
+k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv] and a `attngrad.masks.Mask`.
+`MODULES` maps each name to its module; only "triton" ever has a reason not
+to run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -17,7 +19,7 @@ from attngrad.contract import Shapes
 from attngrad.strategies import explicit, flash, recompute, triton
 
 __all__ = [
-    "IMPLEMENTATIONS",
+    "MODULES",
     "STRATEGIES",
     "TILED",
     "available",
@@ -25,14 +27,14 @@ __all__ = [
     "unavailable_reason",
 ]
 
-IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
-    "explicit": explicit.attention,
-    "recompute": recompute.attention,
-    "flash": flash.attention,
-    "triton": triton.attention,
+MODULES: dict[str, ModuleType] = {
+    "explicit": explicit,
+    "recompute": recompute,
+    "flash": flash,
+    "triton": triton,
 }
 
-STRATEGIES: tuple[str, ...] = tuple(IMPLEMENTATIONS)
+STRATEGIES: tuple[str, ...] = tuple(MODULES)
 
 TILED = frozenset({"flash", "triton"})
 
@@ -48,7 +50,8 @@ AUTO_FLASH_SCORES_BANDED = 2**18
 
 def unavailable_reason(strategy: str, device: torch.device) -> str | None:
     """Why ``strategy`` cannot run on ``device`` tensors here, or None when it can."""
-    return triton.unavailable_reason(device) if strategy == "triton" else None
+    reason: str | None = MODULES[strategy].unavailable_reason(device)
+    return reason
 
 
 def available(device: torch.device, interpreted: bool = False) -> tuple[str, ...]:

@@ -16,23 +16,28 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["first_order_only"]
+__all__ = ["first_order_only", "refuse_double_backward"]
 
 F = TypeVar("F", bound=Callable[..., object])
 
 
+def refuse_double_backward(name: str) -> None:
+    """NotImplementedError when called from a backward that create_graph runs with grad on."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"strategy {name!r} has no double backward yet: its gradients cannot be "
+            "differentiated again (create_graph=True, e.g. a gradient penalty). Use "
+            "torch.nn.functional.scaled_dot_product_attention's MATH backend for that."
+        )
+
+
 def first_order_only(name: str) -> Callable[[F], F]:
-    """Decorate a strategy's ``backward``: run it without grad, refuse create_graph."""
+    """Decorate a ``backward``: `refuse_double_backward`, then run it."""
 
     def decorate(backward: F) -> F:
         @functools.wraps(backward)
         def wrapper(*args: object, **kwargs: object) -> object:
-            if torch.is_grad_enabled():
-                raise NotImplementedError(
-                    f"strategy {name!r} has no double backward yet: its gradients cannot be "
-                    "differentiated again (create_graph=True, e.g. a gradient penalty). Use "
-                    "torch.nn.functional.scaled_dot_product_attention's MATH backend for that."
-                )
+            refuse_double_backward(name)
             return backward(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]

@@ -16,7 +16,7 @@ Tiles that the causal/window band masks entirely are skipped.  Scores stay in
 natural units until the row max is subtracted; exp runs as exp2 of the
 difference times log2(e), never of a score itself (a bias of finfo.min times
 log2(e) would overflow).  Saved bytes: b * (B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv))
-+ 2 * l * B*Hq*Nq, plus the caller's mask when given.
++ 2 * l * B*Hq*Nq, plus the caller's mask when given (`saves`).
 """
 
 from __future__ import annotations
@@ -25,29 +25,38 @@ import math
 from collections.abc import Iterator
 
 import torch
-from torch.autograd.function import FunctionCtx
 
+from attngrad.contract import Shapes
 from attngrad.heads import group_heads, take_rows
-from attngrad.masks import Mask, add_bias_gradient_, bias_meta
+from attngrad.masks import Mask, add_bias_gradient_
 from attngrad.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
-from attngrad.strategies.first_order import first_order_only
+from attngrad.strategies.base import AttentionFunction, Grads
 
 __all__ = [
+    "KEEPS_MASK",
     "FlashAttention",
-    "attention",
-    "choose_blocks",
-    "flash_backward",
-    "flash_backward_into",
-    "flash_forward",
+    "Function",
+    "backward_into",
+    "forward",
     "key_schedule",
+    "saves",
     "schedule",
+    "tiles",
+    "unavailable_reason",
 ]
 
 _NEG_INF = float("-inf")
 
+KEEPS_MASK = True  # backward masks each rebuilt tile again
 
-def choose_blocks(
-    seq_q: int, seq_k: int, groups: int, block_q: int | None, block_k: int | None
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Plain tensor ops: runs on every device."""
+    return None
+
+
+def tiles(
+    shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
 ) -> tuple[int, int]:
     """Tile sizes (block_q, block_k) for the shape, unless given; never beyond Nq, Nk.
 
@@ -58,9 +67,15 @@ def choose_blocks(
     faster; 64-row tiles pay more per-op overhead than their matmuls gain,
     2048-key tiles fall out of cache.  256 KiB of float32 scores per (batch, head).
     """
-    bk = min(block_k or 256, max(seq_k, 1))
-    bq = min(block_q or max(1, 256 // groups), max(seq_q, 1))
+    bk = min(block_k or 256, max(shapes.seq_k, 1))
+    bq = min(block_q or max(1, 256 // shapes.groups), max(shapes.seq_q, 1))
     return bq, bk
+
+
+def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
+    """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
+    rows = (shapes.batch, shapes.heads_q, shapes.seq_q)
+    return {"o": ((*rows, shapes.value_dim), "input"), "stats": ((*rows, 2), "stats")}
 
 
 def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[slice]]]:
@@ -108,17 +123,17 @@ def _batched(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
-def flash_forward(
+def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: Mask,
     scale: float,
     blocks: tuple[int, int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and stats: [B, Hq, Nq, 2] (m, log l; float32 or float64).
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
 
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; stats = (m, log l).
     """
     b, hq, nq, _ = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -153,43 +168,16 @@ def flash_forward(
             m_i = m_new
         o5[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
         stats[:, :, :, rows] = torch.cat((shift, log_normalizer(l_i)), -1).view(b, hkv, g, r, 2)
-    return o, stats.view(b, hq, nq, 2)
+    return o, {"o": o, "stats": stats.view(b, hq, nq, 2)}
 
 
-def flash_backward(
+def backward_into(
+    grads: Grads,
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
-    mask: Mask,
-    scale: float,
-    blocks: tuple[int, int],
-    bias_meta: tuple[torch.Size, torch.dtype] | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """dq, dk, dv (input dtype) and dbias (its dtype, or None): `flash_backward_into` zeros.
-
-    dout, o: [B, Hq, Nq, dv]; stats: [B, Hq, Nq, 2]; q, k, v as in `flash_forward`.
-    """
-    dtype = compute_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
-    dbias = None if bias_meta is None else torch.zeros(bias_meta[0], dtype=dtype, device=q.device)
-    flash_backward_into((dq, dk, dv, dbias), dout, q, k, v, o, stats, mask, scale, blocks)
-    dbias_out = None if dbias is None or bias_meta is None else dbias.to(bias_meta[1])
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dbias_out
-
-
-def flash_backward_into(
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
+    saved: dict[str, torch.Tensor],
     mask: Mask,
     scale: float,
     blocks: tuple[int, int],
@@ -197,8 +185,10 @@ def flash_backward_into(
     """Add this call's gradients, tile by tile, into ``grads`` = (dq, dk, dv, dbias).
 
     dq: like q, dk: like k, dv: like v, in the compute dtype (views of larger
-    accumulators are fine, e.g. ring attention's); dbias: like the bias, or
-    None.  Inputs as in `flash_backward`.  Key block by key block
+    accumulators are fine, e.g. ring attention's); dbias: like the bias; None
+    for any not wanted.  dout: [B, Hq, Nq, dv]; saved: `forward`'s O and
+    stats, or (ring attention) the final O and stats of these rows over
+    every key.  Key block by key block
     (`key_schedule`): the block's dK and dV sit in contiguous buffers that
     the matmuls add into in place and are added out once; dq rows gather one
     small product per tile.  Each tile's rows of q are scaled as the tile
@@ -206,6 +196,7 @@ def flash_backward_into(
     measured gain.
     """
     dq, dk, dv, dbias = grads
+    o, stats = saved["o"], saved["stats"]
     b, hq, _, d = q.shape
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
@@ -214,7 +205,7 @@ def flash_backward_into(
     # Delta = rowsum(dO * O), as one batched dot per row: no [.., Nq, dv] product is formed
     delta = torch.einsum("bhgnd,bhgnd->bhgn", do5, group_heads(o, hkv).to(dtype)).unsqueeze(-1)
     stats5 = group_heads(stats, hkv)  # (B, Hkv, G, Nq, 2)
-    q5, dq5 = group_heads(q, hkv), group_heads(dq, hkv)
+    q5, dq5 = group_heads(q, hkv), None if dq is None else group_heads(dq, hkv)
     k, v = k.to(dtype), v.to(dtype)
     work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
     work_ds = torch.empty_like(work_p)
@@ -241,10 +232,13 @@ def flash_backward_into(
             ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
             if dbias is not None:
                 add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
-            dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
+            if dq5 is not None:
+                dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
             _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)
-        dk[:, :, cols] += dk_c
-        dv[:, :, cols] += dv_c
+        if dk is not None:
+            dk[:, :, cols] += dk_c
+        if dv is not None:
+            dv[:, :, cols] += dv_c
 
 
 def _accumulate(acc: torch.Tensor, local: slice, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -260,49 +254,8 @@ def _accumulate(acc: torch.Tensor, local: slice, a: torch.Tensor, b: torch.Tenso
         acc[:, :, local] += torch.matmul(a, b)
 
 
-class FlashAttention(torch.autograd.Function):
-    """autograd.Function over q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bias: torch.Tensor | None,
-        keep: torch.Tensor | None,
-        mask: Mask,
-        scale: float,
-        blocks: tuple[int, int],
-    ) -> torch.Tensor:
-        o, stats = flash_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
-        ctx.save_for_backward(q, k, v, o, stats, bias, keep)  # type: ignore[arg-type]
-        ctx.mask = mask.with_tensors(None, None)
-        ctx.scale, ctx.blocks = scale, blocks
-        ctx.bias_meta = bias_meta(bias)
-        return o
-
-    @staticmethod
-    @first_order_only("flash")
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, stats, bias, keep = ctx.saved_tensors
-        mask = ctx.mask.with_tensors(bias, keep)
-        meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
-        dq, dk, dv, dbias = flash_backward(
-            dout, q, k, v, o, stats, mask, ctx.scale, ctx.blocks, meta
-        )
-        return dq, dk, dv, dbias, None, None, None, None
+class FlashAttention(AttentionFunction):
+    """`AttentionFunction` of strategy "flash" (FlashAttentionBackward in the graph)."""
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    scale: float,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> torch.Tensor:
-    """O: [B, Hq, Nq, dv] for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-    blocks = choose_blocks(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], block_q, block_k)
-    return FlashAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)
+Function = FlashAttention

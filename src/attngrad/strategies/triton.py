@@ -23,21 +23,29 @@ import sys
 from types import ModuleType
 
 import torch
-from torch.autograd.function import FunctionCtx
 
-from attngrad.masks import Mask, bias_meta
+from attngrad.contract import Shapes
+from attngrad.masks import Mask
 from attngrad.ops import LOG2E, compute_dtype
-from attngrad.strategies.first_order import first_order_only
+from attngrad.strategies import flash
+from attngrad.strategies.base import AttentionFunction, Grads
 
 __all__ = [
+    "KEEPS_MASK",
     "MAX_HEAD_DIM",
+    "Function",
     "TritonAttention",
-    "attention",
+    "backward_into",
     "check_head_dims",
     "choose_blocks",
-    "tiles_for",
+    "forward",
+    "saves",
+    "tiles",
     "unavailable_reason",
 ]
+
+KEEPS_MASK = True  # the backward kernels mask each rebuilt tile again
+saves = flash.saves  # the same O and stats as flash
 
 MAX_HEAD_DIM = 256
 
@@ -119,16 +127,13 @@ def choose_blocks(
     }
 
 
-def tiles_for(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_q: int | None = None,
-    block_k: int | None = None,
+def tiles(
+    shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
 ) -> dict[str, tuple[int, int]]:
-    """`choose_blocks` for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-    row_bytes = max(q.shape[-1], v.shape[-1]) * q.element_size()
-    return choose_blocks(q.shape[2], k.shape[2], row_bytes, block_q, block_k)
+    """`choose_blocks` for the call's sizes; ValueError for head dims the kernels do not take."""
+    check_head_dims(shapes.head_dim, shapes.value_dim)
+    row_bytes = max(shapes.head_dim, shapes.value_dim) * torch.finfo(dtype).bits // 8
+    return choose_blocks(shapes.seq_q, shapes.seq_k, row_bytes, block_q, block_k)
 
 
 def _mask_args(mask: Mask, shape: tuple[int, int, int, int]) -> tuple[object, ...]:
@@ -187,18 +192,20 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> d
     }
 
 
-def triton_forward(
+def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: Mask,
     scale: float,
     blocks: dict[str, tuple[int, int]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O: [B, Hq, Nq, dv] (input dtype) and stats: [B, Hq, Nq, 2] (m, log l; float32 or float64).
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
 
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv], contiguous.
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; the kernels
+    read dense rows, so non-contiguous inputs are copied first.
     """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, hq, nq, _ = q.shape
     o = q.new_empty(b, hq, nq, v.shape[-1])
     stats = torch.empty(b, hq, nq, 2, dtype=compute_dtype(q.dtype), device=q.device)
@@ -210,25 +217,27 @@ def triton_forward(
         **_problem(q, k, v, mask), BLOCK_M=block_m, BLOCK_N=block_n,
         **_launch_options(q.dtype, max(q.shape[-1], v.shape[-1])),
     )  # fmt: skip
-    return o, stats
+    return o, {"o": o, "stats": stats}
 
 
-def triton_backward(
+def backward_into(
+    grads: Grads,
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
+    saved: dict[str, torch.Tensor],
     mask: Mask,
     scale: float,
     blocks: dict[str, tuple[int, int]],
-    bias_meta: tuple[torch.Size, torch.dtype] | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """dq, dk, dv (input dtype) and dbias (its dtype, or None).
+) -> None:
+    """Add dq, dk, dv and dbias into ``grads`` (see `attngrad.strategies.base`).
 
-    dout, o: [B, Hq, Nq, dv]; stats: [B, Hq, Nq, 2]; q, k, v as in `triton_forward`.
+    dout: [B, Hq, Nq, dv]; saved: `forward`'s O and stats (or ring attention's
+    final ones for these rows).  The kernels write whole gradients, which are
+    then added into the accumulators.
     """
+    q, k, v, o, stats = (t.contiguous() for t in (q, k, v, saved["o"], saved["stats"]))
     kernels = _kernels()
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
@@ -249,67 +258,23 @@ def triton_backward(
         q, k, v, dout, stats, delta, dk, dv, *masks, scales,
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options,
     )  # fmt: skip
+    dbias = grads[3]
     # dS at the scores' shape, only for a bias gradient; skipped tiles stay zero
-    ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if bias_meta is not None else stats
+    ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if dbias is not None else stats
     block_m, block_n = blocks["dq"]
     kernels.attention_dq[(b * hq, _cdiv(nq, block_m))](
         q, k, v, dout, stats, delta, dq, ds, *masks, scales,
-        **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options, STORE_DS=bias_meta is not None,
+        **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options, STORE_DS=dbias is not None,
     )  # fmt: skip
-    dbias = None
-    if bias_meta is not None:
-        dbias = ds.sum_to_size(bias_meta[0]).to(bias_meta[1])
-    return dq, dk, dv, dbias
+    if dbias is not None:
+        dbias += ds.sum_to_size(dbias.shape)
+    for total, part in zip(grads[:3], (dq, dk, dv), strict=True):
+        if total is not None:
+            total += part
 
 
-class TritonAttention(torch.autograd.Function):
-    """autograd.Function over q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bias: torch.Tensor | None,
-        keep: torch.Tensor | None,
-        mask: Mask,
-        scale: float,
-        blocks: dict[str, tuple[int, int]],
-    ) -> torch.Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, stats = triton_forward(q, k, v, mask.with_tensors(bias, keep), scale, blocks)
-        ctx.save_for_backward(q, k, v, o, stats, bias, keep)  # type: ignore[arg-type]
-        ctx.mask = mask.with_tensors(None, None)
-        ctx.scale, ctx.blocks = scale, blocks
-        ctx.bias_meta = bias_meta(bias)
-        return o
-
-    @staticmethod
-    @first_order_only("triton")
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, stats, bias, keep = ctx.saved_tensors
-        mask = ctx.mask.with_tensors(bias, keep)
-        meta = ctx.bias_meta if ctx.needs_input_grad[3] else None
-        dq, dk, dv, dbias = triton_backward(
-            dout, q, k, v, o, stats, mask, ctx.scale, ctx.blocks, meta
-        )
-        return dq, dk, dv, dbias, None, None, None, None
+class TritonAttention(AttentionFunction):
+    """`AttentionFunction` of strategy "triton" (TritonAttentionBackward in the graph)."""
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    scale: float,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> torch.Tensor:
-    """O: [B, Hq, Nq, dv] for q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]."""
-    reason = unavailable_reason(q.device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    check_head_dims(q.shape[-1], v.shape[-1])
-    blocks = tiles_for(q, k, v, block_q, block_k)
-    return TritonAttention.apply(q, k, v, *mask.tensors, mask, scale, blocks)
+Function = TritonAttention
