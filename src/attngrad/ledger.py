@@ -76,9 +76,7 @@ def path_fn(path: str, case: Case) -> Callable[..., torch.Tensor]:
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=causal, enable_gqa=gqa
-                )
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
         return sdpa
 
