@@ -12,8 +12,11 @@ import torch
 
 import attngrad
 from attngrad import cli
+from attngrad.contract import Shapes
 from attngrad.explain import BASELINES, NodeReport, PathReport, backward_order, explain
 from attngrad.report import explain_text
+from attngrad.strategies import MODULES
+from attngrad.strategies.base import saved_bytes
 
 # Nq != Nk != d so that a shape mix-up (P^T for P, Nk for Nq) cannot pass; B, H > 1 so
 # that per-head counts are multiplied out.
@@ -87,18 +90,17 @@ def test_hooks_total_equals_graph_total(reports: dict[str, PathReport], path: st
 
 
 @pytest.mark.parametrize(
-    ("dtype", "b", "stat_b"),
-    [(torch.float64, 8, 8), (torch.float32, 4, 4), (torch.float16, 2, 4), (torch.bfloat16, 2, 4)],
+    "dtype",
+    [torch.float64, torch.float32, torch.float16, torch.bfloat16],
     ids=["float64", "float32", "float16", "bfloat16"],
 )
-def test_saved_bytes_follow_the_design_table(dtype: torch.dtype, b: int, stat_b: int) -> None:
-    # the saved-bytes formulas of attngrad.ledger: b = input element size, l (stat_b) = the
-    # size of each of a row's two statistics m and log l
+def test_saved_bytes_follow_each_strategys_declaration(dtype: torch.dtype) -> None:
+    # what each graph keeps is what its strategy module declares (`saves`); the
+    # declarations themselves are checked against the design table in test_ledger
     by_path = {r.path: r.graph_bytes for r in explain(B, H, NQ, NK, D, dtype=dtype)}
-    qkv = b * (B * H * NQ * D + 2 * B * H * NK * D)
-    assert by_path["explicit"] == qkv + b * B * H * NQ * NK
-    assert by_path["recompute"] == qkv + 2 * stat_b * B * H * NQ
-    assert by_path["flash"] == qkv + b * B * H * NQ * D + 2 * stat_b * B * H * NQ
+    shapes = Shapes((B,), H, H, NQ, NK, D, D)
+    for path in ("explicit", "recompute", "flash"):
+        assert by_path[path] == saved_bytes(MODULES[path], shapes, dtype), path
 
 
 def _reachable(o: torch.Tensor) -> set[object]:
