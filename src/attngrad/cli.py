@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
 import attngrad
 from attngrad import bench, ledger, report
-from attngrad.cli_args import (
-    chosen_strategies,
-    measure_device,
-    positive_float,
-    positive_int,
-)
+from attngrad.cli_args import chosen_strategies, measure_device, positive_float, positive_int
 from attngrad.contract import DTYPES, Shapes
 from attngrad.explain import explain
 from attngrad.machine import Machine, probe
@@ -42,8 +38,12 @@ __all__ = ["main"]
 
 _CAUSAL_MODES = {"both": [False, True], "no": [False], "yes": [True]}
 
-
 # ------------------------------------------------------------------- shared steps
+
+
+def _sizes(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The size flags ``names`` as keyword arguments (``--head-dim`` is ``head_dim``)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def _destination(given: str | None, default: str | None) -> str | None:
@@ -51,20 +51,13 @@ def _destination(given: str | None, default: str | None) -> str | None:
     return default if given is None else (given or None)
 
 
-def _write_csv(
-    path: str | None, records: Sequence[dict[str, object]], machine: Machine | None
-) -> None:
-    if path and records:
-        report.write_csv(records, path, machine)
-        print(f"wrote {path}")
-
-
-def _write_plot(path: str | None, draw: Callable[[str], None]) -> None:
-    """``draw(path)`` and say so; without matplotlib, say how to install it and go on."""
+def _write(path: str | None, write: Callable[[str], None]) -> None:
+    """``write(path)`` and say so; a plot without matplotlib says how to install it and
+    the command goes on."""
     if not path:
         return
     try:
-        draw(path)
+        write(path)
     except ModuleNotFoundError as e:
         print(f"skipped the plot {path}: {e}", file=sys.stderr)
         return
@@ -110,12 +103,12 @@ def _check(args: argparse.Namespace) -> int:
             "passed": not failed,
             "results": [r.as_dict() for r in results],
         }
+        text = json.dumps(payload, indent=2)
         if args.json == "-":
-            json.dump(payload, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print(text)
         else:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(payload, f, indent=2)
+                f.write(text)
             print(f"wrote {args.json}", file=out)
     return 1 if failed else 0
 
@@ -132,12 +125,7 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "cases.  Exit 1 on a failed case, 2 when a strategy asked for cannot run here."
         ),
     )
-    p.add_argument(
-        "--strategy",
-        action="append",
-        choices=STRATEGIES,
-        help="check only this strategy (repeatable)",
-    )
+    _add_strategy(p, STRATEGIES, "check only this strategy (repeatable)")
     p.add_argument(
         "--json",
         metavar="PATH",
@@ -188,10 +176,11 @@ def _ledger(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     print(report.ledger_table(rows, machine))
     sweep_default = "results/ledger.{}" if args.sweep else None
-    csv_path = _destination(args.csv, sweep_default and sweep_default.format("csv"))
-    _write_csv(csv_path, report.ledger_records(rows), machine)
-    plot_path = _destination(args.plot, sweep_default and sweep_default.format("png"))
-    _write_plot(plot_path, lambda path: report.ledger_plot(rows, path, machine))
+    if rows:  # none when every path asked for is a baseline that rejected the case
+        csv_path = _destination(args.csv, sweep_default and sweep_default.format("csv"))
+        _write(csv_path, lambda path: report.write_csv(report.ledger_records(rows), path, machine))
+        plot_path = _destination(args.plot, sweep_default and sweep_default.format("png"))
+        _write(plot_path, lambda path: report.ledger_plot(rows, path, machine))
     mismatched = [r for r in rows if r.match is False]
     for r in mismatched:
         print(
@@ -213,9 +202,7 @@ def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     _add_sizes(p, heads=8, head_dim=64)
     p.add_argument("--heads-kv", type=positive_int, help="key/value heads Hkv for GQA (default H)")
-    p.add_argument(
-        "--seq-q", type=positive_int, default=1024, help="query length Nq (default 1024)"
-    )
+    _add_size(p, "--seq-q", 1024, "query length Nq (default 1024)")
     p.add_argument("--seq-k", type=positive_int, help="key length Nk (default Nq)")
     p.add_argument("--value-dim", type=positive_int, help="value head dim dv (default d)")
     p.add_argument("--causal", action="store_true", help="is_causal=True")
@@ -225,11 +212,10 @@ def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=torch.device("cpu"),
         help="cpu, or cuda with a CUDA GPU (default cpu)",
     )
-    p.add_argument(
-        "--strategy",
-        action="append",
-        choices=(*STRATEGIES, *ledger.BASELINES),
-        help="a strategy or SDPA backend (repeatable; default every one that runs here)",
+    _add_strategy(
+        p,
+        (*STRATEGIES, *ledger.BASELINES),
+        "a strategy or SDPA backend (repeatable; default every one that runs here)",
     )
     p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
     p.add_argument(
@@ -250,15 +236,9 @@ def _explain(args: argparse.Namespace) -> int:
     strategies = chosen_strategies("explain", args.strategy, torch.device("cpu"), interpreted=True)
     if strategies is None:
         return 2
+    sizes = _sizes(args, "batch", "heads", "seq_q", "seq_k", "head_dim")
     reports = explain(
-        batch=args.batch,
-        heads=args.heads,
-        seq_q=args.seq_q,
-        seq_k=args.seq_k,
-        head_dim=args.head_dim,
-        dtype=DTYPES[args.dtype],
-        is_causal=args.causal,
-        strategies=strategies,
+        **sizes, dtype=DTYPES[args.dtype], is_causal=args.causal, strategies=strategies
     )
     print(report.explain_text(reports))
     return 0
@@ -275,14 +255,13 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         ),
     )
     _add_sizes(p, heads=2, head_dim=4)
-    p.add_argument("--seq-q", type=positive_int, default=8, help="Nq, query length (default 8)")
-    p.add_argument("--seq-k", type=positive_int, default=8, help="Nk, key length (default 8)")
+    _add_size(p, "--seq-q", 8, "Nq, query length (default 8)")
+    _add_size(p, "--seq-k", 8, "Nk, key length (default 8)")
     p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
-    p.add_argument(
-        "--strategy",
-        action="append",
-        choices=STRATEGIES,
-        help="explain only this strategy (repeatable; default all); the baselines always run",
+    _add_strategy(
+        p,
+        STRATEGIES,
+        "explain only this strategy (repeatable; default all); the baselines always run",
     )
     p.set_defaults(run=_explain)
 
@@ -305,9 +284,7 @@ def _bench(args: argparse.Namespace) -> int:
             causal_modes,
             strategies,
             baselines,
-            batch=args.batch,
-            heads=args.heads,
-            head_dim=args.head_dim,
+            **_sizes(args, "batch", "heads", "head_dim"),
             dtype=dtype,
             repeats=args.repeats,
             gemm_gflops=machine.gemm_gflops,
@@ -323,9 +300,10 @@ def _bench(args: argparse.Namespace) -> int:
                 f"forward+backward, causal={'yes' if causal else 'no'}: "
                 f"flash is faster than explicit {where}"
             )
-    _write_csv(_destination(args.csv, "results/bench.csv"), report.bench_records(rows), machine)
+    csv_path = _destination(args.csv, "results/bench.csv")
+    _write(csv_path, lambda path: report.write_csv(report.bench_records(rows), path, machine))
     plot_path = _destination(args.plot, "results/bench.png")
-    _write_plot(plot_path, lambda path: report.bench_plot(rows, path, machine))
+    _write(plot_path, lambda path: report.bench_plot(rows, path, machine))
     return 0
 
 
@@ -355,11 +333,10 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="both",
         help="is_causal runs (default both)",
     )
-    p.add_argument(
-        "--strategy",
-        action="append",
-        choices=(*STRATEGIES, "auto"),
-        help="time only this strategy (repeatable; default every one that runs on CPU)",
+    _add_strategy(
+        p,
+        (*STRATEGIES, "auto"),
+        "time only this strategy (repeatable; default every one that runs on CPU)",
     )
     p.add_argument(
         "--baseline",
@@ -367,22 +344,27 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=tuple(bench.BASELINES),
         help="SDPA backend to compare with (repeatable; default math and flash)",
     )
-    p.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed rounds, after 1 warm-up (default 5)"
-    )
+    _add_size(p, "--repeats", 5, "timed rounds, after 1 warm-up (default 5)")
     _add_machine_and_files(p, "results/bench", "")
     p.set_defaults(run=_bench)
 
 
+# ---------------------------------------------------------- flags shared by commands
+
+
+def _add_size(p: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    p.add_argument(flag, type=positive_int, default=default, help=help)
+
+
+def _add_strategy(p: argparse.ArgumentParser, choices: Collection[str], help: str) -> None:
+    p.add_argument("--strategy", action="append", choices=choices, help=help)
+
+
 def _add_sizes(p: argparse.ArgumentParser, heads: int, head_dim: int) -> None:
     """``--batch``, ``--heads``, ``--head-dim`` and ``--dtype``, alike on every command."""
-    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default 1)")
-    p.add_argument(
-        "--heads", type=positive_int, default=heads, help=f"query heads H (default {heads})"
-    )
-    p.add_argument(
-        "--head-dim", type=positive_int, default=head_dim, help=f"head dim d (default {head_dim})"
-    )
+    _add_size(p, "--batch", 1, "batch B (default 1)")
+    _add_size(p, "--heads", heads, f"query heads H (default {heads})")
+    _add_size(p, "--head-dim", head_dim, f"head dim d (default {head_dim})")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
 
 

@@ -9,21 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
 from attngrad.strategies import STRATEGIES, available, unavailable_reason
 
-__all__ = [
-    "chosen_strategies",
-    "measure_device",
-    "positive_float",
-    "positive_int",
-    "refuse_unavailable",
-    "skipped",
-]
+__all__ = ["chosen_strategies", "measure_device", "positive_float", "positive_int"]
 
 N = TypeVar("N", int, float)
 
@@ -70,37 +63,23 @@ def measure_device(text: str) -> torch.device:
     return device
 
 
-def refuse_unavailable(command: str, names: Iterable[str] | None, device: torch.device) -> bool:
-    """True, after saying why on stderr, when one of the strategies ``names`` asked for
-    cannot run on ``device`` here (the command then exits 2).  Names that are no
-    strategy (an SDPA baseline) are never refused."""
-    reasons = (unavailable_reason(n, device) for n in names or () if n in STRATEGIES)
-    reason = next((r for r in reasons if r is not None), None)
-    if reason is not None:
-        print(f"attngrad {command}: error: {reason}", file=sys.stderr)
-    return reason is not None
-
-
-def skipped(device: torch.device, interpreted: bool = False) -> list[str]:
-    """One line per strategy that `attngrad.strategies.available` leaves out: its name and why."""
-    chosen = available(device, interpreted)
-    return [
-        f"{s}: skipped. {unavailable_reason(s, device) or 'Triton interpreter: too slow here.'}"
-        for s in STRATEGIES
-        if s not in chosen
-    ]
-
-
 def chosen_strategies(
     command: str, asked: list[str] | None, device: torch.device, interpreted: bool
 ) -> list[str] | None:
     """The strategies a command runs: those ``asked`` for, or every one `available` on
     ``device`` (saying on stderr which are skipped and why); None, after saying why, when
-    one asked for cannot run here (the command then exits 2)."""
-    if refuse_unavailable(command, asked, device):
+    one asked for cannot run here (the command then exits 2).  Names that are no strategy
+    (an SDPA baseline) are never refused."""
+    reasons = (unavailable_reason(n, device) for n in asked or () if n in STRATEGIES)
+    refused = next((r for r in reasons if r is not None), None)
+    if refused is not None:
+        print(f"attngrad {command}: error: {refused}", file=sys.stderr)
         return None
     if asked:
         return list(dict.fromkeys(asked))
-    for line in skipped(device, interpreted):
-        print(line, file=sys.stderr)
-    return list(available(device, interpreted))
+    chosen = available(device, interpreted)
+    for s in STRATEGIES:
+        if s not in chosen:
+            reason = unavailable_reason(s, device) or "Triton interpreter: too slow here."
+            print(f"{s}: skipped. {reason}", file=sys.stderr)
+    return list(chosen)

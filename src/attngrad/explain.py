@@ -13,11 +13,11 @@ saves between forward and backward.  For a small input this module runs forward 
 * every strategy in `attngrad.STRATEGIES`,
 
 then lists, per grad_fn node reachable from O, each saved tensor: shape, dtype, bytes
-(numel * element_size) and whether it is one of the inputs q, k, v (same storage) or a
-tensor computed in forward (P, the row statistics m and log l, O, ...).  The total is cross-checked against the bytes
-packed by `torch.autograd.graph.saved_tensors_hooks` during the same forward.  Then backward
-runs once, and a pre-hook on every node records the order in which the autograd engine
-really runs them (`backward_order`).  The text: `attngrad.report.explain_text`.
+(numel * element_size) and whether it is an input q, k, v (same storage) or computed in
+forward (P, the row statistics m and log l, O, ...), cross-checked against the bytes
+`torch.autograd.graph.saved_tensors_hooks` packed.  Backward then runs once, numbering
+the nodes in the order the engine runs them (`backward_order`).  The text:
+`attngrad.report.explain_text`.
 
 >>> reports = explain(seq_q=8, seq_k=8)
 >>> [r.path for r in reports][:3]
@@ -33,13 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, saved_tensors_hooks
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import attngrad
 from attngrad.contract import DTYPES
+from attngrad.ledger import path_fn
 from attngrad.strategies import STRATEGIES, available
 
 __all__ = [
@@ -63,9 +61,10 @@ class SavedTensor:
 
     ``slot`` names where the node keeps it (``self``, ``result``, ``saved_tensors[3]``);
     ``role`` says what it is: ``q``/``k``/``v`` (an input's storage), ``O`` (the output's
-    storage), ``P`` (rows sum to 1), ``S`` (scores), ``stats`` (each query row's max m and log l: [..., Nq, 2]), ``q*c copy`` (a copy of q
-    times c, maybe in another dtype), ``mask``, ``scalar`` (0-dim) or ``tensor``.  ``hooked`` is False when the tensor did not
-    pass through ``saved_tensors_hooks`` (PyTorch saves a Python scalar wrapped as a 0-dim
+    storage), ``P`` (rows sum to 1), ``S`` (scores), ``stats`` (each query row's max m and
+    log l: [..., Nq, 2]), ``q*c copy`` (q times c, maybe in another dtype), ``mask``,
+    ``scalar`` (0-dim) or ``tensor``.  ``hooked`` is False when the tensor did not pass
+    through ``saved_tensors_hooks`` (PyTorch saves a Python scalar wrapped as a 0-dim
     tensor without calling the hooks).
     """
 
@@ -164,24 +163,6 @@ class PathReport:
 # --- the order backward runs the graph in ------------------------------------------------
 
 
-def _sequence_nr(node: Node) -> int:
-    return int(node._sequence_nr())  # type: ignore[attr-defined]
-
-
-def _reachable(root: Node) -> list[Node]:
-    """Every node reachable from ``root``, root first (depth first)."""
-    seen = {root}
-    stack, found = [root], []
-    while stack:
-        node = stack.pop()
-        found.append(node)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return found
-
-
 def backward_order(out: torch.Tensor) -> list[Node]:
     """Run backward from ``out`` (gradient ones) and return the nodes in the order the engine ran them.
 
@@ -198,7 +179,7 @@ def backward_order(out: torch.Tensor) -> list[Node]:
     def recorder(node: Node) -> Callable[..., None]:
         return lambda *_: ran.append(node)
 
-    handles = [node.register_prehook(recorder(node)) for node in _reachable(out.grad_fn)]
+    handles = [node.register_prehook(recorder(node)) for node in _depths(out.grad_fn)]
     torch.autograd.backward(out, torch.ones_like(out))
     for handle in handles:
         handle.remove()
@@ -206,7 +187,7 @@ def backward_order(out: torch.Tensor) -> list[Node]:
 
 
 def _depths(root: Node) -> dict[Node, int]:
-    """Fewest edges from ``root`` to each node (breadth first)."""
+    """Fewest edges from ``root`` to each node reachable from it, root first (breadth first)."""
     depth = {root: 0}
     frontier = [root]
     while frontier:
@@ -328,11 +309,6 @@ def _pytorch_math(
     return torch.softmax(s, dim=-1) @ v  # (B, H, Nq, d)
 
 
-def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
-    with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-
 def _description(path: str) -> str:
     if path == "pytorch-math":
         return "softmax(q @ k^T * scale) @ v written with plain torch ops"
@@ -362,15 +338,11 @@ def _run_path(
         packed.append(t)
         return t
 
-    forward: Callable[[], torch.Tensor]
-    if path == "pytorch-math":
-        forward = lambda: _pytorch_math(q, k, v, mask)  # noqa: E731
-    elif path == "sdpa-math":
-        forward = lambda: _sdpa_math(q, k, v, is_causal)  # noqa: E731
-    else:
-        forward = lambda: attngrad.attention(q, k, v, is_causal=is_causal, strategy=path)  # noqa: E731
     with saved_tensors_hooks(pack, lambda t: t):
-        o = forward()
+        if path == "pytorch-math":
+            o = _pytorch_math(q, k, v, mask)
+        else:  # sdpa-math and the strategies, as the ledger runs them
+            o = path_fn(path, is_causal)(q, k, v)
     if o.grad_fn is None:
         raise RuntimeError(f"path {path!r} returned an output without grad_fn")
     root: Node = o.grad_fn
@@ -384,7 +356,8 @@ def _run_path(
     unmatched = Counter(_layout(t) for t in packed)
 
     saved_by_node = {}
-    for node in _reachable(root):
+    depth = _depths(root)
+    for node in depth:
         found, none_slots = _saved_of(node)
         saved = tuple(
             SavedTensor(
@@ -400,8 +373,6 @@ def _run_path(
             for slot, t in found
         )
         saved_by_node[node] = (saved, none_slots)
-    depth = _depths(root)
-    output_shape = tuple(o.shape)
     order = backward_order(o)
     step = {node: i + 1 for i, node in enumerate(order)}
     nodes = []
@@ -413,7 +384,7 @@ def _run_path(
                 step=step[node],
                 name=type(node).__name__,  # name() spells AccumulateGrad with its C++ namespace
                 depth=depth[node],
-                sequence_nr=_sequence_nr(node),
+                sequence_nr=int(node._sequence_nr()),  # type: ignore[attr-defined]
                 next_steps=tuple(step[n] for n, _ in node.next_functions if n is not None),
                 saved=saved,
                 none_slots=none_slots,
@@ -428,13 +399,8 @@ def _run_path(
         nodes=tuple(nodes),
         hooked_count=len(packed),
         hooked_bytes=sum(t.numel() * t.element_size() for t in packed),
-        output_shape=output_shape,
+        output_shape=tuple(o.shape),
     )
-
-
-def _check_size(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}; try {name}=8")
 
 
 def explain(
@@ -451,18 +417,14 @@ def explain(
     """One `PathReport` per path for q: [batch, heads, seq_q, head_dim], k, v: [.., seq_k, ..].
 
     The baselines `BASELINES` come first, then ``strategies`` (default: every one of
-    `attngrad.STRATEGIES` that runs on CPU here, triton in its interpreter included).  Inputs are drawn from a generator seeded with ``seed``;
-    each path gets its own leaf copies of the same values, and runs forward and backward
-    once.
+    `attngrad.STRATEGIES` that runs on CPU here, triton in its interpreter included).
+    Inputs come from a generator seeded with ``seed``; each path gets its own leaf copies
+    of the same values, and runs forward and backward once.
     """
-    for name, value in [
-        ("batch", batch),
-        ("heads", heads),
-        ("seq_q", seq_q),
-        ("seq_k", seq_k),
-        ("head_dim", head_dim),
-    ]:
-        _check_size(name, value)
+    sizes = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}; try {name}=8")
     if dtype not in DTYPES.values():
         raise TypeError(f"dtype must be one of {list(DTYPES)}, got {dtype}; try torch.float32")
     if strategies is None:

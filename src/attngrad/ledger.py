@@ -68,22 +68,16 @@ def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
     return q, k, v, dout
 
 
-def path_fn(path: str, case: Case) -> Callable[..., torch.Tensor]:
-    """q, k, v -> O along one path: a strategy or an SDPA backend."""
-    gqa, causal = case.gqa, case.mask == "causal"
-    if path in BASELINES:
-        backend = BASELINES[path]
+def path_fn(path: str, causal: bool, gqa: bool = False) -> Callable[..., torch.Tensor]:
+    """q, k, v -> O along one path: a strategy or an SDPA backend (a key of `BASELINES`)."""
+    if path not in BASELINES:
+        return lambda q, k, v: attention(q, k, v, is_causal=causal, enable_gqa=gqa, strategy=path)
 
-        def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(BASELINES[path]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
-        return sdpa
-
-    def strategy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, is_causal=causal, enable_gqa=gqa, strategy=path)
-
-    return strategy
+    return sdpa
 
 
 def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
@@ -174,7 +168,7 @@ def ledger_row(path: str, case: Case, device: str = "cpu", peak: bool = True) ->
     allocator never sees: its peak is left out (None) rather than misreported.
     """
     q, k, v, dout = _inputs(case, device)
-    fn = path_fn(path, case)
+    fn = path_fn(path, case.mask == "causal", case.gqa)
     saved, out = measure_saved_bytes(lambda: fn(q, k, v))
     del out
     peak_bytes = beyond_io = None
@@ -187,16 +181,10 @@ def ledger_row(path: str, case: Case, device: str = "cpu", peak: bool = True) ->
         peak_bytes = measure_peak_bytes(run, device)
         io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
         beyond_io = max(0, peak_bytes - io)
-    sh = case.shapes
+    sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
     return LedgerRow(
         path=path,
-        batch=sh.batch,
-        heads_q=sh.heads_q,
-        heads_kv=sh.heads_kv,
-        seq_q=sh.seq_q,
-        seq_k=sh.seq_k,
-        head_dim=sh.head_dim,
-        value_dim=sh.value_dim,
+        **{name: getattr(case.shapes, name) for name in sizes},
         dtype=str(case.dtype).removeprefix("torch."),
         causal=case.mask == "causal",
         predicted_saved=predicted_saved_bytes(path, case),

@@ -1,15 +1,10 @@
 """The machine a figure was measured on: processor, threads and matmul rate.
 
-Every command and benchmark that prints a figure prints `Machine.line` above it
-and adds `Machine.columns` to each CSV row, so a number never travels without
-the machine it came from.
-
-The matmul rate is calibrated by time, not by size: square GEMMs
-``[n, n] @ [n, n]`` (2·n³ FLOP) grow from n = 64 until one product takes at
-least half of ``budget`` seconds (or n reaches `MAX_GEMM_SIZE`); the fastest of
-a few products at that size counts.  A fixed size cannot serve every dtype: a 2048² float16
-GEMM takes minutes on a CPU without float16 matmul units and milliseconds on a
-GPU.
+Every command and benchmark that prints a figure prints `Machine.line` above it and
+adds `Machine.columns` to each CSV row, so a number never travels without the machine
+it came from.  The matmul rate is calibrated by time, not by size (`gemm_rate`): a
+2048² float16 GEMM takes minutes on a CPU without float16 matmul units and
+milliseconds on a GPU.
 """
 
 from __future__ import annotations
@@ -95,11 +90,12 @@ def gemm_rate(
 ) -> tuple[int, float]:
     """(n, GFLOP/s): the size the calibration settled on and the best rate there.
 
-    Each size is warmed up once and timed twice; the next size aims at ``budget``
-    seconds (the cube root of the time ratio, at most twice the size) and growth
-    stops from ``budget / 2`` on, so the whole calibration takes a few times
-    ``budget``.  The rate is that of the fastest of ``repeats`` products at the
-    final size.  ``note`` hears one line per size.
+    Square GEMMs ``[n, n] @ [n, n]`` (2·n³ FLOP) grow from n = 64, each warmed up once
+    and timed twice; the next size aims at ``budget`` seconds (the cube root of the time
+    ratio, at most twice the size) and growth stops from ``budget / 2`` on (or at
+    `MAX_GEMM_SIZE`), so the calibration takes a few times ``budget``.  The rate is that
+    of the fastest of ``repeats`` products at the final size.  ``note`` hears one line
+    per size.
     """
     if budget <= 0:
         raise ValueError(f"budget must be a positive number of seconds, got {budget}; try 0.2")

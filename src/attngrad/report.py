@@ -1,13 +1,8 @@
-"""What the commands show and write: text tables, CSV files and PNG plots.
-
-* check: `check_table` (every row, or only the failing ones) and `check_summary`;
-* bench: `bench_table`, `bench_records`, `bench_plot`;
-* ledger: `ledger_table`, `ledger_records`, `ledger_plot`;
-* explain: `explain_text`.
-
-`write_csv` writes any list of records, the `attngrad.machine.Machine` columns on
-every row.  The plots need matplotlib: without it they raise ModuleNotFoundError
-whose message says how to install it (`PLOT_INSTALL`), and write nothing.
+"""What the commands show and write: text tables (`check_table`, `bench_table`,
+`ledger_table`, `explain_text`), CSV files (`write_csv` of the ``*_records``, with the
+`attngrad.machine.Machine` columns on every row) and PNG plots (``*_plot``).  The plots
+need matplotlib: without it they raise ModuleNotFoundError whose message says how to
+install it (`PLOT_INSTALL`), and write nothing.
 """
 
 from __future__ import annotations
@@ -194,15 +189,10 @@ def _ratio_column(baseline: str) -> str:
 def bench_records(rows: Sequence[BenchRow]) -> list[dict[str, object]]:
     """CSV records: shape, pass, contender, median/min/max ms, GFLOP/s, fraction of the
     GEMM rate, the strategy "auto" picks, then one ``ratio_vs_<baseline>`` per baseline."""
+    shape = ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal")
     return [
         {
-            "batch": r.batch,
-            "heads": r.heads,
-            "seq_q": r.seq_q,
-            "seq_k": r.seq_k,
-            "head_dim": r.head_dim,
-            "dtype": r.dtype,
-            "causal": r.causal,
+            **{name: getattr(r, name) for name in shape},
             "pass": r.pass_,
             "contender": r.contender,
             "auto": r.auto,
