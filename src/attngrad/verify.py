@@ -10,12 +10,15 @@ The rule
 Element by element, for each compared quantity x (out, dq, dk, dv, dmask)::
 
     |x_got - x_ref|  <=  2 max|x_plain - x_ref|
-                         + u (LAMBDA sqrt(n) A_x + (2 + LAMBDA sqrt(d)) C_x)
+                         + u_c LAMBDA (sqrt(n) A_x + sqrt(d) C_x)
+                         + u (DTYPE_ROUNDINGS A_x + 2 C_x)
 
 * ``x_plain`` (`attngrad.reference.plain_attention`): the plain PyTorch
   computation in the case's dtype, on the same rounded inputs.  Its error is
   the 2x rule serious kernel projects use.
-* ``u``: the unit roundoff of the case's dtype (eps / 2).
+* ``u``: the unit roundoff of the case's dtype (eps / 2); ``u_c`` that of
+  the dtype the sums run in (float32 for 16-bit inputs, see
+  `attngrad.ops.compute_dtype`; else the dtype itself).
 * ``A_x`` (`attngrad.reference.magnitudes`): the last step that forms x,
   evaluated in float64 on absolute values: P |v| for the output, P^T |dO|
   for dv, P o (|dO| |v|^T + rowsum(P o |dO| |v|^T)) for dS and so the mask's
@@ -28,20 +31,25 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask)::
   1 - 2 exp(-lambda^2 / 2) per sum; ``LAMBDA`` = 6 puts that at 1 - 3e-8.
   No BLAS kernel, blocking or thread count enters the bound.
 * ``C_x`` (same function): what a perturbation of every score by at most
-  C_S = scale |q| |k|^T (+ |S| for a bias) does to x, to first order.  Two
-  correct computations' scores differ by up to 2 + LAMBDA sqrt(d) roundings
-  of C_S: one for each of q and k rounded to the dtype, and the d-term
-  product's own by the bound above.  This is the term that large logits
-  (|S| u no longer small) and huge biases make large, and only where P lets
-  the scores reach x; the plain run's error also carries it, but a max over
-  one draw of roundings is no bound for another draw.
+  C_S = scale |q| |k|^T (+ |S| for a bias) does to x, to first order.  The
+  d-term product behind each score rounds as above (LAMBDA sqrt(d) u_c), and
+  q and k, rounded to the dtype, once each (2 u).  This is the term that
+  large logits (|S| u no longer small) and huge biases make large, and only
+  where P lets the scores reach x; the plain run's error also carries it,
+  but a max over one draw of roundings is no bound for another draw.
+* Single roundings to the dtype along a path to x, each bounded by u A_x in
+  the worst case (no sqrt: they need not cancel): v and dO as inputs, an
+  intermediate kept or multiplied in the dtype (the saved P or O, P or dS
+  before a 16-bit product), the accumulators, the result itself:
+  ``DTYPE_ROUNDINGS`` = 5.
 * ``n``: the longest sum along the computation, max(d, dv, Nk, G * Nq, and the
   number of score entries each element of a broadcast float mask collects).
-* Underflow: A_x is joined by n * tiny * M (tiny: the dtype's smallest normal
-  number, so u * tiny is the absolute error of one rounding into the
+* Underflow: A_x is joined by n * tiny * M (tiny: the compute dtype's smallest
+  normal number, so u_c * tiny is the absolute error of one rounding into the
   subnormal range; M: the product of the operands' largest magnitudes, what
-  such an error is multiplied by on its way to x).  It matters only where
-  A_x is zero or subnormal, e.g. a P that underflows in one order only.
+  such an error is multiplied by on its way to x), and the result's own
+  rounding by u * tiny of the dtype.  It matters only where A_x is zero or
+  subnormal, e.g. a P that underflows in one order only.
 
 The floor is what lets a correct implementation that sums in another order
 pass where the plain computation happens to be exact (one key: P = 1 and
@@ -66,6 +74,7 @@ from torch.autograd.gradcheck import GradcheckError
 
 from attngrad.api import attention
 from attngrad.contract import Shapes
+from attngrad.ops import compute_dtype
 from attngrad.reference import magnitudes, plain_attention, reference_attention
 
 __all__ = [
@@ -88,6 +97,10 @@ __all__ = [
 MASK_KINDS = ("none", "causal", "bool", "float")
 GRADIENTS = ("out", "dq", "dk", "dv", "dmask")
 LAMBDA = 6.0
+# single roundings to the dtype along one path to a result: v and dO as inputs, one
+# intermediate kept or multiplied in the dtype (saved P or O, P or dS before a 16-bit
+# product), the result itself; and one more for the gradients' accumulators
+DTYPE_ROUNDINGS = 5
 
 Inputs = dict[str, torch.Tensor | None]
 AttentionFn = Callable[..., torch.Tensor]
@@ -214,11 +227,14 @@ def rounding_floor(
 
     magnitude: A_x, sensitivity: C_x (`attngrad.reference.magnitudes`);
     operands: the product of the operands' largest magnitudes (`operand_scale`).
+    The sums run in the compute dtype (float32 for 16-bit inputs), the few
+    single roundings to the dtype in the dtype itself.
     """
-    u = unit_roundoff(dtype)
-    kappa = 2 + LAMBDA * math.sqrt(head_dim)
-    underflow = n * torch.finfo(dtype).tiny * operands
-    return u * (LAMBDA * math.sqrt(n) * (magnitude + underflow) + kappa * sensitivity)
+    u_c, u = unit_roundoff(compute_dtype(dtype)), unit_roundoff(dtype)
+    underflow = n * torch.finfo(compute_dtype(dtype)).tiny * operands
+    sums = LAMBDA * (math.sqrt(n) * (magnitude + underflow) + math.sqrt(head_dim) * sensitivity)
+    single = DTYPE_ROUNDINGS * magnitude + 2 * sensitivity + torch.finfo(dtype).tiny
+    return u_c * sums + u * single
 
 
 def judge(
