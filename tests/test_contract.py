@@ -165,6 +165,22 @@ BAD_CALLS = [
     case(lambda: good(strategy="fastest"), ValueError, "strategy", id="strategy-unknown"),
     case(lambda: good(strategy=None), ValueError, "strategy", id="strategy-None"),
     case(lambda: good(strategy="EXPLICIT"), ValueError, "strategy", id="strategy-wrong-case"),
+    # regression: float8 passed the floating-point check and failed inside backward
+    case(
+        lambda: good(query=t(B, HQ, NQ, D).to(torch.float8_e4m3fn)),
+        TypeError,
+        "query",
+        shows=("float8_e4m3fn", "bfloat16"),
+        id="query-float8",
+    ),
+    # a float is not a tile size, whatever its value: a type error, not "must be positive"
+    case(
+        lambda: good(strategy="flash", block_q=16.0),
+        TypeError,
+        "block_q",
+        shows=("16.0",),
+        id="block_q-float",
+    ),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,11 +83,31 @@ def test_window_gradcheck(strategy):
 
 
 @pytest.mark.parametrize(
-    "window",
-    [(-1, 0), (0, -2), (1,), (1, 2, 3), ("a", 1), (1.5, 2), (True, 1), 5],
+    ("window", "error"),
+    [
+        ((-1, 0), ValueError),
+        ((0, -2), ValueError),
+        ((1,), ValueError),
+        ((1, 2, 3), ValueError),
+        (5, ValueError),
+        # a side of the wrong type is a TypeError that says which side
+        (("a", 1), TypeError),
+        ((1.5, 2), TypeError),
+        ((True, 1), TypeError),
+    ],
     ids=str,
 )
-def test_bad_window_is_a_value_error_naming_it(window):
+def test_bad_window_is_an_error_naming_it(window, error):
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(error, match="window"):
         attngrad.attention(q, q, q, window=window)
+
+
+def test_numpy_integers_are_sizes_like_ints():
+    # np.int64(4) is a positive integer: "must be a positive int, got np.int64(4)" was wrong
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    want = attngrad.attention(q, q, q, window=(2, 0), strategy="flash", block_q=4)
+    got = attngrad.attention(
+        q, q, q, window=(np.int64(2), 0), strategy="flash", block_q=np.int64(4)
+    )
+    assert torch.equal(got, want)

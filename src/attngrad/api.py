@@ -89,15 +89,15 @@ def attention(
     )
     validate_strategy(strategy, STRATEGIES)
     band = validate_window(window)
-    tiling = {} if block_q is None and block_k is None else {"block_q": block_q, "block_k": block_k}
     banded = is_causal or band is not None
-    name = resolve(strategy, shapes, bool(tiling), banded, query.device)
-    validate_blocks(block_q, block_k, name)
+    tiling_given = block_q is not None or block_k is not None
+    name = resolve(strategy, shapes, tiling_given, banded, query.device)
+    block_q, block_k = validate_blocks(block_q, block_k, name)
     q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
     k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
     v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)
     mask = Mask.build(attn_mask, is_causal, band, shapes)
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
-    options = tiling if name in TILED else {}
+    options = {"block_q": block_q, "block_k": block_k} if name in TILED else {}
     o = base.attention(MODULES[name], q, k, v, mask, s, **options)
     return o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)

@@ -7,6 +7,7 @@ shows the value it got and suggests a fix.  Nothing here modifies a tensor.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -71,10 +72,10 @@ class Shapes:
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}: {t!r:.80}")
-    if not t.is_floating_point():
+    if t.dtype not in DTYPES.values():
         raise TypeError(
-            f"{name} has dtype {t.dtype}; attention needs a floating-point tensor "
-            f"(float64, float32, float16 or bfloat16). Try {name}.float()."
+            f"{name} has dtype {t.dtype}; attention takes float64, float32, float16 or "
+            f"bfloat16 tensors. Try {name}.float()."
         )
     if t.ndim < 3:
         raise ValueError(
@@ -92,10 +93,10 @@ def _check_flag(name: str, value: object) -> None:
 def _check_scale(scale: object) -> None:
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(
-            f"scale must be a Python float or None, got {type(scale).__name__}: {scale!r:.80}. "
-            "Pass float(scale), or None for 1/sqrt(head_dim)."
+            f"scale must be a real number or None, got {scale!r:.80} of type "
+            f"{type(scale).__name__}. Pass float(scale), or None for 1/sqrt(head_dim)."
         )
     if not math.isfinite(scale):
         raise ValueError(
@@ -260,41 +261,70 @@ def validate_strategy(strategy: object, available: tuple[str, ...]) -> str:
     return strategy
 
 
-def _is_int(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_int(x: object) -> TypeGuard[numbers.Integral]:
+    """An integer of any kind (Python, numpy, ...), but not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+_WINDOW_HINT = (
+    "Query i attends key j when i - left <= j <= i + right; e.g. window=(128, 0) "
+    "for the last 129 keys, or window=(128, None) for everything from i - 128 on."
+)
 
 
 def validate_window(window: object) -> tuple[int | None, int | None] | None:
     """``window=(left, right)``: ints >= 0 or None (unbounded on that side)."""
     if window is None:
         return None
-    sides = tuple(window) if isinstance(window, (tuple, list)) else ()
-    bounds = [w for w in sides if w is None or (_is_int(w) and w >= 0)]
-    if len(sides) != 2 or len(bounds) != 2:
-        raise ValueError(
-            f"window must be (left, right) with each an int >= 0 or None, got {window!r}. "
-            "Query i attends key j when i - left <= j <= i + right; e.g. window=(128, 0) "
-            "for the last 129 keys, or window=(128, None) for everything from i - 128 on."
-        )
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right), got {window!r}. {_WINDOW_HINT}")
+    bounds: list[int | None] = []
+    for side, w in zip(("left", "right"), window, strict=True):
+        if w is not None and not _is_int(w):
+            raise TypeError(
+                f"window's {side} side must be an int >= 0 or None, got {w!r} of type "
+                f"{type(w).__name__} in window={window!r}. {_WINDOW_HINT}"
+            )
+        if w is not None and w < 0:
+            raise ValueError(
+                f"window's {side} side must be >= 0 or None, got {w} in window={window!r}. "
+                + _WINDOW_HINT
+            )
+        bounds.append(None if w is None else int(w))
     return bounds[0], bounds[1]
 
 
-def validate_blocks(block_q: object, block_k: object, strategy: str) -> None:
-    """Tile sizes: positive ints, only for the tiled strategies; powers of two >= 16 for triton."""
+def validate_blocks(
+    block_q: object, block_k: object, strategy: str
+) -> tuple[int | None, int | None]:
+    """Tile sizes: positive ints, only for the tiled strategies; powers of two >= 16 for triton.
+
+    Returns them as Python ints (or None).
+    """
+    sizes: list[int | None] = []
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is None:
+            sizes.append(None)
             continue
-        if not _is_int(value) or value < 1:
+        if not _is_int(value):
+            raise TypeError(
+                f"{name} must be an int or None (chosen from the shape), got {value!r} of type "
+                f"{type(value).__name__}. Try {name}=int({value!r})."
+            )
+        size = int(value)
+        if size < 1:
             raise ValueError(
-                f"{name} must be a positive int or None (chosen from the shape), got {value!r}"
+                f"{name} must be a positive int or None (chosen from the shape), got {size}"
             )
         if strategy not in ("flash", "triton", "auto"):
             raise ValueError(
-                f"{name}={value} only applies to the tiled strategies 'flash' and 'triton', "
+                f"{name}={size} only applies to the tiled strategies 'flash' and 'triton', "
                 f"not {strategy!r}. Drop it or pass strategy='flash'."
             )
-        if strategy == "triton" and (value < 16 or value > 256 or value & (value - 1)):
+        if strategy == "triton" and (size < 16 or size > 256 or size & (size - 1)):
             raise ValueError(
-                f"{name}={value}: Triton tiles must be a power of two from 16 to 256, e.g. 16, "
+                f"{name}={size}: Triton tiles must be a power of two from 16 to 256, e.g. 16, "
                 "32, 64 or 128 (or None to choose from the shape)."
             )
+        sizes.append(size)
+    return sizes[0], sizes[1]
