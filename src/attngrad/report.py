@@ -122,7 +122,10 @@ def _figure(path: str | os.PathLike[str], width: float, height: float) -> Iterat
 
 # ------------------------------------------------------------------------- check
 
-_RULE = "max abs error vs float64; rule: <= 2x plain PyTorch + a floor from the magnitudes"
+_RULE = (
+    "max abs error vs float64; ratio: worst error / bound of the rule, <= 2x plain PyTorch "
+    "+ a floor from the magnitudes (attngrad.verify), at most 1 passes"
+)
 
 
 def _failure(r: CaseResult) -> str:
@@ -143,7 +146,9 @@ def _failure(r: CaseResult) -> str:
 
 def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> str:
     """One row per result (only the failing ones with ``failures_only``): the max error
-    of each quantity and the verdicts; under a failing row, what failed and its bound."""
+    of each quantity, the worst error/bound ratio of the rule over all of them (at most 1
+    passes: how much of the allowance the case used) and the verdicts; under a failing
+    row, what failed and its bound."""
     shown = [r for r in results if not (failures_only and r.passed)]
     if not shown:
         return "no failing cases" if failures_only else "no cases"
@@ -152,12 +157,14 @@ def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> s
             r.strategy,
             r.case,
             *(format_error(r.errors.get(g)) for g in GRADIENTS),
+            f"{max(r.ratios.values(), default=0.0):.2f}" if r.ratios else "-",
             "NaN" if r.nan else ("pass" if r.rule_passed else "FAIL"),
             {None: "-", True: "pass", False: "FAIL"}[r.gradcheck_passed],
         ]
         for r in shown
     ]
-    head, lines = _columns(["strategy", "case", *GRADIENTS, "rule", "gradcheck"], cells, left=2)
+    header = ["strategy", "case", *GRADIENTS, "ratio", "rule", "gradcheck"]
+    head, lines = _columns(header, cells, left=2)
     out = [head]
     for r, line in zip(shown, lines, strict=True):
         out.append(line)

@@ -136,11 +136,12 @@ class Case:
     def id(self) -> str:
         """A readable id built from the shape, e.g. ``B2-H4:2-N33x47-d16:24-float32-causal``.
 
-        ``B`` lists the leading dims (``B1`` with none: the chapter's ``[B, N, d]``
-        layout, whose first dim plays the heads).  Equal pairs are written once.
+        ``B`` lists the leading dims (``Bnone`` without any: the chapter's
+        ``[B, N, d]`` layout, whose first dim plays the heads); ``H4:2`` is Hq:Hkv,
+        ``N17x47`` Nq x Nk, ``d59:24`` d:dv.  Equal pairs are written once.
         """
         sh = self.shapes
-        batch = "x".join(map(str, sh.lead)) or "1"
+        batch = "x".join(map(str, sh.lead)) or "none"
         parts = [
             f"B{batch}",
             "H" + _pair(sh.heads_q, sh.heads_kv, ":"),
