@@ -141,18 +141,18 @@ def test_every_subcommand_help_has_a_description(command, capsys):
 @pytest.mark.parametrize(
     ("parse", "text", "expected"),
     [
-        (positive_int, "0", "positive integer, got 0"),
-        (positive_int, "many", "positive integer, got 'many'"),
-        (positive_float, "-1", "positive number of seconds, got -1"),
-        (positive_float, "inf", "positive number of seconds, got inf"),
-        (positive_float, "soon", "number of seconds, got 'soon'"),
+        (positive_int, "0", "1 or more, e.g. 5, got 0"),
+        (positive_int, "many", "1 or more, e.g. 5, got 'many'"),
+        (positive_float, "-1", "positive number of seconds, e.g. 0.2, got -1"),
+        (positive_float, "inf", "positive number of seconds, e.g. 0.2, got inf"),
+        (positive_float, "soon", "number of seconds, e.g. 0.2, got 'soon'"),
         (measure_device, "tpu", "unknown device 'tpu'; use one of cpu, cuda"),
         (measure_device, "meta", "cannot measure memory on 'meta'"),
     ],
     ids=["int-zero", "int-word", "float-negative", "float-inf", "float-word", "tpu", "meta"],
 )
 def test_argument_types_name_the_value_and_a_fix(parse, text, expected):
-    with pytest.raises(argparse.ArgumentTypeError, match=r"try|use") as info:
+    with pytest.raises(argparse.ArgumentTypeError, match=r"e\.g\.|use") as info:
         parse(text)
     assert expected in str(info.value)
 

@@ -25,25 +25,25 @@ N = TypeVar("N", int, float)
 MEASURABLE_DEVICES = ("cpu", "cuda")
 
 
-def _positive(text: str, convert: Callable[[str], N], what: str, example: str) -> N:
+def _positive(text: str, convert: Callable[[str], N], what: str) -> N:
     """``convert(text)`` when it gives a finite number > 0, else a message saying ``what``."""
     try:
         value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}; try {example}") from None
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text}; try {example}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
 
 
 def positive_int(text: str) -> int:
-    """A size: an int >= 1, e.g. ``--seq 1024``."""
-    return _positive(text, int, "a positive integer", "1024")
+    """A size or a count: an int >= 1, e.g. ``--seq 1024`` or ``--repeats 5``."""
+    return _positive(text, int, "a whole number of 1 or more, e.g. 5")
 
 
 def positive_float(text: str) -> float:
     """A duration in seconds: a finite float > 0, e.g. ``--gemm-time 0.2``."""
-    return _positive(text, float, "a positive number of seconds", "0.2")
+    return _positive(text, float, "a positive number of seconds, e.g. 0.2")
 
 
 def measure_device(text: str) -> torch.device:
