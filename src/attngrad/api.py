@@ -66,8 +66,8 @@ def attention(
 
     * ``strategy``: the execution path, one of ``attngrad.STRATEGIES`` or
       ``"auto"``.  ``"explicit"`` saves P for backward (O(N^2) memory);
-      ``"recompute"`` saves lse and rebuilds P from it in backward, one
-      chunk of query rows at a time;
+      ``"recompute"`` saves each row's max and log-normalizer and rebuilds
+      P from them in backward, one chunk of query rows at a time;
       ``"flash"`` tiles both passes with an online softmax (O(N) memory);
       ``"triton"`` runs the flash algorithm as fused Triton kernels on CUDA
       (``pip install 'attngrad[gpu]'``; on CPU only under TRITON_INTERPRET=1).

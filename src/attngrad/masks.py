@@ -38,7 +38,7 @@ import torch
 from attngrad.contract import Shapes
 from attngrad.heads import group_heads
 
-__all__ = ["Mask", "add_bias_gradient_", "bias_meta", "tile"]
+__all__ = ["Mask", "add_bias_gradient_", "tile"]
 
 _ALL = slice(None)
 
@@ -185,8 +185,3 @@ def add_bias_gradient_(
     b, hkv, g, r, c = ds.shape
     db = tile(dbias, rows, cols)
     db += ds.reshape(b, hkv * g, r, c).sum_to_size(db.shape)
-
-
-def bias_meta(bias: torch.Tensor | None) -> tuple[torch.Size, torch.dtype] | None:
-    """(shape, dtype) of the bias: all a backward needs to return its gradient."""
-    return None if bias is None else (bias.shape, bias.dtype)

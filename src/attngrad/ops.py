@@ -59,7 +59,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
     16-bit inputs are upcast tile by tile (scores, softmax and accumulators in
     float32, like the fused GPU kernels); results are cast back to the input
-    dtype, and saved tensors keep it (lse stays float32).
+    dtype, and saved tensors keep it (the row statistics stay float32).
     """
     return torch.float64 if dtype == torch.float64 else torch.float32
 

@@ -1,10 +1,9 @@
 """Strategy "flash": tiled attention with an online softmax, O(N) saved memory.
 
 Forward walks key tiles for each block of query rows, keeping a running row
-max ``m_i``, running sum ``l_i`` and a rescaled accumulator ``acc``; it writes
-O and lse = m_i + log(l_i) and never holds more than one [block_q, block_k]
-score tile per (batch, head); it writes O and the row statistics
-stats = (m, log l) (see `attngrad.ops`).  Backward walks the same tiles key
+max ``m_i``, running sum ``l_i`` and a rescaled accumulator ``acc``, and never
+holds more than one [block_q, block_k] score tile per (batch, head); it writes
+O and the row statistics stats = (m, log l) (see `attngrad.ops`).  Backward walks the same tiles key
 block by key block (dK and dV of a block accumulate in place inside the
 matmuls), recomputes each P tile from the statistics and uses
 Delta = rowsum(dO * O) in place of rowsum(P * dP):
