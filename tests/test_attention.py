@@ -338,7 +338,7 @@ def test_output_and_gradient_dtypes_follow_input(strategy, dtype, mask):
 SAVED_CASES = [
     case((2,), 4, 4, 5, 7, 8, 6),
     case((2,), 6, 2, 5, 7, 8, 6, "causal"),  # GQA: k, v saved unexpanded
-    case((2,), 4, 2, 5, 7, 8, 6, "float", (4, 5, 7)),  # the bias is not saved
+    case((2,), 4, 2, 5, 7, 8, 6, "float", (4, 5, 7)),  # the bias: a view of the caller's
     case((2,), 4, 2, 5, 7, 8, 6, "float", (2, 1, 1, 7)),
     case((), 3, 3, 6, 9, 8, 8, "bool", (6, 9)),  # the course chapter's [B, N, d] layout
     case((2, 3), 4, 1, 4, 9, 8, 8, "float", (3, 1, 4, 9)),  # two lead dims
@@ -348,7 +348,7 @@ SAVED_CASES = [
 @pytest.mark.skipif("explicit" not in STRATEGIES, reason="no explicit strategy")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
 @pytest.mark.parametrize("c", SAVED_CASES, ids=lambda c: c.id)
-def test_explicit_saves_q_k_v_and_p_only(c, dtype):
+def test_explicit_saves_q_k_v_p_and_row_statistics_only(c, dtype):
     inputs = make_inputs(c)
     q, k, v = (inputs[n].to(dtype).requires_grad_() for n in "qkv")  # type: ignore[union-attr]
     mask = inputs["mask"]
@@ -375,7 +375,18 @@ def test_explicit_saves_q_k_v_and_p_only(c, dtype):
         sh.head_dim,
         sh.value_dim,
     )
-    assert len(saved) == 4, [tuple(t.shape) for t in saved]
+    if mask is not None and mask.requires_grad:  # kept for its own second derivative
+        # as attngrad's 4-D form: a view of the caller's mask, or (lead dims partly
+        # broadcast, here (3,) against (2, 3)) the one reshape forward made anyway
+        lead = mask.shape[:-3]
+        bm = 1 if all(n == 1 for n in lead) else c.shapes.batch
+        shape4 = (bm, *mask.shape[-3:]) if mask.ndim >= 3 else None
+        biases = [s for s in saved if s.dtype == mask.dtype and tuple(s.shape) == shape4]
+        assert len(biases) == 1
+        if bm == 1 or tuple(lead) == tuple(c.shapes.lead):
+            assert biases[0].untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()
+        saved = [s for s in saved if s is not biases[0]]
+    assert len(saved) == 5, [tuple(t.shape) for t in saved]
     rest = list(saved)
     for name, t in (("q", q), ("k", k), ("v", v)):
         same = [s for s in rest if s.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()]
@@ -384,14 +395,15 @@ def test_explicit_saves_q_k_v_and_p_only(c, dtype):
         assert s.numel() == t.numel()
         assert s.untyped_storage().nbytes() == t.untyped_storage().nbytes()
         rest.remove(s)
-    (p,) = rest
+    p, stats = sorted(rest, key=lambda t: -t.numel())
     assert p.shape == (batch, hq, nq, nk)  # one [Nq, Nk] matrix per query head, like SDPA's P
     assert p.dtype == dtype
+    assert stats.shape == (batch, hq, nq, 2)  # (m, log l) per row: lse comes from them
     b = q.element_size()
     expected = b * (batch * hq * nq * d + batch * hkv * nk * d + batch * hkv * nk * dv)
-    expected += b * batch * hq * nq * nk
+    expected += b * batch * hq * nq * nk + stats.element_size() * batch * hq * nq * 2
     assert sum(t.numel() * t.element_size() for t in saved) == expected
-    out.backward(inputs["dout"].to(dtype))  # the four saved tensors are enough for backward
+    out.backward(inputs["dout"].to(dtype))  # the five saved tensors are enough for backward
 
 
 # ---------------------------------------------------------------------------

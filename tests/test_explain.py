@@ -40,11 +40,12 @@ def test_paths_are_the_baselines_then_every_strategy(reports: dict[str, PathRepo
 def test_explicit_node_saves_q_k_v_and_the_whole_p(reports: dict[str, PathReport]) -> None:
     node = _custom_node(reports["explicit"])
     assert node.name == "ExplicitAttentionBackward"
-    assert [t.role for t in node.saved] == ["q", "k", "v", "P"]
-    assert [t.is_input for t in node.saved] == [True, True, True, False]
+    assert [t.role for t in node.saved] == ["q", "k", "v", "P", "stats"]
+    assert [t.is_input for t in node.saved] == [True, True, True, False, False]
     p = node.saved[3]
     assert p.shape == (B, H, NQ, NK) and p.nbytes == B * H * NQ * NK * 4
-    assert reports["explicit"].kept_bytes == B * H * NQ * NK * 4
+    stats_bytes = B * H * NQ * 2 * 4  # (m, log l) per row: lse, and its gradient, come from them
+    assert reports["explicit"].kept_bytes == B * H * NQ * NK * 4 + stats_bytes
 
 
 def test_recompute_node_saves_row_stats_of_b_h_n_2_float32(reports: dict[str, PathReport]) -> None:
@@ -53,7 +54,7 @@ def test_recompute_node_saves_row_stats_of_b_h_n_2_float32(reports: dict[str, Pa
     stats = node.saved[3]  # each query row's max m and log l
     assert stats.shape == (B, H, NQ, 2) and stats.dtype == torch.float32
     assert stats.nbytes == B * H * NQ * 2 * 4
-    assert node.none_slots == 2  # the mask tensors (bias, keep) of a call without a mask
+    assert node.none_slots == 3  # O (not needed) and the mask tensors of a call without a mask
 
 
 def test_flash_node_saves_q_k_v_o_and_row_stats(reports: dict[str, PathReport]) -> None:

@@ -8,13 +8,8 @@ import torch
 import attngrad
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
-from attngrad.strategies.flash import (
-    backward_into,
-    forward,
-    key_schedule,
-    schedule,
-    tiles,
-)
+from attngrad.strategies.flash import backward_into, forward, tiles
+from attngrad.tiling import key_schedule, schedule
 from attngrad.verify import make_inputs, outputs_and_grads, strategy_fn
 from helpers import assert_rule, case
 
@@ -171,13 +166,13 @@ def test_backward_into_adds_to_what_the_accumulators_hold():
     o, saved = forward(q, k, v, mask, 0.3, (8, 8))
     assert saved["stats"].shape == (1, 4, 30, 2) and saved["o"] is o
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    backward_into((dq, dk, dv, None), dout, q, k, v, saved, mask, 0.3, (8, 8))
+    backward_into((dq, dk, dv, None), dout, None, q, k, v, saved, mask, 0.3, (8, 8))
     assert_rule(c, inputs, {"out": o, "dq": dq, "dk": dk, "dv": dv})
     # into held values: their sum (held values small, so the sum's rounding stays
     # within the rule's floor of the gradient itself)
     start = [torch.randn_like(t) / 64 for t in (q, k, v)]
     grads = [t.clone() for t in start]
-    backward_into((*grads, None), dout, q, k, v, saved, mask, 0.3, (8, 8))
+    backward_into((*grads, None), dout, None, q, k, v, saved, mask, 0.3, (8, 8))
     added = [g - s for g, s in zip(grads, start, strict=True)]
     assert not any(torch.equal(a, g) for a, g in zip(added, grads, strict=True))
     assert_rule(c, inputs, dict(zip(("dq", "dk", "dv"), added, strict=True)))

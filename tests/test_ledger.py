@@ -56,12 +56,14 @@ def test_formulas_by_hand():
     # B=1, Hq=8, Hkv=2, Nq=Nk=1024, d=dv=64, float32 (b=4, l=4; two statistics per row)
     lo = _layout((1, 8, 2, 1024, 1024, 64, 64), torch.float32)
     qkv = 4 * (8 * 1024 * 64 + 2 * 2 * 1024 * 64)
-    assert predicted_saved_bytes("explicit", lo) == qkv + 4 * 8 * 1024 * 1024
+    stats = 2 * 4 * 8 * 1024
+    assert predicted_saved_bytes("explicit", lo) == qkv + 4 * 8 * 1024 * 1024 + stats
     assert predicted_saved_bytes("recompute", lo) == qkv + 2 * 4 * 8 * 1024
     assert predicted_saved_bytes("flash", lo) == qkv + 4 * 8 * 1024 * 64 + 2 * 4 * 8 * 1024
-    # the course chapter's C_saved = b(3BNd + BN^2): H = 1, Nq = Nk
+    # the course chapter's C_saved = b(3BNd + BN^2) (+ the row statistics): H = 1, Nq = Nk
     seed = _layout((2, 1, 1, 100, 100, 16, 16), torch.float64)
-    assert predicted_saved_bytes("explicit", seed) == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100)
+    row_stats = 2 * 8 * 2 * 100
+    assert predicted_saved_bytes("explicit", seed) == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100) + row_stats
     assert predicted_saved_bytes("recompute", seed) == 8 * 3 * 2 * 100 * 16 + 2 * 8 * 2 * 100
     assert predicted_saved_bytes("sdpa-math", seed) is None
 

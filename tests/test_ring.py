@@ -166,7 +166,7 @@ def _block_backward(kernel, inputs, o, stats, cols, scale=0.5):
     for c in cols:
         kc, vc = k[:, :, c], v[:, :, c]
         impl.backward_into(
-            (dq, dk[:, :, c], dv[:, :, c], None), dout, q, kc, vc, {"o": o, "stats": stats},
+            (dq, dk[:, :, c], dv[:, :, c], None), dout, None, q, kc, vc, {"o": o, "stats": stats},
             Block(slice(0, q.shape[2]), c, False).mask(k.shape[1]), scale,
             impl.tiles(Shapes.of(q, kc, vc), q.dtype, None, None),
         )  # fmt: skip

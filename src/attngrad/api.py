@@ -32,7 +32,8 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Scaled-dot-product attention with a hand-written backward.
 
     Same arguments and conventions as
@@ -77,6 +78,17 @@ def attention(
       finds flash faster on CPU.
     * ``block_q``, ``block_k``: tile sizes of the tiled strategies (default:
       chosen from the shape).
+    * ``return_lse=True`` returns ``(out, lse)``: lse ``[..., Hq, Nq]`` is the
+      natural log-sum-exp of each row's scaled, masked scores (float32 for
+      16/32-bit inputs, float64 for float64; -inf on a row that attends
+      nothing), differentiable like the output.
+
+    Every derivative works on every strategy: backward, double backward
+    (``create_graph=True``), forward mode (``torch.func.jvp``,
+    ``torch.autograd.forward_ad``) and the ``torch.func`` transforms
+    (``grad``, ``vjp``, ``vmap``, ``jacrev``, ``jacfwd``, ``hessian``), at
+    the strategy's memory cost: the tiled strategies stay O(N) under all of
+    them.  Third derivatives raise NotImplementedError.
 
     ``dropout_p`` must be 0.0 (dropout is not implemented yet).
 
@@ -99,5 +111,8 @@ def attention(
     mask = Mask.build(attn_mask, is_causal, band, shapes)
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     options = {"block_q": block_q, "block_k": block_k} if name in TILED else {}
-    o = base.attention(MODULES[name], q, k, v, mask, s, **options)
-    return o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)
+    o, lse = base.attention(MODULES[name], q, k, v, mask, s, **options)
+    out = o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)
+    if return_lse:
+        return out, lse.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q)
+    return out

@@ -83,6 +83,6 @@ class CustomAttention(torch.autograd.Function):
         )
         with torch.no_grad():  # the hand-written backward is not itself differentiated
             explicit.backward_into(
-                (dq, dk, dv, None), dout, q, k, v, {"p": p}, mask, ctx.scale, ctx.rows
+                (dq, dk, dv, None), dout, None, q, k, v, {"p": p}, mask, ctx.scale, ctx.rows
             )
         return tuple(None if g is None else g.squeeze(1).to(q.dtype) for g in (dq, dk, dv))

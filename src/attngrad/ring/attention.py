@@ -15,7 +15,7 @@ the row stays O = 0, l = 0 (never NaN).
 Backward needs, for each block, only P = exp((S - m) - log l) with the
 *final* statistics, and Delta = rowsum(dO * O) with the *final* O:
 
-    dV_blk = P^T dO    dS = P * (dO v_blk^T - Delta)    dq += s dS k_blk    dK_blk = s dS^T q
+    dV_blk = P^T dO    dS = P * (dO v_blk^T - Delta + dlse)    dq += s dS k_blk    dK_blk = s dS^T q
 
 so the block kernel's backward runs unchanged on each (q shard, k/v block)
 pair.  k/v travel the ring again, and each block's dK/dV travel with it,
@@ -36,13 +36,12 @@ from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
 from attngrad.contract import Shapes, validate_attention
-from attngrad.ops import compute_dtype, log_normalizer
+from attngrad.ops import compute_dtype, log_normalizer, lse
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
 from attngrad.strategies import MODULES, unavailable_reason
 from attngrad.strategies import triton as triton_strategy
-from attngrad.strategies.first_order import first_order_only
 
 __all__ = ["BLOCK_STRATEGIES", "block_strategy", "merge_partial_", "ring_attention"]
 
@@ -167,6 +166,7 @@ HEAD_GROUPS = 4
 
 def ring_backward(
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -176,6 +176,8 @@ def ring_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shard (input dtype); shapes as in `ring_forward`.
+
+    dlse: [B, Hq, n], the cotangent of lse (None: lse unused).
 
     The kv heads are cut into up to `HEAD_GROUPS` groups (a GQA group's query
     heads go with their kv head) and each group's gradients come from a ring
@@ -191,7 +193,7 @@ def ring_backward(
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
         dk[:, kh], dv[:, kh] = _ring_backward_group(
-            dq[:, qh], dout[:, qh], q[:, qh], k[:, kh].contiguous(), v[:, kh].contiguous(),
+            dq[:, qh], dout[:, qh], None if dlse is None else dlse[:, qh], q[:, qh], k[:, kh].contiguous(), v[:, kh].contiguous(),
             o[:, qh], stats[:, qh], ring, scale,
         )  # fmt: skip
     return dq.to(q.dtype), dk, dv
@@ -200,6 +202,7 @@ def ring_backward(
 def _ring_backward_group(
     dq: torch.Tensor,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -229,8 +232,9 @@ def _ring_backward_group(
             grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols), None)
             qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
+            dlse_b = None if dlse is None else _rows(dlse, blk.rows)
             ring.impl.backward_into(
-                grads, _rows(dout, blk.rows), qb, kb, vb, final, blk.mask(hkv), scale,
+                grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final, blk.mask(hkv), scale,
                 _tiles(ring.impl, qb, kb, vb),
             )  # fmt: skip
 
@@ -257,7 +261,10 @@ def _ring_backward_group(
 
 
 class RingAttention(torch.autograd.Function):
-    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv]."""
+    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv].
+
+    Returns (O, lse).  First order only: its backward is a ring of its own.
+    """
 
     @staticmethod
     def forward(
@@ -267,17 +274,28 @@ class RingAttention(torch.autograd.Function):
         v: torch.Tensor,
         ring: _Ring,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         o, stats = ring_forward(q, k, v, ring, scale)
         ctx.save_for_backward(q, k, v, o, stats)
         ctx.ring, ctx.scale = ring, scale
-        return o
+        ctx.set_materialize_grads(False)
+        return o, lse(stats)
 
     @staticmethod
-    @first_order_only("ring")
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: FunctionCtx, dout: torch.Tensor | None, dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would be differentiated
+            raise NotImplementedError(
+                "ring_attention has no double backward: its gradients cannot be differentiated "
+                "again (create_graph=True, e.g. a gradient penalty). attngrad.attention has "
+                "double backward on every strategy (at O(N) memory with strategy='flash'); "
+                "use it on the gathered sequence for that."
+            )
         q, k, v, o, stats = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, o, stats, ctx.ring, ctx.scale)
+        if dout is None:
+            dout = torch.zeros_like(o)
+        dq, dk, dv = ring_backward(dout, dlse, q, k, v, o, stats, ctx.ring, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -304,7 +322,8 @@ def ring_attention(
     layout: str = "contiguous",
     timeout: float = DEFAULT_TIMEOUT,
     strategy: str | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention over a sequence sharded across the ranks of ``group``; each rank passes its shard.
 
     q: [..., Hq, N/P, d], k: [..., Hkv, N/P, d], v: [..., Hkv, N/P, dv] -> [..., Hq, N/P, dv],
@@ -321,6 +340,9 @@ def ring_attention(
     raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
     called).  ``strategy``: the per-block kernel, one of `BLOCK_STRATEGIES`
     (None: triton on CUDA when Triton is installed, else flash).
+    ``return_lse=True`` returns ``(out, lse)`` as `attngrad.attention` does:
+    lse [..., Hq, N/P], this shard's rows' log-sum-exp over the full sequence.
+    First order only: ``create_graph=True`` raises NotImplementedError.
 
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
@@ -343,8 +365,9 @@ def ring_attention(
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(
-            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, strategy=strategy
-        )
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, strategy=strategy,
+            return_lse=return_lse,
+        )  # fmt: skip
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     comm = RingComm(ring_group, float(timeout))
     check_same_shards(comm, q, shapes, is_causal, layout, s)
@@ -355,5 +378,6 @@ def ring_attention(
     kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
     vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
     ring = _Ring(comm, layout, is_causal, MODULES[strategy])
-    o = RingAttention.apply(qb, kb, vb, ring, s)
-    return o.reshape(*shapes.lead, hq, n, shapes.value_dim)
+    o, lse_ = RingAttention.apply(qb, kb, vb, ring, s)
+    out = o.reshape(*shapes.lead, hq, n, shapes.value_dim)
+    return (out, lse_.reshape(*shapes.lead, hq, n)) if return_lse else out

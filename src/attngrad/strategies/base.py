@@ -7,21 +7,30 @@ v: [B, Hkv, Nk, dv] and a `attngrad.masks.Mask`, a strategy module ``m`` has:
     m.tiles(shapes, dtype, block_q, block_k) -> tiles  its tile choice (raises on bad sizes)
     m.forward(q, k, v, mask, scale, tiles) -> (O, saved)
         O: [B, Hq, Nq, dv] in the input dtype, a base tensor (callers may edit it);
-        saved: {name: tensor}, what backward needs beyond q, k, v
-    m.backward_into(grads, dout, q, k, v, saved, mask, scale, tiles) -> None
+        saved: {name: tensor}, what backward needs beyond q, k, v, always with
+        "stats" [B, Hq, Nq, 2] = (m, log l) (lse comes from it); "o" is O itself
+    m.backward_into(grads, dout, dlse, q, k, v, saved, mask, scale, tiles) -> None
         adds this call's gradients into grads = (dq, dk, dv, dbias): accumulators in
         the compute dtype shaped like q, k, v and the bias (views welcome), each
-        None when not wanted
+        None when not wanted; dlse [B, Hq, Nq] (or None) is lse's cotangent,
+        which joins dS as dlse * P
+    m.probabilities(q, k, saved, mask, scale) -> p_tile
+        p_tile(rows, cols) -> P's tile [B, Hkv, G*r, c] in the compute dtype (read
+        only): the saved P, or rebuilt from the statistics.  Forward mode
+        (`attngrad.strategies.tangent`) and the second-order backward
+        (`attngrad.strategies.second_order`) walk tiles of it.
     m.saves(shapes) -> {name: (shape, kind)}           the declaration of ``saved``:
         kind "input" is stored in the input dtype, "stats" in the compute dtype
     m.KEEPS_MASK                                       whether backward reads the mask again
     m.Function                                         its named `AttentionFunction`
 
 `AttentionFunction` saves q, k, v, the strategy's ``saved`` and (when
-``KEEPS_MASK``) the caller's mask, and runs ``backward_into`` on fresh
-accumulators.  Each strategy names a subclass of its own so the autograd
-graph says which path ran (``FlashAttentionBackward``).  `saved_bytes` turns
-a declaration into bytes: the one place the saved-memory formula lives.
+``KEEPS_MASK``) the caller's mask; its backward is
+`attngrad.strategies.gradients.AttentionGradients`, itself differentiable,
+so every strategy has double backward, forward mode and vmap.  Each strategy
+names a subclass of its own so the autograd graph says which path ran
+(``FlashAttentionBackward``).  `saved_bytes` turns a declaration into bytes:
+the one place the saved-memory formula lives.
 """
 
 from __future__ import annotations
@@ -34,8 +43,9 @@ from torch.autograd.function import FunctionCtx
 
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
-from attngrad.ops import compute_dtype
-from attngrad.strategies.first_order import refuse_double_backward
+from attngrad.ops import compute_dtype, lse
+from attngrad.strategies import batching, tangent
+from attngrad.strategies.gradients import AttentionGradients
 
 __all__ = ["AttentionFunction", "Grads", "attention", "saved_bytes"]
 
@@ -57,17 +67,29 @@ def saved_bytes(impl: ModuleType, shapes: Shapes, dtype: torch.dtype, mask_bytes
     return total + (mask_bytes if impl.KEEPS_MASK else 0)
 
 
+def _saved_names(impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
+    """The names of what the strategy saves beyond q, k, v and O (which is an output)."""
+    return tuple(n for n in impl.saves(Shapes.of(q, k, v)) if n != "o")
+
+
 class AttentionFunction(torch.autograd.Function):
     """autograd.Function over q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
 
-    ``bias`` and ``keep`` are ``mask.tensors`` passed as arguments so that
-    autograd routes the bias gradient ([Bm, Hm, Nqm, Nkm], like the bias);
-    ``impl`` is the strategy module.
+    Outputs (O [B, Hq, Nq, dv], lse [B, Hq, Nq] in the compute dtype, then the
+    strategy's ``saved`` tensors, non-differentiable): torch.func saves only
+    inputs and outputs, so what backward needs is returned.  ``bias`` and
+    ``keep`` are ``mask.tensors`` passed as arguments so that autograd routes
+    the bias gradient ([Bm, Hm, Nqm, Nkm], like the bias); ``impl`` is the
+    strategy module.  Backward is `AttentionGradients` (itself differentiable:
+    double backward), forward mode is `attngrad.strategies.tangent`, and
+    vmap folds the vmapped dim into the batch (`attngrad.strategies.batching`).
     """
+
+    MASKS = (3, 4)  # bias, keep
+    MASK_OUTPUTS: dict[int, int] = {}
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -77,46 +99,53 @@ class AttentionFunction(torch.autograd.Function):
         scale: float,
         tiles: object,
         impl: ModuleType,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
         o, saved = impl.forward(q, k, v, mask.with_tensors(bias, keep), scale, tiles)
-        kept = (bias, keep) if impl.KEEPS_MASK else (None, None)
-        ctx.save_for_backward(q, k, v, *saved.values(), *kept)  # type: ignore[arg-type]
-        ctx.names, ctx.impl = tuple(saved), impl
-        ctx.band, ctx.scale, ctx.tiles = mask.with_tensors(None, None), scale, tiles
-        ctx.bias_shape = None if bias is None else bias.shape
-        return o
+        return (o, lse(saved["stats"]), *(saved[n] for n in _saved_names(impl, q, k, v)))
 
     @staticmethod
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        refuse_double_backward(ctx.impl.__name__.rsplit(".", 1)[-1])
-        q, k, v, *rest = ctx.saved_tensors
-        n = len(ctx.names)
-        saved, (bias, keep) = dict(zip(ctx.names, rest[:n], strict=True)), rest[n:]
-        dtype = compute_dtype(q.dtype)
-        need = ctx.needs_input_grad
+    def setup_context(ctx: FunctionCtx, inputs: tuple[object, ...], output: object) -> None:
+        q, k, v, bias, keep, mask, scale, tiles, impl = inputs
+        o, _, *saved = output  # type: ignore[misc]
+        ctx.mark_non_differentiable(*saved)
+        ctx.set_materialize_grads(False)
+        # the mask when backward masks again; a bias that requires grad also for its gradient
+        keeps = impl.KEEPS_MASK  # type: ignore[attr-defined]
+        kept_bias = bias if keeps or (bias is not None and bias.requires_grad) else None  # type: ignore[union-attr]
+        needs_o = "o" in impl.saves(Shapes.of(q, k, v))  # type: ignore[attr-defined,arg-type]
+        ctx.save_for_backward(q, k, v, o if needs_o else None, kept_bias, keep if keeps else None, *saved)
+        ctx.save_for_forward(q, k, v, o, bias, keep, *saved)
+        ctx.names = _saved_names(impl, q, k, v)  # type: ignore[arg-type]
+        ctx.impl, ctx.mask, ctx.scale, ctx.tiles = impl, mask.with_tensors(None, None), scale, tiles
 
-        def zeros(like: torch.Tensor | torch.Size | None, wanted: bool) -> torch.Tensor | None:
-            if like is None or not wanted:
-                return None
-            shape = like.shape if isinstance(like, torch.Tensor) else like
-            return torch.zeros(shape, dtype=dtype, device=q.device)
+    @staticmethod
+    def backward(
+        ctx: FunctionCtx, dout: torch.Tensor | None, dlse: torch.Tensor | None, *_: object
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, bias, keep, *saved = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        need = tuple(ctx.needs_input_grad[:4])
+        grads = batching.apply(
+            AttentionGradients, dout, dlse, q, k, v, bias, keep, o, *saved,
+            ctx.names, ctx.mask, ctx.scale, ctx.tiles, ctx.impl, need,
+        )  # fmt: skip
+        return (*grads, None, None, None, None, None)
 
-        grads = (zeros(q, need[0]), zeros(k, need[1]), zeros(v, need[2]))
-        dbias = zeros(ctx.bias_shape, need[3])
-        mask = ctx.band.with_tensors(bias, keep)
-        ctx.impl.backward_into((*grads, dbias), dout, q, k, v, saved, mask, ctx.scale, ctx.tiles)
-        dq, dk, dv = (None if g is None else g.to(q.dtype) for g in grads)
-        return (
-            dq,
-            dk,
-            dv,
-            None if dbias is None else dbias.to(q.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+    @staticmethod
+    def jvp(ctx: FunctionCtx, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, bias, keep, *saved = ctx.saved_tensors
+        do, dlse = batching.apply(
+            tangent.OutputTangent, *tangents[:4], q, k, v, o, bias, keep, *saved,
+            ctx.names, ctx.mask, ctx.scale, ctx.tiles, ctx.impl,
+        )  # fmt: skip
+        return (do, dlse, *(None for _ in saved))
+
+    @staticmethod
+    def vmap(
+        info: object, in_dims: tuple[int | None, ...], *args: object
+    ) -> tuple[tuple[object, ...], tuple[int, ...]]:
+        return batching.vmap_rule(args[-1].Function, info, in_dims, args)  # type: ignore[attr-defined]
 
 
 def attention(
@@ -128,8 +157,10 @@ def attention(
     scale: float,
     block_q: int | None = None,
     block_k: int | None = None,
-) -> torch.Tensor:
-    """O: [B, Hq, Nq, dv] of strategy ``impl`` for q: [B, Hq, Nq, d], k, v: [B, Hkv, Nk, d | dv].
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O: [B, Hq, Nq, dv], lse: [B, Hq, Nq]) of strategy ``impl`` for q: [B, Hq, Nq, d], k, v.
+
+    lse is in the compute dtype, -inf on rows that attend nothing.
 
     RuntimeError when the strategy cannot run on these tensors here.
     """
@@ -137,4 +168,5 @@ def attention(
     if reason is not None:
         raise RuntimeError(reason)
     tiles = impl.tiles(Shapes.of(q, k, v), q.dtype, block_q, block_k)
-    return impl.Function.apply(q, k, v, *mask.tensors, mask, scale, tiles, impl)
+    o, lse_, *_ = impl.Function.apply(q, k, v, *mask.tensors, mask, scale, tiles, impl)
+    return o, lse_

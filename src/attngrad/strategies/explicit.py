@@ -35,6 +35,7 @@ __all__ = [
     "forward",
     "masked_scores",
     "output_and_stats",
+    "probabilities",
     "saves",
     "tiles",
     "unavailable_reason",
@@ -62,8 +63,9 @@ def tiles(shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int 
 
 
 def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """P: [B, Hq, Nq, Nk] in the input dtype."""
-    return {"p": ((shapes.batch, shapes.heads_q, shapes.seq_q, shapes.seq_k), "input")}
+    """P: [B, Hq, Nq, Nk] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
+    rows = (shapes.batch, shapes.heads_q, shapes.seq_q)
+    return {"p": ((*rows, shapes.seq_k), "input"), "stats": ((*rows, 2), "stats")}
 
 
 def masked_scores(
@@ -128,16 +130,18 @@ def _forward_chunks(
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, tiles: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """O: [B, Hq, Nq, dv] and {"p": P [B, Hq, Nq, Nk]}, both in the input dtype.
+    """O: [B, Hq, Nq, dv] and {"p": P [B, Hq, Nq, Nk], "stats": [B, Hq, Nq, 2]}.
 
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; O and P in the
+    input dtype, the row statistics (m, log l; they give lse) in the compute dtype.
     """
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     p = q.new_zeros(b, hkv, g, nq, nk) if mask.banded else q.new_empty(b, hkv, g, nq, nk)
-    o = _forward_chunks(q, k, v, mask, scale, tiles, p, stats=None)
-    return o, {"p": p.view(b, hq, nq, nk)}
+    stats = torch.empty(b, hkv, g, nq, 2, dtype=ops.compute_dtype(q.dtype), device=q.device)
+    o = _forward_chunks(q, k, v, mask, scale, tiles, p, stats)
+    return o, {"p": p.view(b, hq, nq, nk), "stats": stats.view(b, hq, nq, 2)}
 
 
 def output_and_stats(
@@ -158,6 +162,7 @@ def output_and_stats(
 def backward_chunks(
     grads: Grads,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -167,6 +172,8 @@ def backward_chunks(
     rows_per_chunk: int,
 ) -> None:
     """Add (dq, dk, dv, dbias) from dout: [B, Hq, Nq, dv] into ``grads``, chunk by chunk of P.
+
+    dlse: [B, Hq, Nq], lse's cotangent, or None; it adds dlse * P to dS.
 
     ``p_chunk(rows, cols)`` gives P's chunk as [B, Hkv, G*r, c] in the
     compute dtype: read from the saved P or rebuilt from the row statistics
@@ -179,6 +186,7 @@ def backward_chunks(
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     need_ds = dq is not None or dk is not None or dbias is not None
     q5, do5 = group_heads(q, hkv), group_heads(dout, hkv)
+    dlse5 = None if dlse is None else group_heads(dlse.unsqueeze(-1), hkv)
     k, v = k.to(dtype), v.to(dtype)
     for rows, cols in chunks(mask, rows_per_chunk):
         r, c = rows.stop - rows.start, cols.stop - cols.start
@@ -189,6 +197,8 @@ def backward_chunks(
         if not need_ds:
             continue
         ds = ops.softmax_backward_(p_c, ops.probability_gradient(do_c, v[:, :, cols]))
+        if dlse5 is not None:  # lse = m + log l: d lse / dS = P
+            ds.addcmul_(p_c, take_rows(dlse5, rows).to(dtype))
         if dbias is not None:
             add_bias_gradient_(dbias, ds.view(b, hkv, g, r, c), rows, cols)
         if dq is not None or dk is not None:
@@ -200,9 +210,27 @@ def backward_chunks(
                 dk[:, :, cols] += dk_c
 
 
+def probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    mask: Mask,
+    scale: float,
+) -> ProbabilityChunks:
+    """Tiles of the saved P: (rows, cols) -> [B, Hkv, G*r, c] in the compute dtype, read only."""
+    p5 = group_heads(saved["p"], k.shape[1])
+    dtype = ops.compute_dtype(q.dtype)
+
+    def p_chunk(rows: slice, cols: slice) -> torch.Tensor:
+        return take_rows(p5[..., cols], rows).to(dtype)
+
+    return p_chunk
+
+
 def backward_into(
     grads: Grads,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -212,13 +240,8 @@ def backward_into(
     tiles: int,
 ) -> None:
     """`backward_chunks` on the saved P: [B, Hq, Nq, Nk] (read, never written)."""
-    p5 = group_heads(saved["p"], k.shape[1])
-    dtype = ops.compute_dtype(q.dtype)
-
-    def p_chunk(rows: slice, cols: slice) -> torch.Tensor:
-        return take_rows(p5[..., cols], rows).to(dtype)
-
-    backward_chunks(grads, dout, q, k, v, p_chunk, mask, scale, tiles)
+    p_chunk = probabilities(q, k, saved, mask, scale)
+    backward_chunks(grads, dout, dlse, q, k, v, p_chunk, mask, scale, tiles)
 
 
 class ExplicitAttention(AttentionFunction):

@@ -21,8 +21,6 @@ log2(e) would overflow).  Saved bytes: b * (B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-
 import torch
 
 from attngrad.contract import Shapes
@@ -30,6 +28,8 @@ from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_
 from attngrad.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
 from attngrad.strategies.base import AttentionFunction, Grads
+from attngrad.strategies.recompute import probabilities
+from attngrad.tiling import key_schedule, schedule, tile_sizes
 
 __all__ = [
     "KEEPS_MASK",
@@ -37,9 +37,8 @@ __all__ = [
     "Function",
     "backward_into",
     "forward",
-    "key_schedule",
+    "probabilities",
     "saves",
-    "schedule",
     "tiles",
     "unavailable_reason",
 ]
@@ -57,59 +56,14 @@ def unavailable_reason(device: torch.device) -> str | None:
 def tiles(
     shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
 ) -> tuple[int, int]:
-    """Tile sizes (block_q, block_k) for the shape, unless given; never beyond Nq, Nk.
-
-    Measured on CPU (B=1, H=8, N=4096, d=64, float32, tiles timed side by side
-    in one process): 256 folded query rows (block_q * G: GQA groups share a
-    key tile) by 256 keys ran forward 12% faster than 128 x 1024 without a
-    mask and 25% faster with is_causal, and the key-block backward 20%
-    faster; 64-row tiles pay more per-op overhead than their matmuls gain,
-    2048-key tiles fall out of cache.  256 KiB of float32 scores per (batch, head).
-    """
-    bk = min(block_k or 256, max(shapes.seq_k, 1))
-    bq = min(block_q or max(1, 256 // shapes.groups), max(shapes.seq_q, 1))
-    return bq, bk
+    """`attngrad.tiling.tile_sizes`: the given sizes or the measured defaults."""
+    return tile_sizes(shapes, block_q, block_k)
 
 
 def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
     """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
     rows = (shapes.batch, shapes.heads_q, shapes.seq_q)
     return {"o": ((*rows, shapes.value_dim), "input"), "stats": ((*rows, 2), "stats")}
-
-
-def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[slice]]]:
-    """The tiles to visit: each block of query rows with the key tiles it needs.
-
-    Key tiles outside ``mask.key_span(rows)`` (entirely masked by the causal or
-    window band) are left out; the last tile of a span may be short.
-    """
-    block_q, block_k = blocks
-    for r0 in range(0, mask.seq_q, block_q):
-        rows = slice(r0, min(r0 + block_q, mask.seq_q))
-        c_lo, c_hi = mask.key_span(rows)
-        yield rows, [slice(c0, min(c0 + block_k, c_hi)) for c0 in range(c_lo, c_hi, block_k)]
-
-
-def key_schedule(
-    mask: Mask, blocks: tuple[int, int]
-) -> Iterator[tuple[slice, list[tuple[slice, slice]]]]:
-    """The tiles to visit key block by key block (backward's order).
-
-    Yields each block of keys ``cols`` with the (rows, keys) pairs inside it:
-    every block of query rows whose band reaches the block, with the part of
-    ``cols`` that band allows (all of it except near a causal/window edge).
-    """
-    block_q, block_k = blocks
-    row_blocks = [slice(r0, min(r0 + block_q, mask.seq_q)) for r0 in range(0, mask.seq_q, block_q)]
-    spans = [mask.key_span(rows) for rows in row_blocks]
-    for c0 in range(0, mask.seq_k, block_k):
-        cols = slice(c0, min(c0 + block_k, mask.seq_k))
-        pairs = []
-        for rows, (lo, hi) in zip(row_blocks, spans, strict=True):
-            keys = slice(max(lo, cols.start), min(hi, cols.stop))
-            if keys.start < keys.stop:
-                pairs.append((rows, keys))
-        yield cols, pairs
 
 
 def _scratch(buf: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -173,6 +127,7 @@ def forward(
 def backward_into(
     grads: Grads,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -185,7 +140,7 @@ def backward_into(
 
     dq: like q, dk: like k, dv: like v, in the compute dtype (views of larger
     accumulators are fine, e.g. ring attention's); dbias: like the bias; None
-    for any not wanted.  dout: [B, Hq, Nq, dv]; saved: `forward`'s O and
+    for any not wanted.  dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: `forward`'s O and
     stats, or (ring attention) the final O and stats of these rows over
     every key.  Key block by key block
     (`key_schedule`): the block's dK and dV sit in contiguous buffers that
@@ -203,6 +158,8 @@ def backward_into(
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     # Delta = rowsum(dO * O), as one batched dot per row: no [.., Nq, dv] product is formed
     delta = torch.einsum("bhgnd,bhgnd->bhgn", do5, group_heads(o, hkv).to(dtype)).unsqueeze(-1)
+    if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
+        delta -= group_heads(dlse.to(dtype), hkv).unsqueeze(-1)
     stats5 = group_heads(stats, hkv)  # (B, Hkv, G, Nq, 2)
     q5, dq5 = group_heads(q, hkv), None if dq is None else group_heads(dq, hkv)
     k, v = k.to(dtype), v.to(dtype)

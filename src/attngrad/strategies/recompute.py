@@ -26,6 +26,7 @@ __all__ = [
     "RecomputeAttention",
     "backward_into",
     "forward",
+    "probabilities",
     "saves",
     "tiles",
     "unavailable_reason",
@@ -50,21 +51,17 @@ def forward(
     return o, {"stats": stats}
 
 
-def backward_into(
-    grads: Grads,
-    dout: torch.Tensor,
+def probabilities(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
     saved: dict[str, torch.Tensor],
     mask: Mask,
     scale: float,
-    tiles: int,
-) -> None:
-    """`explicit.backward_chunks` on chunks of P = exp((S - m) - log l), rebuilt on demand.
+) -> explicit.ProbabilityChunks:
+    """Tiles of P = exp((S - m) - log l), rebuilt from saved["stats"]: [B, Hkv, G*r, c].
 
-    S comes from the same `explicit.masked_scores` chunks as in forward, so it
-    is bit for bit the S the statistics were taken from.
+    S comes from the same `explicit.masked_scores` as in forward, so it is
+    bit for bit the S the statistics were taken from; compute dtype, fresh.
     """
     hkv = k.shape[1]
     q5, kc = group_heads(q, hkv), k.to(ops.compute_dtype(q.dtype))
@@ -74,7 +71,24 @@ def backward_into(
         s = explicit.masked_scores(q5, kc, mask, scale, rows, cols)  # (B, Hkv, G, r, c)
         return ops.probabilities_(s, stats5[:, :, :, rows]).flatten(2, 3)
 
-    explicit.backward_chunks(grads, dout, q, k, v, p_chunk, mask, scale, tiles)
+    return p_chunk
+
+
+def backward_into(
+    grads: Grads,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    mask: Mask,
+    scale: float,
+    tiles: int,
+) -> None:
+    """`explicit.backward_chunks` on chunks of P rebuilt on demand (`probabilities`)."""
+    p_chunk = probabilities(q, k, saved, mask, scale)
+    explicit.backward_chunks(grads, dout, dlse, q, k, v, p_chunk, mask, scale, tiles)
 
 
 class RecomputeAttention(AttentionFunction):

@@ -27,7 +27,7 @@ import torch
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.ops import LOG2E, compute_dtype
-from attngrad.strategies import flash
+from attngrad.strategies import flash, recompute
 from attngrad.strategies.base import AttentionFunction, Grads
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "check_head_dims",
     "choose_blocks",
     "forward",
+    "probabilities",
     "saves",
     "tiles",
     "unavailable_reason",
@@ -46,6 +47,7 @@ __all__ = [
 
 KEEPS_MASK = True  # the backward kernels mask each rebuilt tile again
 saves = flash.saves  # the same O and stats as flash
+probabilities = recompute.probabilities  # P rebuilt from them, for forward mode and second order
 
 MAX_HEAD_DIM = 256
 
@@ -223,6 +225,7 @@ def forward(
 def backward_into(
     grads: Grads,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -252,6 +255,8 @@ def backward_into(
         o, dout, delta, nq, dv_dim,
         BLOCK_M=block_m, BLOCK_DV=problem["BLOCK_DV"], ACC=options["ACC"],
     )  # fmt: skip
+    if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
+        delta -= dlse.to(delta.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     block_m, block_n = blocks["dkdv"]
     kernels.attention_dkdv[(b * hkv, _cdiv(nk, block_n))](
