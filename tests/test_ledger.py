@@ -63,7 +63,10 @@ def test_formulas_by_hand():
     # the course chapter's C_saved = b(3BNd + BN^2) (+ the row statistics): H = 1, Nq = Nk
     seed = _layout((2, 1, 1, 100, 100, 16, 16), torch.float64)
     row_stats = 2 * 8 * 2 * 100
-    assert predicted_saved_bytes("explicit", seed) == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100) + row_stats
+    assert (
+        predicted_saved_bytes("explicit", seed)
+        == 8 * (3 * 2 * 100 * 16 + 2 * 100 * 100) + row_stats
+    )
     assert predicted_saved_bytes("recompute", seed) == 8 * 3 * 2 * 100 * 16 + 2 * 8 * 2 * 100
     assert predicted_saved_bytes("sdpa-math", seed) is None
 

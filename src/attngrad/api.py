@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -16,6 +17,63 @@ from attngrad.masks import Mask
 from attngrad.strategies import MODULES, STRATEGIES, TILED, base, resolve
 
 __all__ = ["attention"]
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    strategy: str = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+    return_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    strategy: str = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    strategy: str = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(

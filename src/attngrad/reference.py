@@ -1,6 +1,7 @@
 """The slow, obviously right attention every strategy is judged against.
 
-`reference_attention`: plain PyTorch ops differentiated by autograd.  k and v
+`reference_attention` (and `reference_lse`, the rows' log-sum-exp): plain
+PyTorch ops differentiated by autograd, to every order.  k and v
 are repeated per query head, the mask and the window are applied to a full
 score matrix, and rows that attend no key get P = 0.  Run in float64 it is
 the reference.
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["magnitudes", "plain_attention", "reference_attention"]
+__all__ = ["magnitudes", "plain_attention", "reference_attention", "reference_lse"]
 
 Window = tuple[int | None, int | None] | None
 
@@ -95,6 +96,26 @@ def reference_attention(
         query @ key.transpose(-2, -1) * _scale(query, scale), attn_mask, is_causal, window
     )
     return _softmax(s) @ value
+
+
+def reference_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+) -> torch.Tensor:
+    """log-sum-exp of each row's scaled, masked scores: [..., Hq, Nq]; -inf on a dead row.
+
+    Differentiable except on dead rows (whose gradient would be 0/0).
+    """
+    key, _ = _expand_kv(query, key, key, enable_gqa)
+    s, _ = _masked_scores(
+        query @ key.transpose(-2, -1) * _scale(query, scale), attn_mask, is_causal, window
+    )
+    return torch.logsumexp(s, dim=-1)
 
 
 def plain_attention(

@@ -17,7 +17,9 @@ from attngrad.masks import Mask
 __all__ = ["key_schedule", "schedule", "tile_sizes"]
 
 
-def tile_sizes(shapes: Shapes, block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
+def tile_sizes(
+    shapes: Shapes, block_q: int | None = None, block_k: int | None = None
+) -> tuple[int, int]:
     """Tile sizes (block_q, block_k) of a tiled pass, unless given; never beyond Nq, Nk.
 
     Measured on CPU (B=1, H=8, N=4096, d=64, float32, tiles timed side by side

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -67,7 +68,9 @@ def saved_bytes(impl: ModuleType, shapes: Shapes, dtype: torch.dtype, mask_bytes
     return total + (mask_bytes if impl.KEEPS_MASK else 0)
 
 
-def _saved_names(impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
+def _saved_names(
+    impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[str, ...]:
     """The names of what the strategy saves beyond q, k, v and O (which is an output)."""
     return tuple(n for n in impl.saves(Shapes.of(q, k, v)) if n != "o")
 
@@ -86,7 +89,7 @@ class AttentionFunction(torch.autograd.Function):
     """
 
     MASKS = (3, 4)  # bias, keep
-    MASK_OUTPUTS: dict[int, int] = {}
+    MASK_OUTPUTS: ClassVar[dict[int, int]] = {}
 
     @staticmethod
     def forward(
@@ -104,18 +107,19 @@ class AttentionFunction(torch.autograd.Function):
         return (o, lse(saved["stats"]), *(saved[n] for n in _saved_names(impl, q, k, v)))
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[object, ...], output: object) -> None:
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
         q, k, v, bias, keep, mask, scale, tiles, impl = inputs
-        o, _, *saved = output  # type: ignore[misc]
+        o, _, *saved = output
         ctx.mark_non_differentiable(*saved)
         ctx.set_materialize_grads(False)
         # the mask when backward masks again; a bias that requires grad also for its gradient
-        keeps = impl.KEEPS_MASK  # type: ignore[attr-defined]
-        kept_bias = bias if keeps or (bias is not None and bias.requires_grad) else None  # type: ignore[union-attr]
-        needs_o = "o" in impl.saves(Shapes.of(q, k, v))  # type: ignore[attr-defined,arg-type]
-        ctx.save_for_backward(q, k, v, o if needs_o else None, kept_bias, keep if keeps else None, *saved)
+        keeps = impl.KEEPS_MASK
+        kept_bias = bias if keeps or (bias is not None and bias.requires_grad) else None
+        needs_o = "o" in impl.saves(Shapes.of(q, k, v))
+        kept = (o if needs_o else None, kept_bias, keep if keeps else None)
+        ctx.save_for_backward(q, k, v, *kept, *saved)  # type: ignore[arg-type]
         ctx.save_for_forward(q, k, v, o, bias, keep, *saved)
-        ctx.names = _saved_names(impl, q, k, v)  # type: ignore[arg-type]
+        ctx.names = _saved_names(impl, q, k, v)
         ctx.impl, ctx.mask, ctx.scale, ctx.tiles = impl, mask.with_tensors(None, None), scale, tiles
 
     @staticmethod
@@ -142,10 +146,8 @@ class AttentionFunction(torch.autograd.Function):
         return (do, dlse, *(None for _ in saved))
 
     @staticmethod
-    def vmap(
-        info: object, in_dims: tuple[int | None, ...], *args: object
-    ) -> tuple[tuple[object, ...], tuple[int, ...]]:
-        return batching.vmap_rule(args[-1].Function, info, in_dims, args)  # type: ignore[attr-defined]
+    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        return batching.vmap_rule(args[-1].Function, info, in_dims, args)
 
 
 def attention(

@@ -21,6 +21,7 @@ log2(e) would overflow).  Saved bytes: b * (B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)
 from __future__ import annotations
 
 import math
+
 import torch
 
 from attngrad.contract import Shapes

@@ -26,7 +26,7 @@ Argument layout (tensors first, so vmap can fold them; see
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -39,7 +39,9 @@ from attngrad.strategies.second_order import second_order
 __all__ = ["AttentionGradients", "SecondOrder", "saved_dict"]
 
 
-def saved_dict(o: torch.Tensor | None, names: tuple[str, ...], saved: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+def saved_dict(
+    o: torch.Tensor | None, names: tuple[str, ...], saved: tuple[torch.Tensor, ...]
+) -> dict[str, torch.Tensor]:
     """The strategy's ``saved`` mapping, with the forward's O as "o" when kept."""
     out = dict(zip(names, saved, strict=True))
     if o is not None:
@@ -84,7 +86,7 @@ class AttentionGradients(torch.autograd.Function):
     """(dq, dk, dv, dbias) of a strategy, differentiable once more (see the module docstring)."""
 
     MASKS = (5, 6)  # bias, keep
-    MASK_OUTPUTS = {3: 5}  # dbias is the bias's gradient
+    MASK_OUTPUTS: ClassVar[dict[int, int]] = {3: 5}  # dbias is the bias's gradient
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
@@ -104,7 +106,9 @@ class AttentionGradients(torch.autograd.Function):
         ctx.options = (names, mask, scale, tiles, impl, need)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, *cotangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: FunctionCtx, *cotangents: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         tensors = ctx.saved_tensors
         names, mask, scale, tiles, impl, _ = ctx.options
         wants = tuple(ctx.needs_input_grad[:6])
@@ -132,7 +136,10 @@ class AttentionGradients(torch.autograd.Function):
                 SecondOrder, t_q, t_k, t_v, t_bias, *tensors, names, mask, scale, tiles, impl,
                 (False, False, *need),
             )[2:]  # fmt: skip
-            out = [a if b is None else (b if a is None else a + b) for a, b in zip(out, second, strict=True)]
+            out = [
+                a if b is None else (b if a is None else a + b)
+                for a, b in zip(out, second, strict=True)
+            ]
         return tuple(out)
 
     @staticmethod
@@ -144,7 +151,7 @@ class SecondOrder(torch.autograd.Function):
     """Gradients of <g, (dq, dk, dv, dbias)> w.r.t. (dout, dlse, q, k, v, bias); not differentiable."""
 
     MASKS = (3, 9, 10)  # g_bias, bias, keep
-    MASK_OUTPUTS = {5: 9}
+    MASK_OUTPUTS: ClassVar[dict[int, int]] = {5: 9}  # grad bias
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
@@ -155,7 +162,9 @@ class SecondOrder(torch.autograd.Function):
             saved_dict(o, names, tuple(saved)), mask.with_tensors(bias, keep), scale, tiles, need,
         )  # fmt: skip
         likes = (dout, dlse, q, k, v, bias)
-        return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, likes, strict=True))  # type: ignore[union-attr]
+        return tuple(
+            None if g is None else g.to(t.dtype) for g, t in zip(grads, likes, strict=True)
+        )  # type: ignore[union-attr]
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:

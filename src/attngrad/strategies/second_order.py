@@ -47,7 +47,9 @@ from attngrad.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
 
-Cotangents = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+Cotangents = tuple[
+    torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]
 
 
 def _rowsum(t: torch.Tensor) -> torch.Tensor:
@@ -107,14 +109,14 @@ def second_order(
                 pg = direction.tile(q_r, k, rows, keys, g).mul_(p)
                 r_r += _rowsum(pg)
                 pgdp += _rowsum(pg.mul_(dp))
-            if u_r is not None:
+            if u_r is not None and gv is not None:
                 u_r += torch.matmul(p, gv[:, :, keys])
         rho_r = pgdp - 2 * r_r * delta_r
         if dlse5 is not None:
             rho_r += r_r * take_rows(dlse5, rows)
-        if u_r is not None:
+        if u is not None and u_r is not None:
             rho_r += _rowsum(do_r * u_r)
-            u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)  # type: ignore[index]
+            u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)
         for full, part in ((delta, delta_r), (r_sum, r_r), (rho, rho_r)):
             full[:, :, :, rows] = part.view(b, hkv, g, n, 1)
 
@@ -162,7 +164,11 @@ def second_order(
                     part += torch.matmul(ds, direction.a_k[:, :, keys])
                 grad_q[:, :, :, rows] += part.view(b, hkv, g, n, d).mul_(scale)
             if grad_k is not None:
-                part = torch.zeros_like(kc) if s_hat is None else torch.matmul(s_hat.transpose(-2, -1), q_r)
+                part = (
+                    torch.zeros_like(kc)
+                    if s_hat is None
+                    else torch.matmul(s_hat.transpose(-2, -1), q_r)
+                )
                 if gq5 is not None:
                     part += torch.matmul(ds.transpose(-2, -1), take_rows(gq5, rows))
                 grad_k[:, :, keys] += part.mul_(scale)

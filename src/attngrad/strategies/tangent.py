@@ -30,7 +30,7 @@ accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -40,7 +40,7 @@ from attngrad.masks import Mask
 from attngrad.ops import compute_dtype
 from attngrad.strategies import batching
 from attngrad.strategies.linearized import Direction, blocks_for
-from attngrad.tiling import key_schedule, schedule
+from attngrad.tiling import schedule
 
 __all__ = ["OutputTangent", "output_tangent"]
 
@@ -101,7 +101,7 @@ class OutputTangent(torch.autograd.Function):
     """
 
     MASKS = (3, 8, 9)  # t_bias, bias, keep
-    MASK_OUTPUTS: dict[int, int] = {}
+    MASK_OUTPUTS: ClassVar[dict[int, int]] = {}
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
