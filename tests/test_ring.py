@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 import attngrad
 from attngrad.contract import Shapes
+from attngrad.reference import reference_attention, reference_lse
 from attngrad.ring import ring_attention, shard, unshard
 from attngrad.ring.attention import block_strategy, merge_partial_
 from attngrad.ring.comm import RingComm
@@ -403,6 +404,45 @@ def _run_case(rc: RingCase, full: dict, rank: int, world: int, group=None):
     return {"out": out.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}, unchanged
 
 
+def _lse_case(cases: list[tuple[RingCase, dict]]) -> tuple[RingCase, dict]:
+    """The first float64 causal case with GQA: where lse's gradient is checked."""
+    return next(
+        (rc, full)
+        for rc, full in cases
+        if rc.case.dtype == torch.float64 and rc.case.mask == "causal" and rc.case.shapes.groups > 1
+    )
+
+
+def _lse_shards(rc: RingCase, full: dict, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's lse shard and dq, dk, dv of a loss on out and lse (return_lse=True)."""
+    c = rc.case
+    mine = {n: shard(full[n], rank, world, rc.layout).to(c.dtype) for n in ("q", "k", "v", "dout")}
+    leaves = [mine[n].clone().requires_grad_() for n in "qkv"]
+    out, lse = ring_attention(
+        *leaves, is_causal=c.mask == "causal", scale=c.scale, layout=rc.layout, return_lse=True
+    )
+    loss = (out * mine["dout"]).sum() + lse.sin().sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return {"lse": lse.detach().unsqueeze(-1), **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
+
+
+def _assert_lse(ranks: list[dict], world: int) -> None:
+    """lse and the gradients of the loss on it, gathered, against the float64 composite."""
+    rc, full = _lse_case(_cases(world))
+    c = rc.case
+    got = {
+        n: unshard([res["lse"][n] for res in ranks], rc.layout) for n in ("lse", "dq", "dk", "dv")
+    }
+    leaves = [full[n].clone().requires_grad_() for n in "qkv"]
+    kw = {"is_causal": True, "scale": c.scale, "enable_gqa": True}
+    out = reference_attention(*leaves, **kw)
+    lse = reference_lse(leaves[0], leaves[1], **kw)
+    want = torch.autograd.grad((out * full["dout"]).sum() + lse.sin().sum(), leaves)
+    torch.testing.assert_close(got["lse"].squeeze(-1), lse.detach(), rtol=1e-10, atol=1e-10)
+    for name, w in zip(("dq", "dk", "dv"), want, strict=True):
+        torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-10)
+
+
 def _error_of(call) -> tuple[str, str, float]:
     """The exception ``call`` raises (type name, message) and the seconds it took."""
     start = time.monotonic()
@@ -459,6 +499,11 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     ):
         _run_case(rc, full, rank, world)
     results["saved"] = saved
+    results["lse"] = _lse_shards(*_lse_case(cases), rank, world)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    results["create_graph"] = _error_of(
+        lambda: torch.autograd.grad(ring_attention(q, q, q).sum(), q, create_graph=True)
+    )[:2]
     # shards that differ across ranks: every rank raises the same ValueError
     q = torch.randn(1, 2, 4 + 2 * (rank == 1), 8)
     results["unequal"] = _error_of(lambda: ring_attention(q, q, q))[:2]
@@ -527,7 +572,10 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
     for res in ranks:  # q, k, v, O, stats of this rank's shard: no other rank's block
         assert res["saved"] == [q, kv, kv, q, stats]
 
+    _assert_lse(ranks, world)
     for r, res in enumerate(ranks):
+        kind, message = res["create_graph"]
+        assert kind == "NotImplementedError" and "attngrad.attention" in message, (r, message)
         kind, message = res["unequal"]
         assert kind == "ValueError" and "seq_len: rank 0 4, rank 1 6" in message, (r, message)
         kind, message = res["heads"]
