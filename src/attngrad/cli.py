@@ -1,11 +1,13 @@
 """The ``attngrad`` command (also ``python -m attngrad``).
 
-attngrad check   [--strategy NAME ...] [--json PATH|-] [--failures] [--seed N] [--no-gradcheck]
+attngrad check   [--strategy NAME ...] [--json PATH|-] [--csv PATH] [--failures] [--seed N]
+                 [--no-gradcheck]
                  the conformance grid; exit 1 on a failed case, 2 on a strategy that can't run
 attngrad ledger  [--seq-q N ...] [--sweep N ...] [--strategy NAME ...]
                  saved bytes and peak memory per path; exit 1 when a prediction misses
 attngrad explain [--strategy NAME ...]             the grad_fn graph and saved tensors per path
 attngrad bench   [--seq N ...] [--strategy NAME]   time against SDPA's MATH and FLASH backends
+attngrad bench --order 2 [--loss square|dot]     HVP (double backward) and jvp vs SDPA MATH
 attngrad --version
 
 The commands compute rows (`attngrad.verify`, `attngrad.ledger`, `attngrad.explain`,
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 import attngrad
-from attngrad import bench, ledger, report
+from attngrad import bench, hvp, ledger, report
 from attngrad.cli_args import chosen_strategies, measure_device, positive_float, positive_int
 from attngrad.contract import DTYPES, Shapes
 from attngrad.explain import explain
@@ -110,6 +112,9 @@ def _check(args: argparse.Namespace) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(text)
             print(f"wrote {args.json}", file=out)
+    if args.csv:
+        report.write_csv(report.check_records(results), args.csv)
+        print(f"wrote {args.csv}", file=out)
     return 1 if failed else 0
 
 
@@ -121,8 +126,10 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "Run every strategy over a grid of dtypes, masks and layouts and compare the "
             "output and every gradient with a float64 reference, element by element: at most "
             "2x the error of plain PyTorch in the same dtype plus a floor derived from the "
-            "magnitudes that produce each quantity (attngrad.verify); gradcheck on float64 "
-            "cases.  Exit 1 on a failed case, 2 when a strategy asked for cannot run here."
+            "magnitudes that produce each quantity (attngrad.verify); on float64 cases "
+            "gradcheck, double backward and forward mode against autograd through the "
+            "reference (relative error at most 1e-9) and gradgradcheck.  Exit 1 on a failed "
+            "case, 2 when a strategy asked for cannot run here."
         ),
     )
     _add_strategy(p, STRATEGIES, "check only this strategy (repeatable)")
@@ -136,9 +143,15 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="list only the failing cases (the per-strategy counts still print)",
     )
+    p.add_argument(
+        "--csv", metavar="PATH", help="also write one row per strategy and case as CSV to PATH"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument(
-        "--no-gradcheck", dest="gradcheck", action="store_false", help="skip gradcheck (faster)"
+        "--no-gradcheck",
+        dest="gradcheck",
+        action="store_false",
+        help="skip gradcheck and gradgradcheck (faster)",
     )
     p.set_defaults(run=_check)
 
@@ -274,6 +287,8 @@ def _bench(args: argparse.Namespace) -> int:
     strategies = chosen_strategies("bench", args.strategy, cpu, interpreted=False)
     if strategies is None:
         return 2
+    if args.order == 2:
+        return _bench_order2(args, strategies)
     baselines = list(dict.fromkeys(args.baseline or bench.BASELINES))
     causal_modes = _CAUSAL_MODES[args.causal]
     dtype = DTYPES[args.dtype]
@@ -304,6 +319,44 @@ def _bench(args: argparse.Namespace) -> int:
     _write(csv_path, lambda path: report.write_csv(report.bench_records(rows), path, machine))
     plot_path = _destination(args.plot, "results/bench.png")
     _write(plot_path, lambda path: report.bench_plot(rows, path, machine))
+    return 0
+
+
+def _bench_order2(args: argparse.Namespace, strategies: list[str]) -> int:
+    """``bench --order 2``: the HVP and jvp of each strategy against SDPA's MATH."""
+    wrong = [b for b in args.baseline or () if b != "math"]
+    if wrong:
+        print(
+            f"attngrad bench: error: --order 2 compares with SDPA's math backend only (the one "
+            f"with a double backward on CPU), got --baseline {wrong[0]}; drop it",
+            file=sys.stderr,
+        )
+        return 2
+    contenders = [*strategies, hvp.BASELINE]
+    causal_modes = _CAUSAL_MODES[args.causal]
+    dtype = DTYPES[args.dtype]
+    machine = _machine(dtype, torch.device("cpu"), args.gemm_time)
+    notes: list[str] = []
+    with Progress(hvp.steps(args.seq, causal_modes, args.repeats), "bench --order 2") as bar:
+        rows = hvp.run_order2(
+            args.seq,
+            causal_modes,
+            contenders,
+            **_sizes(args, "batch", "heads", "head_dim"),
+            dtype=dtype,
+            repeats=args.repeats,
+            loss=args.loss,
+            peak=not args.no_peak,
+            step=bar.step,
+            note=notes.append,
+        )
+    for line in notes:
+        print(line, file=sys.stderr)
+    print(hvp.order2_table(rows, machine))
+    csv_path = _destination(args.csv, "results/bench_hvp.csv")
+    _write(csv_path, lambda path: report.write_csv(hvp.order2_records(rows), path, machine))
+    plot_path = _destination(args.plot, "results/bench_hvp.png")
+    _write(plot_path, lambda path: hvp.order2_plot(rows, path, machine))
     return 0
 
 
@@ -345,6 +398,26 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="SDPA backend to compare with (repeatable; default math and flash)",
     )
     _add_size(p, "--repeats", 5, "timed rounds, after 1 warm-up (default 5)")
+    p.add_argument(
+        "--order",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: forward and backward (default); 2: a Hessian-vector product by double "
+        "backward (time and peak memory) and torch.func.jvp against the forward, each "
+        "against SDPA's math backend (attngrad.hvp); its CSV and plot default to "
+        "results/bench_hvp.csv and .png",
+    )
+    p.add_argument(
+        "--loss",
+        choices=hvp.LOSSES,
+        default="square",
+        help="with --order 2, the loss whose HVP is taken: square = sum(O**2)/2 (default), "
+        "dot = <O, dO> for a fixed random dO",
+    )
+    p.add_argument(
+        "--no-peak", action="store_true", help="with --order 2, skip the HVP peak-memory runs"
+    )
     _add_machine_and_files(p, "results/bench", "")
     p.set_defaults(run=_bench)
 

@@ -16,6 +16,17 @@ through `torch.autograd.graph.saved_tensors_hooks`.  Peak memory of
 forward+backward is measured on CPU by replaying the allocator's events that
 the profiler records (every allocation and free, in order), and on CUDA by the
 allocator's own peak counter.  Tables, CSV and plots: `attngrad.report`.
+
+Second order (`second_order_row`, ``attngrad ledger --order 2``): what a
+gradient penalty keeps.  g = grad(O, (q, k, v), dO, create_graph=True) saves
+a graph of its own (every strategy's `AttentionGradients` node: dO, q, k, v
+and the forward's saved tensors again, by reference), and O's forward graph
+stays alive with it until the second backward.  Per path: the bytes packed by
+forward and by the ``create_graph`` backward (each pack counted, as above),
+what both keep alive together (each storage once: the memory held until the
+second backward), and the peak of forward + ``create_graph`` backward + the
+Hessian-vector product grad(sum_i <g_i, w_i>, (q, k, v)).  SDPA's CPU flash
+kernel has no derivative of its backward: its row says so.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +49,20 @@ from attngrad.verify import Case
 __all__ = [
     "BASELINES",
     "LedgerRow",
+    "SecondOrderRow",
     "ledger_row",
     "measure_peak_bytes",
     "measure_saved_bytes",
+    "measure_saved_storages",
     "predicted_saved_bytes",
     "run_ledger",
+    "run_second_order_ledger",
+    "second_order_row",
 ]
 
 BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
+
+T = TypeVar("T")
 
 
 def predicted_saved_bytes(path: str, case: Case, mask_bytes: int = 0) -> int | None:
@@ -80,7 +98,7 @@ def path_fn(path: str, causal: bool, gqa: bool = False) -> Callable[..., torch.T
     return sdpa
 
 
-def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+def measure_saved_bytes(fn: Callable[[], T]) -> tuple[int, T]:
     """Bytes of every tensor autograd saves while ``fn`` runs forward, and its output."""
     total = 0
 
@@ -92,6 +110,22 @@ def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tens
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return total, out
+
+
+def measure_saved_storages(fn: Callable[[], T]) -> tuple[dict[int, int], T]:
+    """{storage address: its bytes} of every tensor autograd saves while ``fn`` runs, and
+    its output.  Each storage once, however many views of it are saved: the memory the
+    graph holds, where `measure_saved_bytes` counts every pack."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return storages, out
 
 
 @contextlib.contextmanager
@@ -205,12 +239,25 @@ def run_ledger(
     baseline left out: an SDPA backend that rejects the case raises RuntimeError,
     which becomes a note; a strategy's error propagates.  ``step`` hears each
     (path, case) pair as it is done."""
-    rows: list[LedgerRow] = []
+    return _rows(ledger_row, paths, cases, device, peak, step)
+
+
+def _rows(
+    row: Callable[[str, Case, str, bool], T],
+    paths: Sequence[str],
+    cases: Sequence[Case],
+    device: str,
+    peak: bool,
+    step: Callable[[str], None] | None,
+) -> tuple[list[T], list[str]]:
+    """``row(path, case, device, peak)`` for every case and path, and the notes of
+    `run_ledger`."""
+    rows: list[T] = []
     notes: list[str] = []
     for case in cases:
         for path in paths:
             try:
-                rows.append(ledger_row(path, case, device, peak))
+                rows.append(row(path, case, device, peak))
             except RuntimeError as e:
                 if path not in BASELINES:
                     raise
@@ -218,3 +265,114 @@ def run_ledger(
             if step is not None:
                 step(f"{path} Nq={case.shapes.seq_q} Nk={case.shapes.seq_k}")
     return rows, notes
+
+
+# ------------------------------------------------------------------- second order
+
+
+@dataclass(frozen=True)
+class SecondOrderRow:
+    """One path's double-backward memory at one `Case` (sizes copied out); bytes throughout.
+
+    ``forward_saved`` / ``backward_saved``: every tensor packed by forward and by the
+    ``create_graph=True`` backward; ``kept``: the storages of both, each once (what a
+    gradient penalty holds until its second backward); ``peak`` / ``peak_beyond_io``: of
+    forward + that backward + a Hessian-vector product (None when not measured).
+    ``supported`` False: the path has no double backward (``note`` says why; the
+    numbers after ``forward_saved`` are then None).
+    """
+
+    path: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    causal: bool
+    supported: bool
+    forward_saved: int
+    backward_saved: int | None
+    kept: int | None
+    peak: int | None
+    peak_beyond_io: int | None
+    note: str = ""
+
+
+def _hvp(
+    grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], w: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """grad(sum_i <g_i, w_i>, inputs): the Hessian of <O, dO> times w, one per input."""
+    inner = sum((g * wi).sum() for g, wi in zip(grads, w, strict=True))
+    return torch.autograd.grad(inner, list(inputs))  # type: ignore[arg-type]
+
+
+def second_order_row(path: str, case: Case, device: str = "cpu", peak: bool = True) -> SecondOrderRow:
+    """Measure what the double-backward graph of one path saves and (optionally) its peak.
+
+    The gradients g = grad(O, (q, k, v), dO, create_graph=True) and one
+    Hessian-vector product along w (random, like q, k, v) always run: a path whose
+    second backward raises "not implemented" gets ``supported=False``.  triton on
+    CPU leaves its peak out, as in `ledger_row`.
+    """
+    q, k, v, dout = _inputs(case, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    w = [torch.randn(x.shape, generator=gen, device=device, dtype=x.dtype) for x in (q, k, v)]
+    fn = path_fn(path, case.mask == "causal", case.gqa)
+    forward_saved, out = measure_saved_bytes(lambda: fn(q, k, v))
+    forward_storages, _ = measure_saved_storages(lambda: fn(q, k, v))
+
+    def first() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+
+    backward_saved, _ = measure_saved_bytes(first)
+    backward_storages, grads = measure_saved_storages(first)
+    sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
+    common = dict(
+        path=path,
+        **{name: getattr(case.shapes, name) for name in sizes},
+        dtype=str(case.dtype).removeprefix("torch."),
+        causal=case.mask == "causal",
+        forward_saved=forward_saved,
+    )
+    try:
+        _hvp(grads, (q, k, v), w)
+    except RuntimeError as e:
+        if "not implemented" not in str(e):
+            raise
+        first_line = str(e).splitlines()[0]
+        return SecondOrderRow(
+            **common, supported=False, backward_saved=None, kept=None, peak=None,
+            peak_beyond_io=None, note=first_line,
+        )  # type: ignore[arg-type]  # fmt: skip
+    del out, grads
+    kept = sum({**forward_storages, **backward_storages}.values())
+    peak_bytes = beyond_io = None
+    if peak and not (path == "triton" and device == "cpu"):
+
+        def run() -> None:
+            o = fn(q, k, v)
+            g = torch.autograd.grad(o, (q, k, v), dout, create_graph=True)
+            _hvp(g, (q, k, v), w)
+
+        peak_bytes = measure_peak_bytes(run, device)
+        # the output, the 3 gradients and the 3 products: O is dO's size
+        io = sum(t.numel() * t.element_size() for t in (dout, q, k, v, q, k, v))
+        beyond_io = max(0, peak_bytes - io)
+    return SecondOrderRow(
+        **common, supported=True, backward_saved=backward_saved, kept=kept, peak=peak_bytes,
+        peak_beyond_io=beyond_io,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+def run_second_order_ledger(
+    paths: Sequence[str],
+    cases: Sequence[Case],
+    device: str = "cpu",
+    peak: bool = True,
+    step: Callable[[str], None] | None = None,
+) -> tuple[list[SecondOrderRow], list[str]]:
+    """`second_order_row` of every path at every case, and notes, as `run_ledger`."""
+    return _rows(second_order_row, paths, cases, device, peak, step)

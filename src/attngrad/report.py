@@ -21,13 +21,14 @@ from attngrad.bench import PASSES, BenchRow
 from attngrad.explain import PathReport, SavedTensor
 from attngrad.ledger import LedgerRow
 from attngrad.machine import Machine
-from attngrad.verify import GRADIENTS, CaseResult, format_error
+from attngrad.verify import DERIVATIVE_TOLERANCE, GRADIENTS, CaseResult, format_error
 
 __all__ = [
     "PLOT_INSTALL",
     "bench_plot",
     "bench_records",
     "bench_table",
+    "check_records",
     "check_summary",
     "check_table",
     "explain_text",
@@ -126,6 +127,12 @@ _RULE = (
     "max abs error vs float64; ratio: worst error / bound of the rule, <= 2x plain PyTorch "
     "+ a floor from the magnitudes (attngrad.verify), at most 1 passes"
 )
+_DERIVATIVES = (
+    "float64 only: d2 (double backward, a Hessian-vector product) and jvp (forward mode) "
+    "against autograd through the float64 reference, max abs error / max(1, max |reference|), "
+    f"at most {DERIVATIVE_TOLERANCE:g} passes; gradgrad: torch.autograd.gradgradcheck"
+)
+_VERDICT = {None: "-", True: "pass", False: "FAIL"}
 
 
 def _failure(r: CaseResult) -> str:
@@ -141,14 +148,24 @@ def _failure(r: CaseResult) -> str:
         over.append("NaN in the output or a gradient")
     if r.gradcheck_passed is False:
         over.append("gradcheck failed")
+    for name, e in (("second_order", r.second_order_error), ("jvp", r.jvp_error)):
+        if e is not None and not e <= DERIVATIVE_TOLERANCE:
+            over.append(f"{name}: relative error {format_error(e)} > {DERIVATIVE_TOLERANCE:g}")
+    if r.gradgradcheck_passed is False:
+        over.append("gradgradcheck failed")
     return "; ".join(over)
+
+
+def _worst_ratio(r: CaseResult) -> str:
+    return f"{max(r.ratios.values(), default=0.0):.2f}" if r.ratios else "-"
 
 
 def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> str:
     """One row per result (only the failing ones with ``failures_only``): the max error
     of each quantity, the worst error/bound ratio of the rule over all of them (at most 1
-    passes: how much of the allowance the case used) and the verdicts; under a failing
-    row, what failed and its bound."""
+    passes: how much of the allowance the case used) and the verdicts; on float64 cases
+    also the relative errors of double backward (d2) and forward mode (jvp) and the
+    gradgradcheck verdict; under a failing row, what failed and its bound."""
     shown = [r for r in results if not (failures_only and r.passed)]
     if not shown:
         return "no failing cases" if failures_only else "no cases"
@@ -157,13 +174,17 @@ def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> s
             r.strategy,
             r.case,
             *(format_error(r.errors.get(g)) for g in GRADIENTS),
-            f"{max(r.ratios.values(), default=0.0):.2f}" if r.ratios else "-",
+            _worst_ratio(r),
             "NaN" if r.nan else ("pass" if r.rule_passed else "FAIL"),
-            {None: "-", True: "pass", False: "FAIL"}[r.gradcheck_passed],
+            _VERDICT[r.gradcheck_passed],
+            format_error(r.second_order_error),
+            format_error(r.jvp_error),
+            _VERDICT[r.gradgradcheck_passed],
         ]
         for r in shown
     ]
-    header = ["strategy", "case", *GRADIENTS, "ratio", "rule", "gradcheck"]
+    header = ["strategy", "case", *GRADIENTS, "ratio", "rule", "gradcheck", "d2", "jvp"]
+    header.append("gradgrad")
     head, lines = _columns(header, cells, left=2)
     out = [head]
     for r, line in zip(shown, lines, strict=True):
@@ -182,7 +203,33 @@ def check_summary(results: Sequence[CaseResult]) -> str:
         lines.append(f"{strategy}: {len(mine) - failed} passed, {failed} failed")
     failed = sum(not r.passed for r in results)
     lines.append(f"{len(results) - failed} passed, {failed} failed ({_RULE})")
+    if any(r.second_order_error is not None for r in results):
+        lines.append(f"({_DERIVATIVES})")
     return "\n".join(lines)
+
+
+def check_records(results: Sequence[CaseResult]) -> list[dict[str, object]]:
+    """CSV records: strategy, case, dtype, the verdicts, the worst ratio, ``error_<x>`` and
+    ``ratio_<x>`` per quantity of `attngrad.verify.GRADIENTS` (empty where the case has
+    none), the higher-derivative errors and the message."""
+    return [
+        {
+            "strategy": r.strategy,
+            "case": r.case,
+            "dtype": r.dtype,
+            "passed": r.passed,
+            "rule_passed": r.rule_passed,
+            "ratio": max(r.ratios.values(), default=""),
+            **{f"error_{g}": r.errors.get(g, "") for g in GRADIENTS},
+            **{f"ratio_{g}": r.ratios.get(g, "") for g in GRADIENTS},
+            "gradcheck_passed": r.gradcheck_passed,
+            "second_order_error": r.second_order_error,
+            "jvp_error": r.jvp_error,
+            "gradgradcheck_passed": r.gradgradcheck_passed,
+            "message": r.message,
+        }
+        for r in results
+    ]
 
 
 # ------------------------------------------------------------------------- bench

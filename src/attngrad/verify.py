@@ -61,6 +61,36 @@ zero too.  Where the scores cannot be trusted (a whole row of scores at
 pin those rows to the answer the math gives by name.
 NaN anywhere fails.  On float64 cases ``gradcheck`` also runs (fast mode: a
 random projection of the Jacobian against finite differences).
+
+Higher derivatives (float64 cases)
+----------------------------------
+Beside the rule, each float64 case compares two more derivatives with
+autograd through the float64 composite `attngrad.reference.reference_attention`:
+
+* ``second_order_error``: double backward.  With w = the case's dout and
+  fixed random directions u (`directions`), g = grad(<O, w>, x,
+  create_graph=True) for x = (q, k, v[, mask], w), then
+  H = grad(sum_i <g_i, u_i>, x): a Hessian-vector product in q, k, v and the
+  mask, and J u in w (`second_order`).
+* ``jvp_error``: forward mode, ``torch.func.jvp`` of the output along the
+  tangents u of q, k, v and a float mask (`output_tangent`).
+
+Each is one number, the max abs error over every element of every result
+relative to the reference's largest magnitude, floored at 1
+(`relative_error`): max_i max|H_i - H_i_ref| / max(1, max_i max|H_i_ref|).
+The floor makes it an absolute error where every result is small (one key:
+P = 1, the Hessian is exactly zero and a correct path leaves rounding).
+Both must be at most ``DERIVATIVE_TOLERANCE`` = 1e-9 (the issue's "agree at
+1e-9 in float64").  In float64 (u = 2^-53 = 1.1e-16) that is about 10^7 u:
+every result here is a few chained sums of n <= 10^3 products of O(1)
+numbers, each within 6 sqrt(n) u ~ 2e-14 of its magnitudes by the bound
+above, and the grid's errors come out below 1e-14 on every strategy.  The
+margin of 10^5 over that covers magnitudes that cancel in the result; a
+wrong or missing term is wrong by O(1) of the result and fails by 10^8.
+NaN or a crash fails.  ``gradgradcheck`` (fast mode, finite differences of
+the first-order backward, dout included) also runs on float64 cases of at
+most ``GRADGRADCHECK_ELEMENTS`` input elements, unless gradcheck is off
+(and not on triton, whose interpreter makes it slow: ``SLOW_GRADGRADCHECK``).
 """
 
 from __future__ import annotations
@@ -78,19 +108,28 @@ from attngrad.ops import compute_dtype
 from attngrad.reference import magnitudes, plain_attention, reference_attention
 
 __all__ = [
+    "DERIVATIVES",
+    "DERIVATIVE_TOLERANCE",
+    "GRADGRADCHECK_ELEMENTS",
     "GRADIENTS",
     "LAMBDA",
+    "SLOW_GRADGRADCHECK",
     "MASK_KINDS",
     "Case",
     "CaseResult",
     "Verdict",
     "default_cases",
+    "derivative_errors",
+    "directions",
     "judge",
     "judge_outputs",
     "make_inputs",
+    "output_tangent",
     "outputs_and_grads",
+    "relative_error",
     "rounding_floor",
     "run_case",
+    "second_order",
     "strategy_fn",
 ]
 
@@ -101,6 +140,15 @@ LAMBDA = 6.0
 # intermediate kept or multiplied in the dtype (saved P or O, P or dS before a 16-bit
 # product), the result itself; and one more for the gradients' accumulators
 DTYPE_ROUNDINGS = 5
+# the higher derivatives of a float64 case (module docstring): double backward, forward mode
+DERIVATIVES = ("second_order", "jvp")
+DERIVATIVE_TOLERANCE = 1e-9
+# gradgradcheck's float64 cases: q, k, v, dout and a float mask together at most this many
+# elements (every case of the default grid: fast mode costs a few backward passes each)
+GRADGRADCHECK_ELEMENTS = 100_000
+# strategies whose gradgradcheck `run_case` leaves out unless asked: on CPU tensors triton runs
+# in Triton's interpreter, where one takes ~15 s (the check's 16 float64 cases: 4 minutes)
+SLOW_GRADGRADCHECK = frozenset({"triton"})
 
 Inputs = dict[str, torch.Tensor | None]
 AttentionFn = Callable[..., torch.Tensor]
@@ -334,10 +382,26 @@ class CaseResult:
     gradcheck_passed: bool | None = None
     nan: bool = False
     message: str = ""
+    # float64 cases: relative errors of double backward and forward mode (None: not run)
+    second_order_error: float | None = None
+    jvp_error: float | None = None
+    gradgradcheck_passed: bool | None = None
+
+    @property
+    def derivatives_passed(self) -> bool | None:
+        """Both higher-derivative errors within `DERIVATIVE_TOLERANCE`; None when not run."""
+        errors = [e for e in (self.second_order_error, self.jvp_error) if e is not None]
+        return all(e <= DERIVATIVE_TOLERANCE for e in errors) if errors else None
 
     @property
     def passed(self) -> bool:
-        return self.rule_passed and not self.nan and self.gradcheck_passed is not False
+        return (
+            self.rule_passed
+            and not self.nan
+            and self.gradcheck_passed is not False
+            and self.derivatives_passed is not False
+            and self.gradgradcheck_passed is not False
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "passed": self.passed}
@@ -436,6 +500,150 @@ def _gradcheck(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
         return False
 
 
+def _differentiable(inputs: Inputs) -> dict[str, torch.Tensor]:
+    """Fresh float64 leaves of what attention is differentiated in: q, k, v and a float mask."""
+    names = ["q", "k", "v"]
+    mask = inputs["mask"]
+    if mask is not None and mask.dtype != torch.bool:
+        names.append("mask")
+    return {n: _tensor(inputs, n).detach().double().clone().requires_grad_() for n in names}
+
+
+def _call(fn: AttentionFn, case: Case, inputs: Inputs, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``fn`` SDPA-style on x's q, k, v and mask (a bool mask, not differentiable, from inputs)."""
+    mask = x.get("mask", inputs["mask"])
+    return fn(x["q"], x["k"], x["v"], mask, **case.kwargs)
+
+
+def directions(inputs: Inputs, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Fixed random float64 directions u, one like each of q, k, v and a float mask, from ``seed``.
+
+    They are the cotangents of the first-order gradients in `second_order` and the
+    tangents in `output_tangent`; standard normal, drawn apart from `make_inputs`'.
+    """
+    gen = torch.Generator().manual_seed(seed + 0x5EC0D)
+    return {
+        n: torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        for n, t in _differentiable(inputs).items()
+    }
+
+
+def second_order(
+    fn: AttentionFn, case: Case, inputs: Inputs, u: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Double backward of ``fn`` in float64: H = grad(sum_i <g_i, u_i>, x), detached.
+
+    x = (q, k, v[, mask], dout) as float64 leaves, g = grad(<O, dout>, x minus dout,
+    create_graph=True), u: `directions` (q, k, v[, mask] shapes).  Keys "q", "k", "v",
+    ("mask") and "dout": H's part for each (the Hessian-vector product H_dout u in
+    q, k, v, mask; J u in dout), shaped like it.  A part autograd leaves
+    unconnected is zero.
+    """
+    x = _differentiable(inputs)
+    dout = _tensor(inputs, "dout").detach().double().clone().requires_grad_()
+    out = _call(fn, case, inputs, x)
+    g = torch.autograd.grad(out, list(x.values()), dout, create_graph=True)
+    inner = sum((gi * u[n]).sum() for gi, n in zip(g, x, strict=True))
+    wrt = [*x.values(), dout]
+    h = torch.autograd.grad(inner, wrt, allow_unused=True)  # type: ignore[arg-type]
+    names = [*x, "dout"]
+    return {
+        n: torch.zeros_like(t) if hi is None else hi.detach()
+        for n, t, hi in zip(names, wrt, h, strict=True)
+    }
+
+
+def output_tangent(
+    fn: AttentionFn, case: Case, inputs: Inputs, u: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Forward mode of ``fn`` in float64: dO [*lead, Hq, Nq, dv] along tangents ``u``.
+
+    ``torch.func.jvp`` at (q, k, v[, mask]) from ``inputs`` with tangents u
+    (`directions`); a bool mask is held fixed.
+    """
+    x = _differentiable(inputs)
+    names = list(x)
+
+    def call(*primals: torch.Tensor) -> torch.Tensor:
+        return _call(fn, case, inputs, dict(zip(names, primals, strict=True)))
+
+    primals = tuple(x[n].detach() for n in names)
+    _, tangent = torch.func.jvp(call, primals, tuple(u[n] for n in names))
+    return tangent.detach()  # type: ignore[no-any-return]
+
+
+def relative_error(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> float:
+    """max_i max|got_i - ref_i| / max(1, max_i max|ref_i|) over the names of ``ref``; inf on NaN.
+
+    Each got_i is shaped like ref_i; a name missing from ``got`` or a shape that
+    differs is a ValueError naming it.
+    """
+    missing = [n for n in ref if n not in got]
+    if missing:
+        raise ValueError(f"got has no {missing}; give every name of ref: {list(ref)}")
+    for n, r in ref.items():
+        if got[n].shape != r.shape:
+            raise ValueError(f"got[{n!r}]: shape {tuple(got[n].shape)} differs from {tuple(r.shape)}")
+    if any(bool(got[n].isnan().any()) for n in ref):
+        return math.inf
+    error = max((_max(_diff(got[n].double(), r.double())) for n, r in ref.items()), default=0.0)
+    magnitude = max((_max(r.double().abs()) for r in ref.values()), default=0.0)
+    return error / max(1.0, magnitude)
+
+
+def derivative_errors(
+    fn: AttentionFn, case: Case, inputs: Inputs, seed: int = 0
+) -> tuple[dict[str, float], list[str]]:
+    """({"second_order": e, "jvp": e}, messages) of ``fn`` against the reference in float64.
+
+    e: `relative_error` of `second_order` and `output_tangent` along the same
+    `directions`; a derivative that raises gets e = inf and a message naming it,
+    one over `DERIVATIVE_TOLERANCE` a message with its error.
+    """
+    u = directions(inputs, seed)
+    runs: dict[str, Callable[[AttentionFn], Mapping[str, torch.Tensor]]] = {
+        "second_order": lambda f: second_order(f, case, inputs, u),
+        "jvp": lambda f: {"out": output_tangent(f, case, inputs, u)},
+    }
+    errors: dict[str, float] = {}
+    messages: list[str] = []
+    for name, run in runs.items():
+        ref = run(reference_attention)
+        try:
+            errors[name] = relative_error(run(fn), ref)
+        except Exception as exc:  # a derivative that cannot run fails the case, with its message
+            errors[name] = math.inf
+            messages.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        if not errors[name] <= DERIVATIVE_TOLERANCE:
+            messages.append(
+                f"{name}: relative error {errors[name]:.3g} > {DERIVATIVE_TOLERANCE:g}"
+            )
+    return errors, messages
+
+
+def _gradgradcheck(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
+    """``torch.autograd.gradgradcheck`` (fast mode) of ``fn`` at the case's float64 inputs."""
+    x = _differentiable(inputs)
+    names = list(x)
+
+    def call(*a: torch.Tensor) -> torch.Tensor:
+        return _call(fn, case, inputs, dict(zip(names, a, strict=True)))
+
+    dout = _tensor(inputs, "dout").detach().double().clone().requires_grad_()
+    try:
+        return bool(
+            torch.autograd.gradgradcheck(call, tuple(x.values()), (dout,), fast_mode=True)
+        )
+    except GradcheckError:
+        return False
+
+
+def _elements(inputs: Inputs) -> int:
+    """Elements of q, k, v, dout and a float mask: the size gradgradcheck perturbs."""
+    return sum(t.numel() for t in _differentiable(inputs).values()) + _tensor(inputs, "dout").numel()
+
+
 def strategy_fn(strategy: str) -> AttentionFn:
     """`attention` bound to one strategy."""
 
@@ -446,9 +654,23 @@ def strategy_fn(strategy: str) -> AttentionFn:
 
 
 def run_case(
-    strategy: str, case: Case, seed: int = 0, gradcheck: bool = True, fn: AttentionFn | None = None
+    strategy: str,
+    case: Case,
+    seed: int = 0,
+    gradcheck: bool = True,
+    fn: AttentionFn | None = None,
+    derivatives: bool = True,
+    gradgradcheck: bool | None = None,
 ) -> CaseResult:
-    """Judge one strategy (or any SDPA-like ``fn``) on one case."""
+    """Judge one strategy (or any SDPA-like ``fn``) on one case.
+
+    float64 cases also get ``gradcheck`` (when ``gradcheck``), the higher
+    derivatives (when ``derivatives``: `derivative_errors`) and, when they ran,
+    gradgradcheck on cases of at most `GRADGRADCHECK_ELEMENTS` input elements
+    (``gradgradcheck`` None: with gradcheck, except for `SLOW_GRADGRADCHECK`).
+    """
+    if gradgradcheck is None:
+        gradgradcheck = gradcheck and strategy not in SLOW_GRADGRADCHECK
     fn = fn or strategy_fn(strategy)
     inputs = make_inputs(case, seed)
     result = CaseResult(
@@ -469,10 +691,21 @@ def run_case(
         result.nan |= v.nan
     result.rule_passed = all(v.passed for v in verdicts)
     result.message = "; ".join(str(v) for v in verdicts if not v.passed)
-    if gradcheck and case.dtype == torch.float64:
+    if case.dtype != torch.float64:
+        return result
+    failures = [result.message]
+    if gradcheck:
         result.gradcheck_passed = _gradcheck(fn, case, inputs)
-        if not result.gradcheck_passed:
-            result.message = "; ".join(filter(None, [result.message, "gradcheck failed"]))
+        failures.append("" if result.gradcheck_passed else "gradcheck failed")
+    if derivatives:
+        errors, messages = derivative_errors(fn, case, inputs, seed)
+        result.second_order_error, result.jvp_error = errors["second_order"], errors["jvp"]
+        failures += messages
+    ran = derivatives and math.isfinite(result.second_order_error or 0.0)  # else failed above
+    if gradgradcheck and ran and _elements(inputs) <= GRADGRADCHECK_ELEMENTS:
+        result.gradgradcheck_passed = _gradgradcheck(fn, case, inputs)
+        failures.append("" if result.gradgradcheck_passed else "gradgradcheck failed")
+    result.message = "; ".join(filter(None, failures))
     return result
 
 

@@ -126,10 +126,15 @@ class AttentionFunction(torch.autograd.Function):
     def backward(
         ctx: FunctionCtx, dout: torch.Tensor | None, dlse: torch.Tensor | None, *_: object
     ) -> tuple[torch.Tensor | None, ...]:
+        if dout is None and dlse is None:
+            return (None,) * 9
         q, k, v, o, bias, keep, *saved = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         need = tuple(ctx.needs_input_grad[:4])
+        # O is a cache of q, k, v and the mask: the second derivatives are taken through those
+        # (`second_order`), so O enters the backward as a constant, not as another path to them
+        o = None if o is None else o.detach()
         grads = batching.apply(
             AttentionGradients, dout, dlse, q, k, v, bias, keep, o, *saved,
             ctx.names, ctx.mask, ctx.scale, ctx.tiles, ctx.impl, need,

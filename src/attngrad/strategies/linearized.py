@@ -43,7 +43,7 @@ def blocks_for(tiles: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 class Direction:
     """A direction (a_q, a_k, a_bias) in the scores' inputs, ready to apply tile by tile.
 
-    a_q: like q [B, Hq, Nq, d] grouped to [B, Hkv, G, Nq, d]; a_k: like k;
+    a_q: scale * (like q) grouped to [B, Hkv, G, Nq, d]; a_k: scale * (like k);
     a_bias: like the bias [Bm, Hm, Nqm, Nkm], held as a `Mask` (no band) so
     it broadcasts onto tiles exactly as the bias does.  None = zero.
     """
@@ -51,7 +51,6 @@ class Direction:
     a_q: torch.Tensor | None
     a_k: torch.Tensor | None
     a_bias: Mask | None
-    scale: float
 
     @staticmethod
     def of(
@@ -63,12 +62,13 @@ class Direction:
         dtype: torch.dtype,
     ) -> Direction:
         hkv = mask.heads_kv
-        gq = None if a_q is None else group_heads(a_q.to(dtype), hkv)
-        gk = None if a_k is None else a_k.to(dtype)
+        # scaled once here (O(N d)), not per tile
+        gq = None if a_q is None else group_heads(a_q.to(dtype) * scale, hkv)
+        gk = None if a_k is None else a_k.to(dtype) * scale
         gb = None
         if a_bias is not None:
             gb = Mask(a_bias.to(dtype), None, None, None, hkv, mask.seq_q, mask.seq_k)
-        return Direction(gq, gk, gb, scale)
+        return Direction(gq, gk, gb)
 
     @property
     def zero(self) -> bool:
@@ -87,12 +87,15 @@ class Direction:
         if self.a_q is not None:
             out = torch.matmul(take_rows(self.a_q, rows), k[:, :, keys].transpose(-2, -1))
         if self.a_k is not None:
-            qk = torch.matmul(q_rows, self.a_k[:, :, keys].transpose(-2, -1))
-            out = qk if out is None else out.add_(qk)
+            a_kt = self.a_k[:, :, keys].transpose(-2, -1)
+            if out is None:
+                out = torch.matmul(q_rows, a_kt)
+            else:  # added inside the matmul
+                out.view(-1, gr, c).baddbmm_(
+                    q_rows.reshape(-1, gr, q_rows.shape[-1]), a_kt.reshape(-1, *a_kt.shape[-2:])
+                )
         if out is None:
             out = torch.zeros(b, hkv, gr, c, dtype=q_rows.dtype, device=q_rows.device)
-        else:
-            out.mul_(self.scale)
         if self.a_bias is not None:
             self.a_bias.apply_(out.view(b, hkv, groups, r, c), rows, keys)
         return out

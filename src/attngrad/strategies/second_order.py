@@ -16,15 +16,21 @@ P and D-hat that of dP::
     r     = rowsum(P * G)                       (the cotangent of dlse)
     D-hat = P * (G - r)
     P-hat = G * Y - r dP + dO g_v^T
-    rho   = rowsum(P * P-hat) = rowsum(P G dP) - 2 r Delta + r dlse + rowsum(dO * (P g_v))
-    S-hat = P * (P-hat - rho)                   (softmax's backward of P-hat)
+    S-hat = P * (P-hat - rowsum(P * P-hat))     (softmax's backward of P-hat)
 
     grad q    = s (S-hat k + dS g_k)        grad k = s (S-hat^T q + dS^T g_q)
     grad v    = D-hat^T dO                  grad bias = S-hat
     grad dO   = P g_v + D-hat v             grad dlse = r
 
+With c = Delta - dlse (so Y = dP - c) and H = G - r, P-hat = H * Y - r c +
+dO g_v^T, and since each live row of P sums to 1 the row constant drops out
+of S-hat::
+
+    D-hat = P * H        S-hat = P * (H * Y + dO g_v^T - rho')
+    rho'  = rowsum(P * H * Y) + rowsum(dO * u) = rowsum(P G dP) - r Delta + rowsum(dO * u)
+
 Every term is a tile's elementwise product or a matmul with q, k, v, dO
-rows, except the row sums Delta, r and rho and the rows u = P g_v: a first
+rows, except the row sums Delta, r and rho' and the rows u = P g_v: a first
 pass over each block of query rows accumulates them (O(Nq) floats, and
 Nq x dv for u), a second pass walks key blocks as flash's backward does
 and accumulates the gradients.  No tensor beyond one [block_q, block_k]
@@ -93,8 +99,8 @@ def second_order(
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=q.device)
 
-    # pass 1, by query rows: Delta, r, rho and u = P g_v
-    delta, r_sum, rho = zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1)
+    # pass 1, by query rows: c = Delta - dlse, r, rho' and u = P g_v
+    c_row, r_sum, rho = zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1)
     u = None if gv is None else zeros(b, hkv, g, nq, dv_dim)
     for rows, key_tiles in schedule(mask, blocks):
         n = rows.stop - rows.start
@@ -111,13 +117,13 @@ def second_order(
                 pgdp += _rowsum(pg.mul_(dp))
             if u_r is not None and gv is not None:
                 u_r += torch.matmul(p, gv[:, :, keys])
-        rho_r = pgdp - 2 * r_r * delta_r
-        if dlse5 is not None:
-            rho_r += r_r * take_rows(dlse5, rows)
+        rho_r = pgdp.sub_(r_r * delta_r)  # rho' = rowsum(P G dP) - r Delta + rowsum(dO u)
         if u is not None and u_r is not None:
             rho_r += _rowsum(do_r * u_r)
             u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)
-        for full, part in ((delta, delta_r), (r_sum, r_r), (rho, rho_r)):
+        if dlse5 is not None:
+            delta_r -= take_rows(dlse5, rows)
+        for full, part in ((c_row, delta_r), (r_sum, r_r), (rho, rho_r)):
             full[:, :, :, rows] = part.view(b, hkv, g, n, 1)
 
     # pass 2, by key blocks: the gradients
@@ -129,49 +135,52 @@ def second_order(
     grad_bias = None
     if need_bias and mask.bias is not None:
         grad_bias = zeros(*mask.bias.shape)
-    gq5 = direction.a_q
+    a_q, a_k = direction.a_q, direction.a_k  # scale * g_q, scale * g_k
     for _, pairs in key_schedule(mask, blocks):
         for rows, keys in pairs:
             n, c = rows.stop - rows.start, keys.stop - keys.start
             q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
             kc, vc = k[:, :, keys], v[:, :, keys]
             p = p_tile(rows, keys)
-            dp = torch.matmul(do_r, vc.transpose(-2, -1))
-            y = dp - take_rows(delta, rows)
-            if dlse5 is not None:
-                y += take_rows(dlse5, rows)
+            y = torch.matmul(do_r, vc.transpose(-2, -1)).sub_(take_rows(c_row, rows))  # dP - c
             ds = p * y
-            p_hat = None
+            t = None  # H * Y + dO g_v^T - rho', then S-hat = P * t
             if not direction.zero:
-                g_t = direction.tile(q_r, k, rows, keys, g)
-                r_r = take_rows(r_sum, rows)
+                h = direction.tile(q_r, k, rows, keys, g).sub_(take_rows(r_sum, rows))  # G - r
                 if grad_v is not None or grad_do is not None:
-                    d_hat = p * (g_t - r_r)
+                    d_hat = p * h
                     if grad_v is not None:
                         grad_v[:, :, keys] += torch.matmul(d_hat.transpose(-2, -1), do_r)
                     if grad_do is not None:
                         grad_do[:, :, :, rows] += torch.matmul(d_hat, vc).view(b, hkv, g, n, -1)
-                p_hat = g_t.mul_(y).sub_(r_r * dp)
+                t = h.mul_(y)
             if gv is not None:
-                p_gv = torch.matmul(do_r, gv[:, :, keys].transpose(-2, -1))
-                p_hat = p_gv if p_hat is None else p_hat.add_(p_gv)
-            s_hat = p * (p_hat - take_rows(rho, rows)) if p_hat is not None else None
+                gvt = gv[:, :, keys].transpose(-2, -1)
+                if t is None:
+                    t = torch.matmul(do_r, gvt)
+                else:  # added inside the matmul
+                    t.view(-1, g * n, c).baddbmm_(
+                        do_r.reshape(-1, g * n, dv_dim), gvt.reshape(-1, dv_dim, c)
+                    )
+            s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
             if grad_bias is not None and s_hat is not None:
                 add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
             if grad_q is not None:
-                part = torch.zeros_like(q_r) if s_hat is None else torch.matmul(s_hat, kc)
-                if direction.a_k is not None:
-                    part += torch.matmul(ds, direction.a_k[:, :, keys])
-                grad_q[:, :, :, rows] += part.view(b, hkv, g, n, d).mul_(scale)
+                part = (
+                    torch.zeros_like(q_r) if s_hat is None else torch.matmul(s_hat, kc).mul_(scale)
+                )
+                if a_k is not None:
+                    part += torch.matmul(ds, a_k[:, :, keys])
+                grad_q[:, :, :, rows] += part.view(b, hkv, g, n, d)
             if grad_k is not None:
                 part = (
                     torch.zeros_like(kc)
                     if s_hat is None
-                    else torch.matmul(s_hat.transpose(-2, -1), q_r)
+                    else torch.matmul(s_hat.transpose(-2, -1), q_r).mul_(scale)
                 )
-                if gq5 is not None:
-                    part += torch.matmul(ds.transpose(-2, -1), take_rows(gq5, rows))
-                grad_k[:, :, keys] += part.mul_(scale)
+                if a_q is not None:
+                    part += torch.matmul(ds.transpose(-2, -1), take_rows(a_q, rows))
+                grad_k[:, :, keys] += part
     if grad_do is not None and u is not None:
         grad_do += u
     return (
