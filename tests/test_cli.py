@@ -176,3 +176,20 @@ def test_module_entry_point_runs_the_check():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{len(default_cases())} passed, 0 failed" in proc.stdout
+
+
+def test_check_reports_the_higher_derivatives_of_float64_cases(tmp_path, capsys):
+    path, csv_path = tmp_path / "check.json", tmp_path / "check.csv"
+    argv = ["check", "--strategy", "flash", "--json", str(path), "--csv", str(csv_path)]
+    assert cli.main(argv) == 0
+    for r in _read(path)["results"]:
+        float64 = r["dtype"] == "float64"
+        assert (r["second_order_error"] is not None) is float64, r["case"]
+        assert r["gradgradcheck_passed"] is (True if float64 else None), r["case"]
+        if float64:
+            assert r["second_order_error"] < 1e-13 and r["jvp_error"] < 1e-13
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[-3:] == ["d2", "jvp", "gradgrad"]
+    assert f"wrote {csv_path}" in out
+    with csv_path.open(encoding="utf-8") as f:
+        assert len(f.read().splitlines()) == 1 + len(default_cases())

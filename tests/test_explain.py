@@ -199,3 +199,49 @@ def test_library_errors_name_the_argument() -> None:
         explain(strategies=["nope"])
     with pytest.raises(TypeError, match="dtype"):
         explain(dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def second() -> dict[str, PathReport]:
+    return {r.path: r for r in explain(B, H, NQ, NK, D, order=2)}
+
+
+@pytest.mark.parametrize("path", attngrad.STRATEGIES)
+def test_order_2_walks_attention_gradients_and_what_it_saves(
+    second: dict[str, PathReport], path: str
+) -> None:
+    r = second[path]
+    (node,) = [n for n in r.nodes if n.name == "AttentionGradientsBackward"]
+    roles = [t.role for t in node.saved]
+    assert roles[:4] == ["dO", "q", "k", "v"]
+    want = {"explicit": ["P", "stats"], "recompute": ["stats"]}.get(path, ["O", "stats"])
+    assert roles[4:] == want
+    # dO and q, k, v by reference; the create_graph backward packed exactly what the node holds
+    assert r.order == 2 and r.graph_bytes == r.hooked_bytes and r.unhooked == []
+    assert r.kept_bytes == sum(t.nbytes for t in node.saved if not t.is_input)
+    assert sorted(n.leaf for n in r.nodes if n.leaf) == ["k", "q", "v"]
+    assert all(s > n.step for n in r.nodes for s in n.next_steps)
+
+
+def test_order_2_plain_path_reaches_forward_and_says_so(second: dict[str, PathReport]) -> None:
+    r = second["pytorch-math"]
+    names = {n.name for n in r.nodes}
+    assert "SoftmaxBackwardDataBackward0" in names and "SoftmaxBackward0" in names
+    forward = [t for t in r.saved if t.forward]
+    assert "P" in {t.role for t in forward}
+    assert all(t.shape == () for t in r.unhooked)
+    text = explain_text(list(second.values()))
+    assert "order 2" in text.splitlines()[0] and "(saved by forward)" in text
+    assert "AttentionGradientsBackward" in text
+
+
+def test_cli_order_2_and_a_bad_order(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["explain", "--order", "2", "--seq-q", "3", "--strategy", "flash"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "AttentionGradientsBackward" in out and "create_graph=True" in out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["explain", "--order", "3"])
+    assert info.value.code == 2
+    with pytest.raises(ValueError, match="order"):
+        explain(order=3)

@@ -15,6 +15,8 @@ from attngrad.ledger import (
     measure_peak_bytes,
     predicted_saved_bytes,
     run_ledger,
+    run_second_order_ledger,
+    second_order_row,
 )
 from attngrad.verify import Case
 from helpers import TENSOR_STRATEGIES
@@ -169,3 +171,43 @@ def test_an_unknown_or_unmeasurable_device_is_an_argument_error(device, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "argument --device: " in err and repr(device) in err
+
+
+def test_second_order_rows_keep_what_the_create_graph_backward_saves():
+    lo = _layout((1, 2, 2, 64, 64, 8, 8), torch.float32)
+    rows = {r.path: r for r in run_second_order_ledger(
+        ["explicit", "flash", "sdpa-math", "sdpa-flash"], [lo], peak=False)[0]}  # fmt: skip
+    p_bytes = 4 * 2 * 64 * 64
+    explicit, flash = rows["explicit"], rows["flash"]
+    # AttentionGradients saves dO beside forward's q, k, v, P / O and stats, by reference:
+    # the graph keeps forward's storages and dO, nothing new
+    dout = 4 * 2 * 64 * 8
+    assert explicit.forward_saved == predicted_saved_bytes("explicit", lo)
+    assert explicit.backward_saved == explicit.forward_saved + dout
+    assert explicit.kept == explicit.forward_saved + dout and explicit.kept >= p_bytes
+    assert flash.kept == flash.forward_saved + dout and flash.kept < p_bytes
+    assert rows["sdpa-math"].supported and rows["sdpa-math"].kept > p_bytes
+    # SDPA's CPU flash kernel has no double backward: a row that says so, not a crash
+    assert not rows["sdpa-flash"].supported and "not implemented" in rows["sdpa-flash"].note
+    assert rows["sdpa-flash"].kept is None
+
+
+def test_second_order_peak_of_flash_stays_below_explicits():
+    lo = _layout((1, 1, 1, 2048, 2048, 16, 16), torch.float32)
+    p_bytes = 4 * 2048 * 2048
+    assert second_order_row("explicit", lo).peak_beyond_io >= p_bytes
+    assert second_order_row("flash", lo).peak_beyond_io < p_bytes / 2
+
+
+def test_cli_order_2_table_and_csv(tmp_path, capsys):
+    csv_path = tmp_path / "order2.csv"
+    argv = ["--heads", "1", "--seq-q", "32", "--head-dim", "8", "--no-peak", "--order", "2"]
+    assert _ledger([*argv, "--csv", str(csv_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("second order: g = grad(O, (q, k, v), dO, create_graph=True)")
+    rows = {line.split()[0]: line for line in lines[4:] if line.split()}
+    assert {*TENSOR_STRATEGIES, "sdpa-math", "sdpa-flash"} <= set(rows)
+    assert "sdpa-flash: no double backward (derivative for" in "\n".join(lines)
+    records = list(csv.DictReader(csv_path.open()))
+    assert {r["path"]: r["supported"] for r in records}["sdpa-flash"] == "False"
+    assert "kept" in records[0] and "machine" in records[0]

@@ -7,7 +7,8 @@ import csv
 import pytest
 
 from attngrad.machine import Machine
-from attngrad.report import format_bytes, write_csv
+from attngrad.report import check_records, check_summary, check_table, format_bytes, write_csv
+from attngrad.verify import CaseResult
 
 MACHINE = Machine("a test CPU", 4, "float32", 1024, 99.5)
 
@@ -42,3 +43,30 @@ def test_write_csv_appends_the_machine_to_every_row(tmp_path) -> None:
 def test_write_csv_refuses_what_it_cannot_write(tmp_path, records, match) -> None:
     with pytest.raises(ValueError, match=match):
         write_csv(records, tmp_path / "rows.csv", MACHINE)
+
+
+def _result(**fields: object) -> CaseResult:
+    base = dict(strategy="flash", case="B1-H2-N4-d4-float64-none", dtype="float64",
+                errors={"out": 1e-16}, ratios={"out": 0.1}, bounds={"out": 1e-15},
+                rule_passed=True, gradcheck_passed=True)  # fmt: skip
+    return CaseResult(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_check_table_shows_the_higher_derivatives_and_fails_a_wrong_one() -> None:
+    good = _result(second_order_error=3e-16, jvp_error=2e-16, gradgradcheck_passed=True)
+    bad = _result(second_order_error=2e-6, jvp_error=2e-16, gradgradcheck_passed=True)
+    assert good.passed and not bad.passed
+    lines = check_table([good, bad]).splitlines()
+    assert lines[0].split()[-3:] == ["d2", "jvp", "gradgrad"]
+    assert lines[1].split()[-3:] == ["3.0e-16", "2.0e-16", "pass"]
+    assert lines[3] == "    second_order: relative error 2.0e-06 > 1e-09"
+    assert "1e-09 passes" in check_summary([good])
+
+
+def test_check_records_carry_the_higher_derivatives(tmp_path) -> None:
+    path = tmp_path / "check.csv"
+    write_csv(check_records([_result(second_order_error=3e-16, jvp_error=None)]), path)
+    (row,) = csv.DictReader(path.open(encoding="utf-8"))
+    assert row["second_order_error"] == "3e-16" and row["jvp_error"] == ""
+    assert row["gradgradcheck_passed"] == "" and row["passed"] == "True"
+    assert row["error_out"] == "1e-16" and row["error_dmask"] == ""

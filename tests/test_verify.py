@@ -12,8 +12,19 @@ import pytest
 import torch
 
 from attngrad.reference import reference_attention
-from attngrad.verify import judge_outputs, make_inputs, outputs_and_grads, run_case
-from helpers import case
+from attngrad.verify import (
+    DERIVATIVE_TOLERANCE,
+    SLOW_GRADGRADCHECK,
+    derivative_errors,
+    directions,
+    judge_outputs,
+    make_inputs,
+    outputs_and_grads,
+    relative_error,
+    run_case,
+    second_order,
+)
+from helpers import TENSOR_STRATEGIES, case
 
 
 def _wrong_scale(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
@@ -102,3 +113,102 @@ def test_harness_passes_the_reference_itself():
     # float64 reference against float64 reference: zero error, gradcheck passes
     result = run_case("reference", CASE64, fn=reference_attention)
     assert result.passed and all(e == 0 for e in result.errors.values())
+
+
+# --- higher derivatives: double backward, forward mode, gradgradcheck -----------------
+
+
+def _scaled_output(fn, which: int, factor: float):
+    """``fn`` with output ``which`` of its result multiplied by ``factor``."""
+
+    def broken(*args, **kwargs):
+        out = list(fn(*args, **kwargs))
+        out[which] = out[which] * factor
+        return tuple(out)
+
+    return broken
+
+
+def test_higher_derivatives_agree_on_every_strategy():
+    # a float mask, GQA and Nq != Nk: every input of the second derivative is in play
+    c = case((1,), 4, 2, 6, 9, 8, 8, "float")
+    for strategy in TENSOR_STRATEGIES:
+        result = run_case(strategy, c, gradcheck=False)
+        assert result.passed, (strategy, result.message)
+        assert result.second_order_error < 1e-13 and result.jvp_error < 1e-13
+
+
+def test_a_wrong_second_derivative_fails_the_case(monkeypatch):
+    # SecondOrder's grad q off by one part in a million: first order and forward mode stay
+    # right, so only the double-backward comparison can see it
+    from attngrad.strategies import gradients
+
+    monkeypatch.setattr(
+        gradients, "second_order", _scaled_output(gradients.second_order, 2, 1 + 1e-6)
+    )
+    result = run_case("flash", CASE64, gradcheck=False)
+    assert result.rule_passed and result.jvp_error < DERIVATIVE_TOLERANCE
+    assert result.second_order_error > 1e-8 and result.derivatives_passed is False
+    assert not result.passed and "second_order: relative error" in result.message
+
+
+def test_gradgradcheck_fails_a_wrong_second_derivative(monkeypatch):
+    from attngrad.strategies import gradients
+
+    monkeypatch.setattr(gradients, "second_order", _scaled_output(gradients.second_order, 2, 0.0))
+    result = run_case("explicit", case((1,), 1, 1, 3, 4, 4), gradcheck=True)
+    assert result.gradcheck_passed is True and result.gradgradcheck_passed is False
+    assert not result.passed and "gradgradcheck failed" in result.message
+
+
+def test_a_wrong_tangent_fails_the_case(monkeypatch):
+    from attngrad.strategies import tangent
+
+    monkeypatch.setattr(
+        tangent, "output_tangent", _scaled_output(tangent.output_tangent, 0, 1 + 1e-6)
+    )
+    result = run_case("explicit", CASE64, gradcheck=False)
+    assert result.rule_passed and result.second_order_error < DERIVATIVE_TOLERANCE
+    assert result.jvp_error > 1e-8 and not result.passed and "jvp: relative error" in result.message
+
+
+def test_a_path_without_forward_mode_fails_with_the_error():
+    # _NoRowSum has no jvp: the case fails and says why, instead of raising
+    errors, messages = derivative_errors(_no_row_sum, CASE64, make_inputs(CASE64))
+    assert errors["jvp"] == math.inf and any(m.startswith("jvp: ") for m in messages)
+    # its backward is differentiable autograd, but without the row-sum term: wrong
+    assert errors["second_order"] > 1e-3
+
+
+def test_higher_derivatives_run_on_float64_only_and_can_be_left_out():
+    assert run_case("explicit", CASE32).second_order_error is None
+    result = run_case("explicit", CASE64, gradcheck=False, derivatives=False)
+    assert (result.second_order_error, result.jvp_error, result.gradgradcheck_passed) == (
+        None,
+        None,
+        None,
+    )
+    # gradgradcheck follows gradcheck; triton's (Triton's interpreter) is left out unless asked
+    assert run_case("explicit", CASE64, gradcheck=False).gradgradcheck_passed is None
+    assert "triton" in SLOW_GRADGRADCHECK
+
+
+def test_second_order_of_the_reference_against_itself_is_exact():
+    inputs = make_inputs(CASE64)
+    u = directions(inputs)
+    h = second_order(reference_attention, CASE64, inputs, u)
+    assert set(h) == {"q", "k", "v", "dout"} and h["dout"].shape == inputs["dout"].shape
+    assert relative_error(h, h) == 0.0
+
+
+def test_relative_error_is_floored_at_one_and_names_bad_arguments():
+    # below 1 the error is absolute; above, relative to the largest magnitude of all names
+    small = {"a": torch.tensor([0.0, 1e-3], dtype=torch.float64), "b": torch.tensor([0.5])}
+    assert relative_error({**small, "a": small["a"] + 1e-9}, small) == pytest.approx(1e-9)
+    ref = {"a": small["a"], "b": torch.tensor([4.0])}
+    assert relative_error({"a": ref["a"] + 0.4, "b": ref["b"]}, ref) == pytest.approx(0.1)
+    assert relative_error({"a": torch.tensor([math.nan, 0.0]), "b": ref["b"]}, ref) == math.inf
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        relative_error({"a": ref["a"]}, ref)
+    with pytest.raises(ValueError, match="got\\['a'\\]: shape"):
+        relative_error({"a": torch.zeros(3), "b": ref["b"]}, ref)

@@ -3,9 +3,9 @@
 attngrad check   [--strategy NAME ...] [--json PATH|-] [--csv PATH] [--failures] [--seed N]
                  [--no-gradcheck]
                  the conformance grid; exit 1 on a failed case, 2 on a strategy that can't run
-attngrad ledger  [--seq-q N ...] [--sweep N ...] [--strategy NAME ...]
+attngrad ledger  [--seq-q N ...] [--sweep N ...] [--strategy NAME ...] [--order 1|2]
                  saved bytes and peak memory per path; exit 1 when a prediction misses
-attngrad explain [--strategy NAME ...]             the grad_fn graph and saved tensors per path
+attngrad explain [--strategy NAME ...] [--order 1|2]  the grad_fn graph and saved tensors per path
 attngrad bench   [--seq N ...] [--strategy NAME]   time against SDPA's MATH and FLASH backends
 attngrad bench --order 2 [--loss square|dot]     HVP (double backward) and jvp vs SDPA MATH
 attngrad --version
@@ -177,6 +177,8 @@ def _ledger(args: argparse.Namespace) -> int:
     sizes = [(n, n) for n in args.sweep] if args.sweep else [(args.seq_q, args.seq_k or args.seq_q)]
     layouts = [_ledger_layout(args, seq_q, seq_k) for seq_q, seq_k in sizes]
     machine = _machine(DTYPES[args.dtype], device, args.gemm_time)
+    if args.order == 2:
+        return _ledger_second_order(args, paths, layouts, machine)
     try:
         with Progress(len(paths) * len(layouts), "ledger") as bar:
             rows, notes = ledger.run_ledger(
@@ -200,6 +202,31 @@ def _ledger(args: argparse.Namespace) -> int:
             f"MISMATCH {r.path} N={r.seq_q}: predicted {r.predicted_saved} measured {r.measured_saved}"
         )
     return 1 if mismatched else 0
+
+
+def _ledger_second_order(
+    args: argparse.Namespace, paths: Sequence[str], layouts: Sequence[Case], machine: Machine
+) -> int:
+    """``ledger --order 2``: the double-backward table, and its CSV (no plot)."""
+    try:
+        with Progress(len(paths) * len(layouts), "ledger") as bar:
+            rows, notes = ledger.run_second_order_ledger(
+                paths, layouts, str(args.device), peak=not args.no_peak, step=bar.step
+            )
+    except (ValueError, TypeError) as e:
+        print(f"attngrad ledger: error: {e}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line, file=sys.stderr)
+    print(report.second_order_table(rows, machine))
+    sweep_default = "results/ledger_order2.csv" if args.sweep else None
+    csv_path = _destination(args.csv, sweep_default)
+    if rows:
+        records = report.second_order_records(rows)
+        _write(csv_path, lambda path: report.write_csv(records, path, machine))
+    if args.plot:
+        print(f"skipped the plot {args.plot}: --order 2 writes no plot", file=sys.stderr)
+    return 0
 
 
 def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -232,6 +259,15 @@ def _add_ledger(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("--no-peak", action="store_true", help="skip the peak-memory runs (faster)")
     p.add_argument(
+        "--order",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: forward+backward (default); 2: double backward: what the create_graph=True "
+        "backward saves, what a gradient penalty keeps and a Hessian-vector product's peak "
+        "(CSV with --sweep: results/ledger_order2.csv; no plot)",
+    )
+    p.add_argument(
         "--sweep",
         type=positive_int,
         nargs="+",
@@ -251,7 +287,11 @@ def _explain(args: argparse.Namespace) -> int:
         return 2
     sizes = _sizes(args, "batch", "heads", "seq_q", "seq_k", "head_dim")
     reports = explain(
-        **sizes, dtype=DTYPES[args.dtype], is_causal=args.causal, strategies=strategies
+        **sizes,
+        dtype=DTYPES[args.dtype],
+        is_causal=args.causal,
+        strategies=strategies,
+        order=args.order,
     )
     print(report.explain_text(reports))
     return 0
@@ -271,6 +311,14 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     _add_size(p, "--seq-q", 8, "Nq, query length (default 8)")
     _add_size(p, "--seq-k", 8, "Nk, key length (default 8)")
     p.add_argument("--causal", action="store_true", help="causal mask (top-left aligned)")
+    p.add_argument(
+        "--order",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: the graph from O (default); 2: the double-backward graph, from dq, dk, dv "
+        "built with create_graph=True",
+    )
     _add_strategy(
         p,
         STRATEGIES,

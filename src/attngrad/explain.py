@@ -19,6 +19,14 @@ forward (P, the row statistics m and log l, O, ...), cross-checked against the b
 the nodes in the order the engine runs them (`backward_order`).  The text:
 `attngrad.report.explain_text`.
 
+With ``order=2`` the graph shown is the double-backward one: the first-order
+gradients dq, dk, dv are built with ``create_graph=True`` (upstream gradient dO =
+ones), and the walk starts from their grad_fns (``AttentionGradientsBackward`` on
+every strategy, whose backward is the tiled `SecondOrder`); each node's saved tensors
+are what that backward packed, cross-checked against the hooks in the same way, and
+the numbering is the engine's order in the second backward (from dq, dk, dv with
+gradient ones: a Hessian-vector product).
+
 >>> reports = explain(seq_q=8, seq_k=8)
 >>> [r.path for r in reports][:3]
 ['pytorch-math', 'sdpa-math', 'explicit']
@@ -42,6 +50,7 @@ from attngrad.strategies import STRATEGIES, available
 
 __all__ = [
     "BASELINES",
+    "ORDERS",
     "NodeReport",
     "PathReport",
     "SavedTensor",
@@ -53,6 +62,9 @@ BASELINES: tuple[str, ...] = ("pytorch-math", "sdpa-math")
 
 
 _INPUTS = ("q", "k", "v")
+# what the caller hands the first backward: saved by reference too, at order 2
+_GIVEN = (*_INPUTS, "dO")
+ORDERS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class SavedTensor:
     is_input: bool
     hooked: bool
     storage: int  # data_ptr of the storage: two saved views of one tensor share it
+    forward: bool = False  # order 2: saved by forward's graph, which the gradients reach
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,7 @@ class PathReport:
     hooked_count: int
     hooked_bytes: int
     output_shape: tuple[int, ...] = field(default=())
+    order: int = 1  # 2: the graph of the create_graph=True gradients (module docstring)
 
     @property
     def saved(self) -> list[SavedTensor]:
@@ -122,17 +136,19 @@ class PathReport:
 
     @property
     def graph_count(self) -> int:
-        return len(self.saved)
+        """Saved tensors on the graph (at order 2 those of the create_graph backward)."""
+        return len([t for t in self.saved if not t.forward])
 
     @property
     def graph_bytes(self) -> int:
-        """Sum of numel * element_size over every saved tensor of every node."""
-        return sum(t.nbytes for t in self.saved)
+        """Sum of numel * element_size over every saved tensor of every node (at order 2
+        those of the create_graph backward, which the hooks watched)."""
+        return sum(t.nbytes for t in self.saved if not t.forward)
 
     @property
     def unhooked(self) -> list[SavedTensor]:
         """Saved tensors the hooks did not see: graph_bytes - hooked_bytes of them."""
-        return [t for t in self.saved if not t.hooked]
+        return [t for t in self.saved if not t.hooked and not t.forward]
 
     @property
     def kept(self) -> list[SavedTensor]:
@@ -163,14 +179,17 @@ class PathReport:
 # --- the order backward runs the graph in ------------------------------------------------
 
 
-def backward_order(out: torch.Tensor) -> list[Node]:
+def backward_order(out: torch.Tensor | Sequence[torch.Tensor]) -> list[Node]:
     """Run backward from ``out`` (gradient ones) and return the nodes in the order the engine ran them.
 
-    A pre-hook on every node reachable from ``out.grad_fn`` appends the node when the
-    engine calls it (AccumulateGrad included), so this is the engine's own order, not a
-    model of its scheduling.  Backward frees the saved tensors: read them first.
+    ``out``: one tensor, or several (the gradients dq, dk, dv of a ``create_graph=True``
+    backward) run in one backward.  A pre-hook on every node reachable from their
+    grad_fns appends the node when the engine calls it (AccumulateGrad included), so
+    this is the engine's own order, not a model of its scheduling.  Backward frees the
+    saved tensors: read them first.
     """
-    if out.grad_fn is None:
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    if not outs or any(o.grad_fn is None for o in outs):
         raise ValueError(
             "out has no grad_fn; pass the output of a forward on leaves that require grad"
         )
@@ -179,17 +198,19 @@ def backward_order(out: torch.Tensor) -> list[Node]:
     def recorder(node: Node) -> Callable[..., None]:
         return lambda *_: ran.append(node)
 
-    handles = [node.register_prehook(recorder(node)) for node in _depths(out.grad_fn)]
-    torch.autograd.backward(out, torch.ones_like(out))
+    roots = [o.grad_fn for o in outs]
+    handles = [node.register_prehook(recorder(node)) for node in _depths(*roots)]  # type: ignore[arg-type]
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     for handle in handles:
         handle.remove()
     return ran
 
 
-def _depths(root: Node) -> dict[Node, int]:
-    """Fewest edges from ``root`` to each node reachable from it, root first (breadth first)."""
-    depth = {root: 0}
-    frontier = [root]
+def _depths(*roots: Node) -> dict[Node, int]:
+    """Fewest edges from the nearest of ``roots`` to each node reachable from them, roots
+    first (breadth first)."""
+    depth = dict.fromkeys(roots, 0)
+    frontier = list(depth)
     while frontier:
         following: list[Node] = []
         for node in frontier:
@@ -323,40 +344,59 @@ def _description(path: str) -> str:
 
 
 def _run_path(
-    path: str, base: tuple[torch.Tensor, torch.Tensor, torch.Tensor], is_causal: bool
+    path: str,
+    base: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    is_causal: bool,
+    order: int = 1,
 ) -> PathReport:
-    """Forward ``path`` on fresh leaves copied from ``base``, read what each node saved,
-    then run backward to number the nodes in the engine's order, and report."""
+    """Forward ``path`` on fresh leaves copied from ``base`` (at ``order`` 2 also the
+    create_graph backward), read what each node saved, then run backward to number the
+    nodes in the engine's order, and report."""
     q, k, v = (x.detach().clone().requires_grad_() for x in base)
     b, h, nq, d = q.shape
     nk = k.shape[2]
     # True above the diagonal: key j > query i is masked (top-left aligned, as in SDPA)
     mask = torch.ones(nq, nk, dtype=torch.bool).triu(1) if is_causal else None
     packed: list[torch.Tensor] = []
+    before: list[torch.Tensor] = []  # order 2: what forward packed
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         packed.append(t)
         return t
 
-    with saved_tensors_hooks(pack, lambda t: t):
+    def forward() -> torch.Tensor:
         if path == "pytorch-math":
-            o = _pytorch_math(q, k, v, mask)
-        else:  # sdpa-math and the strategies, as the ledger runs them
-            o = path_fn(path, is_causal)(q, k, v)
-    if o.grad_fn is None:
-        raise RuntimeError(f"path {path!r} returned an output without grad_fn")
-    root: Node = o.grad_fn
+            return _pytorch_math(q, k, v, mask)
+        return path_fn(path, is_causal)(q, k, v)  # sdpa-math and the strategies, as in ledger
+
+    if order == 1:
+        with saved_tensors_hooks(pack, lambda t: t):
+            o = forward()
+        outs = [o]
+    else:
+        with saved_tensors_hooks(lambda t: before.append(t) or t, lambda t: t):  # type: ignore[func-returns-value]
+            o = forward()
+        dout = torch.ones_like(o)
+        with saved_tensors_hooks(pack, lambda t: t):
+            outs = list(torch.autograd.grad(o, (q, k, v), dout, create_graph=True))
+    if any(x.grad_fn is None for x in outs):
+        what = "an output" if order == 1 else "first-order gradients"
+        raise RuntimeError(f"path {path!r} returned {what} without grad_fn")
     inputs = {"q": q, "k": k, "v": v}
     named = {_storage(x): name for name, x in inputs.items()}
     named[_storage(o)] = "O"
+    if order == 2:
+        named[_storage(dout)] = "dO"
     if mask is not None:
         named[_storage(mask)] = "mask"
     leaves = {id(x): name for name, x in inputs.items()}
     # unpacking hands back a new Python tensor over the same memory: match by layout
     unmatched = Counter(_layout(t) for t in packed)
+    # order 2: the plain paths' gradients reach forward's nodes, whose tensors forward packed
+    by_forward = Counter(_layout(t) for t in before) if order == 2 else Counter()
 
     saved_by_node = {}
-    depth = _depths(root)
+    depth = _depths(*(x.grad_fn for x in outs))  # type: ignore[misc,arg-type]
     for node in depth:
         found, none_slots = _saved_of(node)
         saved = tuple(
@@ -366,17 +406,18 @@ def _run_path(
                 shape=tuple(t.shape),
                 dtype=t.dtype,
                 nbytes=t.numel() * t.element_size(),
-                is_input=role in _INPUTS,
-                hooked=_take(unmatched, _layout(t)),
+                is_input=role in _GIVEN,
+                hooked=(hooked := _take(unmatched, _layout(t))),
                 storage=_storage(t),
+                forward=not hooked and _take(by_forward, _layout(t)),
             )
             for slot, t in found
         )
         saved_by_node[node] = (saved, none_slots)
-    order = backward_order(o)
-    step = {node: i + 1 for i, node in enumerate(order)}
+    ran = backward_order(outs)
+    step = {node: i + 1 for i, node in enumerate(ran)}
     nodes = []
-    for node in order:
+    for node in ran:
         saved, none_slots = saved_by_node[node]
         variable = getattr(node, "variable", None)
         nodes.append(
@@ -385,7 +426,8 @@ def _run_path(
                 name=type(node).__name__,  # name() spells AccumulateGrad with its C++ namespace
                 depth=depth[node],
                 sequence_nr=int(node._sequence_nr()),  # type: ignore[attr-defined]
-                next_steps=tuple(step[n] for n, _ in node.next_functions if n is not None),
+                # a node the engine did not need to run (no gradient reaches it) has no step
+                next_steps=tuple(step[n] for n, _ in node.next_functions if n in step),
                 saved=saved,
                 none_slots=none_slots,
                 leaf=None if variable is None else leaves.get(id(variable)),
@@ -400,6 +442,7 @@ def _run_path(
         hooked_count=len(packed),
         hooked_bytes=sum(t.numel() * t.element_size() for t in packed),
         output_shape=tuple(o.shape),
+        order=order,
     )
 
 
@@ -413,18 +456,23 @@ def explain(
     is_causal: bool = False,
     strategies: Sequence[str] | None = None,
     seed: int = 0,
+    order: int = 1,
 ) -> list[PathReport]:
     """One `PathReport` per path for q: [batch, heads, seq_q, head_dim], k, v: [.., seq_k, ..].
 
     The baselines `BASELINES` come first, then ``strategies`` (default: every one of
     `attngrad.STRATEGIES` that runs on CPU here, triton in its interpreter included).
     Inputs come from a generator seeded with ``seed``; each path gets its own leaf copies
-    of the same values, and runs forward and backward once.
+    of the same values, and runs forward and backward once.  ``order`` 2: the graph of
+    the first-order gradients built with ``create_graph=True`` and its second backward
+    (module docstring).
     """
     sizes = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}; try {name}=8")
+    if order not in ORDERS or isinstance(order, bool):
+        raise ValueError(f"order must be one of {list(ORDERS)}, got {order!r}; try order=2")
     if dtype not in DTYPES.values():
         raise TypeError(f"dtype must be one of {list(DTYPES)}, got {dtype}; try torch.float32")
     if strategies is None:
@@ -437,4 +485,4 @@ def explain(
     q = torch.randn(batch, heads, seq_q, head_dim, generator=gen).to(dtype)
     k = torch.randn(batch, heads, seq_k, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, heads, seq_k, head_dim, generator=gen).to(dtype)
-    return [_run_path(path, (q, k, v), is_causal) for path in [*BASELINES, *chosen]]
+    return [_run_path(path, (q, k, v), is_causal, order) for path in [*BASELINES, *chosen]]

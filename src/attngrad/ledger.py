@@ -112,20 +112,23 @@ def measure_saved_bytes(fn: Callable[[], T]) -> tuple[int, T]:
     return total, out
 
 
-def measure_saved_storages(fn: Callable[[], T]) -> tuple[dict[int, int], T]:
-    """{storage address: its bytes} of every tensor autograd saves while ``fn`` runs, and
-    its output.  Each storage once, however many views of it are saved: the memory the
-    graph holds, where `measure_saved_bytes` counts every pack."""
+def measure_saved_storages(fn: Callable[[], T]) -> tuple[int, dict[int, int], T]:
+    """What autograd saves while ``fn`` runs: the bytes of every pack (as
+    `measure_saved_bytes`), {storage address: its bytes} with each storage once however
+    many views of it are saved (the memory the graph holds), and ``fn``'s output."""
+    total = 0
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return storages, out
+    return total, storages, out
 
 
 @contextlib.contextmanager
@@ -309,7 +312,9 @@ def _hvp(
     return torch.autograd.grad(inner, list(inputs))  # type: ignore[arg-type]
 
 
-def second_order_row(path: str, case: Case, device: str = "cpu", peak: bool = True) -> SecondOrderRow:
+def second_order_row(
+    path: str, case: Case, device: str = "cpu", peak: bool = True
+) -> SecondOrderRow:
     """Measure what the double-backward graph of one path saves and (optionally) its peak.
 
     The gradients g = grad(O, (q, k, v), dO, create_graph=True) and one
@@ -321,14 +326,12 @@ def second_order_row(path: str, case: Case, device: str = "cpu", peak: bool = Tr
     gen = torch.Generator(device=device).manual_seed(1)
     w = [torch.randn(x.shape, generator=gen, device=device, dtype=x.dtype) for x in (q, k, v)]
     fn = path_fn(path, case.mask == "causal", case.gqa)
-    forward_saved, out = measure_saved_bytes(lambda: fn(q, k, v))
-    forward_storages, _ = measure_saved_storages(lambda: fn(q, k, v))
+    forward_saved, forward_storages, out = measure_saved_storages(lambda: fn(q, k, v))
 
-    def first() -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+    def first(o: torch.Tensor = out) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(o, (q, k, v), dout, create_graph=True)
 
-    backward_saved, _ = measure_saved_bytes(first)
-    backward_storages, grads = measure_saved_storages(first)
+    backward_saved, backward_storages, grads = measure_saved_storages(first)
     sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
     common = dict(
         path=path,

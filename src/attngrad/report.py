@@ -19,7 +19,7 @@ import torch
 
 from attngrad.bench import PASSES, BenchRow
 from attngrad.explain import PathReport, SavedTensor
-from attngrad.ledger import LedgerRow
+from attngrad.ledger import LedgerRow, SecondOrderRow
 from attngrad.machine import Machine
 from attngrad.verify import DERIVATIVE_TOLERANCE, GRADIENTS, CaseResult, format_error
 
@@ -36,6 +36,8 @@ __all__ = [
     "ledger_plot",
     "ledger_records",
     "ledger_table",
+    "second_order_records",
+    "second_order_table",
     "write_csv",
 ]
 
@@ -387,6 +389,53 @@ def ledger_table(rows: Sequence[LedgerRow], machine: Machine) -> str:
     return "\n".join([machine.line(), head, "-" * len(head), *lines])
 
 
+def _layout_cells(r: LedgerRow | SecondOrderRow) -> list[str]:
+    """B, H, Nq x Nk, d, dtype, causal of a ledger row."""
+    return [
+        str(r.batch),
+        _pair(r.heads_q, r.heads_kv, ":"),
+        _pair(r.seq_q, r.seq_k, " x "),
+        _pair(r.head_dim, r.value_dim, ":"),
+        r.dtype,
+        _yes(r.causal),
+    ]
+
+
+def second_order_records(rows: Sequence[SecondOrderRow]) -> list[dict[str, object]]:
+    """CSV records: every `attngrad.ledger.SecondOrderRow` field (bytes)."""
+    return [asdict(r) for r in rows]
+
+
+def second_order_table(rows: Sequence[SecondOrderRow], machine: Machine) -> str:
+    """The machine, a line on what is measured, then one row per path and layout: bytes
+    saved by forward and by the create_graph backward, what both keep until the second
+    backward, the Hessian-vector product's peak; under the table why a path has no
+    double backward."""
+    cells = [
+        [
+            r.path,
+            *_layout_cells(r),
+            _yes(r.supported),
+            format_bytes(r.forward_saved),
+            format_bytes(r.backward_saved),
+            format_bytes(r.kept),
+            format_bytes(r.peak),
+            format_bytes(r.peak_beyond_io),
+        ]
+        for r in rows
+    ]
+    header = ["path", "B", "H", "Nq x Nk", "d", "dtype", "causal", "2nd order", "fwd saved"]
+    header += ["create_graph bwd saved", "kept to 2nd bwd", "peak HVP", "beyond I/O"]
+    head, lines = _columns(header, cells, left=1)
+    about = (
+        "second order: g = grad(O, (q, k, v), dO, create_graph=True), then the "
+        "Hessian-vector product grad(<g, w>, (q, k, v)); kept = what forward and that "
+        "backward save, each storage once (held until the second backward)"
+    )
+    notes = [f"{r.path}: no double backward ({r.note})" for r in rows if not r.supported]
+    return "\n".join([machine.line(), about, head, "-" * len(head), *lines, *notes])
+
+
 def ledger_plot(rows: Sequence[LedgerRow], path: str | os.PathLike[str], machine: Machine) -> None:
     """Two log-log panels against N, one line per path: saved bytes (predicted as hollow
     circles where a formula exists) and, when measured, the peak of forward+backward."""
@@ -469,7 +518,11 @@ def _explain_path(r: PathReport) -> list[str]:
         for t in n.saved:
             kind = "input" if t.is_input else "computed"
             shape = "[" + ", ".join(map(str, t.shape)) + "]"
-            note = "" if t.hooked else "  (not seen by hooks)"
+            note = (
+                ""
+                if t.hooked
+                else ("  (saved by forward)" if t.forward else "  (not seen by hooks)")
+            )
             lines.append(
                 f"{pad}    saved {t.slot:<17} {shape:<15} {_dtype(t.dtype):<9}"
                 f" {format_bytes(t.nbytes):>10}  {t.role} ({kind}){note}"
@@ -477,11 +530,18 @@ def _explain_path(r: PathReport) -> list[str]:
         if n.none_slots:
             lines.append(f"{pad}    saved {n.none_slots} × None (optional inputs not given)")
     check = "agree" if r.graph_bytes == r.hooked_bytes else "differ"
+    by = "" if r.order == 1 else " by the create_graph backward"
     lines.append(
-        f"  total: {r.graph_count} saved tensors, {format_bytes(r.graph_bytes)} found on the "
-        f"graph; saved_tensors_hooks packed {r.hooked_count}, {format_bytes(r.hooked_bytes)} "
-        f"({check})"
+        f"  total: {r.graph_count} saved tensors{by}, {format_bytes(r.graph_bytes)} found on "
+        f"the graph; saved_tensors_hooks packed {r.hooked_count}, "
+        f"{format_bytes(r.hooked_bytes)} ({check})"
     )
+    forward = [t for t in r.saved if t.forward]
+    if forward:
+        lines.append(
+            f"  and {len(forward)} saved by forward, {format_bytes(sum(t.nbytes for t in forward))}: "
+            "the gradients' graph reaches forward's nodes, which keep them"
+        )
     if r.unhooked:
         extra = format_bytes(sum(t.nbytes for t in r.unhooked))
         lines.append(
@@ -493,8 +553,9 @@ def _explain_path(r: PathReport) -> list[str]:
     lines.append(
         f"  inputs saved by reference (no new memory): {', '.join(r.inputs_saved) or 'none'}"
     )
+    until = "backward" if r.order == 1 else "the second backward"
     lines.append(
-        f"  kept alive for backward besides the inputs: {format_bytes(r.kept_bytes)} = "
+        f"  kept alive for {until} besides the inputs: {format_bytes(r.kept_bytes)} = "
         f"{_kept_line(r)}"
     )
     return lines
@@ -505,11 +566,16 @@ def _explain_summary(reports: Sequence[PathReport]) -> list[str]:
     b, h, nq, nk, d = first.shape
     base = next((r for r in reports if r.path == "pytorch-math"), first)
     name_w = max(len(r.path) for r in reports)
+    between = (
+        "between forward and backward besides q, k, v"
+        if first.order == 1
+        else "from the create_graph backward to the second backward besides q, k, v, dO"
+    )
     lines = [
         "== summary: same formulas, different paths ==",
         "  every path differentiates the same forward with the same formulas:",
         "    dV = P^T dO    dP = dO V^T    dS = P∘(dP − rowsum(P∘dP))    dQ = s·dS K    dK = s·dS^T Q",
-        f"  what each path keeps alive between forward and backward besides q, k, v "
+        f"  what each path keeps alive {between} "
         f"(B={b}, H={h}, Nq={nq}, Nk={nk}, d={d}, {_dtype(first.dtype)}):",
     ]
     for r in reports:
@@ -519,7 +585,7 @@ def _explain_summary(reports: Sequence[PathReport]) -> list[str]:
             f"  = {format_bytes(r.kept_bytes)}, {ratio:.2f}× {base.path}"
         )
     recompute_like = [r.path for r in reports if r.path in ("recompute", "flash")]
-    if recompute_like:
+    if recompute_like and first.order == 1:
         lines.append(
             f"  {' and '.join(recompute_like)} pay for the smaller ledger in backward: they "
             "recompute S = s·q k^T and P = exp((S − m) − log l) instead of reading a saved P"
@@ -542,12 +608,20 @@ def explain_text(reports: Sequence[PathReport]) -> str:
     if not reports:
         return ""
     b, h, nq, nk, d = reports[0].shape
-    lines = [
-        f"attngrad explain: q [{b}, {h}, {nq}, {d}], k, v [{b}, {h}, {nk}, {d}], "
-        f"{_dtype(reports[0].dtype)}",
+    graph = (
         "Each path's grad_fn graph from O, #n = the step at which the autograd engine ran "
         "the node in backward (indent = distance from O); under each node the tensors it "
-        "saved for backward.",
+        "saved for backward."
+        if reports[0].order == 1
+        else "Each path's double-backward graph: the grad_fn graph of dq, dk, dv from "
+        "grad(O, (q, k, v), dO = ones, create_graph=True), #n = the step at which the "
+        "autograd engine ran the node in the second backward (indent = distance from "
+        "dq, dk, dv); under each node the tensors that backward saved for the second."
+    )
+    lines = [
+        f"attngrad explain: q [{b}, {h}, {nq}, {d}], k, v [{b}, {h}, {nk}, {d}], "
+        f"{_dtype(reports[0].dtype)}" + ("" if reports[0].order == 1 else ", order 2"),
+        graph,
         "",
     ]
     for r in reports:

@@ -113,8 +113,8 @@ __all__ = [
     "GRADGRADCHECK_ELEMENTS",
     "GRADIENTS",
     "LAMBDA",
-    "SLOW_GRADGRADCHECK",
     "MASK_KINDS",
+    "SLOW_GRADGRADCHECK",
     "Case",
     "CaseResult",
     "Verdict",
@@ -509,7 +509,9 @@ def _differentiable(inputs: Inputs) -> dict[str, torch.Tensor]:
     return {n: _tensor(inputs, n).detach().double().clone().requires_grad_() for n in names}
 
 
-def _call(fn: AttentionFn, case: Case, inputs: Inputs, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _call(
+    fn: AttentionFn, case: Case, inputs: Inputs, x: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
     """``fn`` SDPA-style on x's q, k, v and mask (a bool mask, not differentiable, from inputs)."""
     mask = x.get("mask", inputs["mask"])
     return fn(x["q"], x["k"], x["v"], mask, **case.kwargs)
@@ -568,7 +570,7 @@ def output_tangent(
         return _call(fn, case, inputs, dict(zip(names, primals, strict=True)))
 
     primals = tuple(x[n].detach() for n in names)
-    _, tangent = torch.func.jvp(call, primals, tuple(u[n] for n in names))
+    tangent = torch.func.jvp(call, primals, tuple(u[n] for n in names))[1]
     return tangent.detach()  # type: ignore[no-any-return]
 
 
@@ -583,7 +585,9 @@ def relative_error(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tens
         raise ValueError(f"got has no {missing}; give every name of ref: {list(ref)}")
     for n, r in ref.items():
         if got[n].shape != r.shape:
-            raise ValueError(f"got[{n!r}]: shape {tuple(got[n].shape)} differs from {tuple(r.shape)}")
+            raise ValueError(
+                f"got[{n!r}]: shape {tuple(got[n].shape)} differs from {tuple(r.shape)}"
+            )
     if any(bool(got[n].isnan().any()) for n in ref):
         return math.inf
     error = max((_max(_diff(got[n].double(), r.double())) for n, r in ref.items()), default=0.0)
@@ -616,9 +620,7 @@ def derivative_errors(
             messages.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         if not errors[name] <= DERIVATIVE_TOLERANCE:
-            messages.append(
-                f"{name}: relative error {errors[name]:.3g} > {DERIVATIVE_TOLERANCE:g}"
-            )
+            messages.append(f"{name}: relative error {errors[name]:.3g} > {DERIVATIVE_TOLERANCE:g}")
     return errors, messages
 
 
@@ -632,23 +634,23 @@ def _gradgradcheck(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
 
     dout = _tensor(inputs, "dout").detach().double().clone().requires_grad_()
     try:
-        return bool(
-            torch.autograd.gradgradcheck(call, tuple(x.values()), (dout,), fast_mode=True)
-        )
+        return bool(torch.autograd.gradgradcheck(call, tuple(x.values()), (dout,), fast_mode=True))
     except GradcheckError:
         return False
 
 
 def _elements(inputs: Inputs) -> int:
     """Elements of q, k, v, dout and a float mask: the size gradgradcheck perturbs."""
-    return sum(t.numel() for t in _differentiable(inputs).values()) + _tensor(inputs, "dout").numel()
+    return (
+        sum(t.numel() for t in _differentiable(inputs).values()) + _tensor(inputs, "dout").numel()
+    )
 
 
 def strategy_fn(strategy: str) -> AttentionFn:
     """`attention` bound to one strategy."""
 
     def fn(*args: object, **kwargs: object) -> torch.Tensor:
-        return attention(*args, strategy=strategy, **kwargs)  # type: ignore[arg-type]
+        return attention(*args, strategy=strategy, **kwargs)  # type: ignore[arg-type,call-overload,no-any-return]
 
     return fn
 
