@@ -334,3 +334,9 @@ def test_flash_never_forms_a_score_matrix_under_second_order(order: str) -> None
     # one tile per (batch, head) at most, or an [N, d] row block: never [N, N]
     assert seen.largest <= max(b * h * tile, b * h * n * d), seen.largest
     assert seen.largest < b * h * n * n // 4
+
+
+def test_return_lse_must_be_a_bool() -> None:
+    q = torch.randn(1, 1, 3, 2)
+    with pytest.raises(TypeError, match="return_lse must be True or False, got 'yes'"):
+        attngrad.attention(q, q, q, return_lse="yes")  # type: ignore[call-overload]

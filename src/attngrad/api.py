@@ -8,6 +8,7 @@ from typing import Literal, overload
 import torch
 
 from attngrad.contract import (
+    check_flag,
     validate_attention,
     validate_blocks,
     validate_strategy,
@@ -158,6 +159,7 @@ def attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
     validate_strategy(strategy, STRATEGIES)
+    check_flag("return_lse", return_lse)
     band = validate_window(window)
     banded = is_causal or band is not None
     tiling_given = block_q is not None or block_k is not None

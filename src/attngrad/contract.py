@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "DTYPES",
     "Shapes",
+    "check_flag",
     "validate_attention",
     "validate_blocks",
     "validate_strategy",
@@ -85,7 +86,8 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _check_flag(name: str, value: object) -> None:
+def check_flag(name: str, value: object) -> None:
+    """TypeError unless ``value`` is True or False (``name`` is the argument's)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
@@ -244,8 +246,8 @@ def validate_attention(
     k = _check_tensor("key", key)
     v = _check_tensor("value", value)
     _check_same_kind(q, k, v)
-    _check_flag("is_causal", is_causal)
-    _check_flag("enable_gqa", enable_gqa)
+    check_flag("is_causal", is_causal)
+    check_flag("enable_gqa", enable_gqa)
     _check_scale(scale)
     _check_dropout(dropout_p)
     shapes = _shapes(q, k, v, bool(enable_gqa))

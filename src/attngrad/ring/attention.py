@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
-from attngrad.contract import Shapes, validate_attention
+from attngrad.contract import Shapes, check_flag, validate_attention
 from attngrad.ops import compute_dtype, log_normalizer, lse
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
@@ -350,6 +350,7 @@ def ring_attention(
     Backward is a ring too: every rank that called forward must run it.
     """
     shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
+    check_flag("return_lse", return_lse)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup or None (the default group), "
