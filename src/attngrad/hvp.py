@@ -44,7 +44,7 @@ from typing import Literal
 
 import torch
 
-from attngrad.ledger import measure_peak_bytes, path_fn
+from attngrad.ledger import hessian_vector_product, measure_peak_bytes, path_fn
 from attngrad.machine import Machine
 from attngrad.report import _columns, _figure, format_bytes
 from attngrad.timing import Spread, interleaved, spreads
@@ -112,10 +112,7 @@ def hvp(
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     g = torch.autograd.grad(scalar, inputs, create_graph=True)
     del o, scalar
-    inner = sum(
-        ((gi * wi).sum() for gi, wi in zip(g, w, strict=True)), torch.zeros((), dtype=g[0].dtype)
-    )
-    return torch.autograd.grad(inner, inputs)
+    return hessian_vector_product(g, inputs, w)
 
 
 @dataclass(frozen=True)

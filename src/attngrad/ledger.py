@@ -50,6 +50,7 @@ __all__ = [
     "BASELINES",
     "LedgerRow",
     "SecondOrderRow",
+    "hessian_vector_product",
     "ledger_row",
     "measure_peak_bytes",
     "measure_saved_bytes",
@@ -100,15 +101,7 @@ def path_fn(path: str, causal: bool, gqa: bool = False) -> Callable[..., torch.T
 
 def measure_saved_bytes(fn: Callable[[], T]) -> tuple[int, T]:
     """Bytes of every tensor autograd saves while ``fn`` runs forward, and its output."""
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+    total, _, out = measure_saved_storages(fn)
     return total, out
 
 
@@ -304,10 +297,10 @@ class SecondOrderRow:
     note: str = ""
 
 
-def _hvp(
+def hessian_vector_product(
     grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], w: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
-    """grad(sum_i <g_i, w_i>, inputs): the Hessian of <O, dO> times w, one per input."""
+    """grad(sum_i <g_i, w_i>, inputs) for g built with create_graph=True: H w, one per input."""
     inner = sum((g * wi).sum() for g, wi in zip(grads, w, strict=True))
     return torch.autograd.grad(inner, list(inputs))  # type: ignore[arg-type]
 
@@ -341,7 +334,7 @@ def second_order_row(
         forward_saved=forward_saved,
     )
     try:
-        _hvp(grads, (q, k, v), w)
+        hessian_vector_product(grads, (q, k, v), w)
     except RuntimeError as e:
         if "not implemented" not in str(e):
             raise
@@ -358,7 +351,7 @@ def second_order_row(
         def run() -> None:
             o = fn(q, k, v)
             g = torch.autograd.grad(o, (q, k, v), dout, create_graph=True)
-            _hvp(g, (q, k, v), w)
+            hessian_vector_product(g, (q, k, v), w)
 
         peak_bytes = measure_peak_bytes(run, device)
         # the output, the 3 gradients and the 3 products: O is dO's size

@@ -68,11 +68,9 @@ def saved_bytes(impl: ModuleType, shapes: Shapes, dtype: torch.dtype, mask_bytes
     return total + (mask_bytes if impl.KEEPS_MASK else 0)
 
 
-def _saved_names(
-    impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[str, ...]:
+def _saved_names(impl: ModuleType, shapes: Shapes) -> tuple[str, ...]:
     """The names of what the strategy saves beyond q, k, v and O (which is an output)."""
-    return tuple(n for n in impl.saves(Shapes.of(q, k, v)) if n != "o")
+    return tuple(n for n in impl.saves(shapes) if n != "o")
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -104,7 +102,7 @@ class AttentionFunction(torch.autograd.Function):
         impl: ModuleType,
     ) -> tuple[torch.Tensor, ...]:
         o, saved = impl.forward(q, k, v, mask.with_tensors(bias, keep), scale, tiles)
-        return (o, lse(saved["stats"]), *(saved[n] for n in _saved_names(impl, q, k, v)))
+        return (o, lse(saved["stats"]), *(saved[n] for n in _saved_names(impl, Shapes.of(q, k, v))))
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
@@ -115,11 +113,12 @@ class AttentionFunction(torch.autograd.Function):
         # the mask when backward masks again; a bias that requires grad also for its gradient
         keeps = impl.KEEPS_MASK
         kept_bias = bias if keeps or (bias is not None and bias.requires_grad) else None
-        needs_o = "o" in impl.saves(Shapes.of(q, k, v))
+        shapes = Shapes.of(q, k, v)
+        needs_o = "o" in impl.saves(shapes)
         kept = (o if needs_o else None, kept_bias, keep if keeps else None)
         ctx.save_for_backward(q, k, v, *kept, *saved)  # type: ignore[arg-type]
         ctx.save_for_forward(q, k, v, o, bias, keep, *saved)
-        ctx.names = _saved_names(impl, q, k, v)
+        ctx.names = _saved_names(impl, shapes)
         ctx.impl, ctx.mask, ctx.scale, ctx.tiles = impl, mask.with_tensors(None, None), scale, tiles
 
     @staticmethod

@@ -30,8 +30,8 @@ def _leading(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
 
 def fold_all(
     args: Sequence[object], in_dims: Sequence[int | None], size: int, masks: Sequence[int]
-) -> tuple[list[object], int]:
-    """(args with each tensor folded to [V*B, ...], B).
+) -> list[object]:
+    """args with each tensor folded to [V*B, ...].
 
     args[i] for i in ``masks`` are mask tensors [Bm, ...]; every other tensor
     is per-sample [B, ...] (the first of them sets B).  Non-tensors pass.
@@ -50,7 +50,7 @@ def fold_all(
                 a = a.expand(size, batch, *a.shape[2:])
             a = a.reshape(size * a.shape[1], *a.shape[2:])
         folded.append(a)
-    return folded, batch
+    return folded
 
 
 def unfold(t: object, size: int) -> object:
@@ -78,7 +78,7 @@ def vmap_rule(
     gradient it is.
     """
     size = info.batch_size
-    folded, _ = fold_all(args, in_dims, size, function.MASKS)
+    folded = fold_all(args, in_dims, size, function.MASKS)
     out = function.apply(*folded)
     out = out if isinstance(out, tuple) else (out,)
     result: list[object] = []
