@@ -7,6 +7,7 @@ import torch
 
 import attngrad
 from attngrad.contract import Shapes
+from attngrad.band import Band
 from attngrad.masks import Mask
 from attngrad.strategies.flash import backward_into, forward, tiles
 from attngrad.tiling import key_schedule, schedule
@@ -162,7 +163,7 @@ def test_backward_into_adds_to_what_the_accumulators_hold():
     c = case((1,), 4, 2, 30, 21, 8, 5, "causal", scale=0.3)
     inputs = make_inputs(c)
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
-    mask = Mask(None, None, None, 0, 2, 30, 21)  # causal: right = 0
+    mask = Mask(None, None, Band.of(30, 21, None, 0), 2, 30, 21)  # causal: right = 0
     o, saved = forward(q, k, v, mask, 0.3, (8, 8))
     assert saved["stats"].shape == (1, 4, 30, 2) and saved["o"] is o
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))

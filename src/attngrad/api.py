@@ -6,6 +6,7 @@ import math
 from typing import Literal, overload
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from attngrad.contract import (
     check_flag,
@@ -14,7 +15,17 @@ from attngrad.contract import (
     validate_strategy,
     validate_window,
 )
+from attngrad.dropout import Dropout, draw_seed
+from attngrad.keywords import (
+    causal_bias_alignment,
+    validate_align,
+    validate_generator,
+    validate_segments,
+    validate_sinks,
+    validate_softcap,
+)
 from attngrad.masks import Mask
+from attngrad.sinks import merge_sinks
 from attngrad.strategies import MODULES, STRATEGIES, TILED, base, resolve
 
 __all__ = ["attention"]
@@ -25,7 +36,7 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None = ...,
+    attn_mask: torch.Tensor | CausalBias | None = ...,
     dropout_p: float = ...,
     is_causal: bool = ...,
     scale: float | None = ...,
@@ -36,6 +47,12 @@ def attention(
     block_q: int | None = ...,
     block_k: int | None = ...,
     return_lse: Literal[False] = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    align: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    generator: torch.Generator | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -44,7 +61,7 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None = ...,
+    attn_mask: torch.Tensor | CausalBias | None = ...,
     dropout_p: float = ...,
     is_causal: bool = ...,
     scale: float | None = ...,
@@ -55,6 +72,12 @@ def attention(
     block_q: int | None = ...,
     block_k: int | None = ...,
     return_lse: Literal[True],
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    align: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    generator: torch.Generator | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -63,7 +86,7 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None = ...,
+    attn_mask: torch.Tensor | CausalBias | None = ...,
     dropout_p: float = ...,
     is_causal: bool = ...,
     scale: float | None = ...,
@@ -74,6 +97,12 @@ def attention(
     block_q: int | None = ...,
     block_k: int | None = ...,
     return_lse: bool,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    align: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    generator: torch.Generator | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -81,7 +110,7 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | CausalBias | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
@@ -92,6 +121,12 @@ def attention(
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    align: str = "top-left",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Scaled-dot-product attention with a hand-written backward.
 
@@ -149,30 +184,70 @@ def attention(
     the strategy's memory cost: the tiled strategies stay O(N) under all of
     them.  Third derivatives raise NotImplementedError.
 
-    ``dropout_p`` must be 0.0 (dropout is not implemented yet).
+    * ``dropout_p``: SDPA's attention dropout, on P after the softmax: each
+      entry kept with probability 1 - p and scaled by 1 / (1 - p) (p = 1
+      gives zeros).  The mask is a hash of (seed, offset, batch * head,
+      query position, key position) (`attngrad.dropout`), never stored: every
+      strategy draws the same mask bit for bit and backward regenerates it.
+      Seed and offset are one draw from ``generator`` (default: the
+      device's default generator, so ``torch.manual_seed`` reproduces a call).
+    * ``softcap=c``: scores become c * tanh(S / c), S = scale * q k^T, before
+      the mask or bias is added (Gemma 2).
+    * ``sinks``: logits that join every row's softmax denominator and carry
+      no value (gpt-oss): ``[Hq]`` (per head) or broadcastable to
+      ``[..., Hq, Nq]`` (per token); their gradient is returned.  lse then
+      counts them too; a row that attends no key gets a zero output.
+    * ``align``: where ``is_causal`` and ``window`` sit when Nq != Nk:
+      ``"top-left"`` (SDPA's: query i at key i) or ``"bottom-right"``
+      (FlashAttention 2's: query i at key i + Nk - Nq, what decoding with a
+      KV cache needs).  SDPA's ``CausalBias`` masks (``causal_upper_left``,
+      ``causal_lower_right``) are accepted as ``attn_mask`` too.
+    * ``cu_seqlens_q``, ``cu_seqlens_k``: packed sequences, 1-D int tensors
+      of cumulative lengths [0, ..., Nq] / [0, ..., Nk] (k defaults to q
+      when Nq = Nk).  Query segment s attends key segment s only; causal,
+      window and alignment apply inside each pair, an empty key segment
+      gives zero rows, and the tiled strategies skip every tile outside
+      the segments.  See `attngrad.band` for pictures.
 
     >>> q = torch.randn(2, 8, 16, 64)
     >>> attention(q, q, q, is_causal=True).shape
     torch.Size([2, 8, 16, 64])
     """
+    if isinstance(attn_mask, CausalBias):
+        shapes = validate_attention(
+            query, key, value, None, dropout_p, is_causal, scale, enable_gqa
+        )
+        align = causal_bias_alignment(attn_mask, shapes, is_causal, validate_align(align))
+        attn_mask, is_causal = None, True
     shapes = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
     validate_strategy(strategy, STRATEGIES)
     check_flag("return_lse", return_lse)
     band = validate_window(window)
-    banded = is_causal or band is not None
+    align = validate_align(align)
+    cap = validate_softcap(softcap)
+    segments = validate_segments(cu_seqlens_q, cu_seqlens_k, shapes, query.device)
+    sink = validate_sinks(sinks, query, shapes)
+    generator = validate_generator(generator, query.device)
+    banded = is_causal or band is not None or segments is not None
     tiling_given = block_q is not None or block_k is not None
     name = resolve(strategy, shapes, tiling_given, banded, query.device)
     block_q, block_k = validate_blocks(block_q, block_k, name)
     q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
     k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
     v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)
-    mask = Mask.build(attn_mask, is_causal, band, shapes)
+    dropout = None
+    if dropout_p > 0:
+        dropout = Dropout(float(dropout_p), *draw_seed(query.device, generator))
+    mask = Mask.build(
+        attn_mask, is_causal, band, shapes, align, segments, cap, dropout, query.device
+    )
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     options = {"block_q": block_q, "block_k": block_k} if name in TILED else {}
     o, lse = base.attention(MODULES[name], q, k, v, mask, s, **options)
     out = o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)
-    if return_lse:
-        return out, lse.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q)
-    return out
+    lse = lse.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q)
+    if sink is not None:
+        out, lse = merge_sinks(out, lse, sink)
+    return (out, lse) if return_lse else out

@@ -107,16 +107,15 @@ def _check_scale(scale: object) -> None:
 
 
 def _check_dropout(dropout_p: object) -> None:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r:.80}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(
-            f"dropout_p must be in [0, 1), got {dropout_p!r}. Use 0.0 to disable dropout."
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(
+            f"dropout_p must be a float in [0, 1], got {dropout_p!r:.80} of type "
+            f"{type(dropout_p).__name__}. Pass 0.0 to disable dropout."
         )
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p} is not supported yet: attngrad has no dropout. "
-            "Use dropout_p=0.0."
+    if not 0.0 <= dropout_p <= 1.0:  # NaN fails too
+        raise ValueError(
+            f"dropout_p must be in [0, 1], got {dropout_p!r}: the probability of dropping each "
+            "attention weight. Use 0.0 to disable dropout (e.g. in eval mode)."
         )
 
 

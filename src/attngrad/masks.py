@@ -1,13 +1,16 @@
-"""Masks in one canonical form: an additive bias, a keep mask and a band.
+"""Masks in one canonical form: a softcap, an additive bias, a keep mask, a band, dropout.
 
 `attention` accepts SDPA's conventions (a bool mask, True = attend; a float
-mask added to the scores; ``is_causal`` aligned to the top-left corner) and a
-sliding ``window=(left, right)``.  `Mask.build` turns them into:
+mask added to the scores; ``is_causal``) and beyond them a sliding
+``window=(left, right)``, its ``align``-ment, packed segments, ``softcap``
+and ``dropout_p``.  `Mask.build` turns them into:
 
+* ``softcap``: scores S = scale q k^T become c tanh(S / c) first (Gemma 2);
 * ``bias`` / ``keep``: 4-D tensors ``[Bm, Hm, Nqm, Nkm]``, each dim 1 or the
   full size, so they stay broadcast views of what the caller passed;
-* a band: query i attends key j only when ``lo(i) <= j <= hi(i)``, from
-  ``is_causal`` (hi(i) = i) and the window (lo(i) = i - left, hi(i) = i + right).
+* a band (`attngrad.band.Band`): query i attends keys lo(i) <= j < hi(i),
+  from ``is_causal``, the window, the alignment and the segments;
+* ``dropout`` (`attngrad.dropout.Dropout`), applied to P after the softmax.
 
 Every strategy applies them the same way, to the whole score matrix or to one
 tile of it; the band also tells the tiled strategies which tiles to skip.
@@ -35,7 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from attngrad.band import Band
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout
 from attngrad.heads import group_heads
 
 __all__ = ["Mask", "add_bias_gradient_", "tile"]
@@ -66,23 +71,26 @@ def tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Mask:
-    """What each query may attend to, in the form every strategy applies.
+    """What each query may attend to, and what happens to its scores, as every strategy applies it.
 
     bias: [Bm, Hm, Nqm, Nkm] float added to the scores, or None.
     keep: [Bm, Hm, Nqm, Nkm] bool, True where a score is kept, or None.
-    left, right: the band lo(i) = i - left <= j <= i + right = hi(i); None is
-        unbounded (is_causal sets right = min(right, 0)).
+    band: the keys each row may reach (causal, window, alignment, packed
+        segments; `attngrad.band.Band`), or None for all of them.
     heads_kv: key/value heads; the mask's heads are grouped to match (GQA).
     seq_q, seq_k: Nq and Nk.
+    softcap: c, when scores are capped to c * tanh(S / c) before the bias is added.
+    dropout: the call's `attngrad.dropout.Dropout` of P, or None.
     """
 
     bias: torch.Tensor | None
     keep: torch.Tensor | None
-    left: int | None
-    right: int | None
+    band: Band | None
     heads_kv: int
     seq_q: int
     seq_k: int
+    softcap: float | None = None
+    dropout: Dropout | None = None
 
     @staticmethod
     def build(
@@ -90,6 +98,11 @@ class Mask:
         is_causal: bool,
         window: tuple[int | None, int | None] | None,
         shapes: Shapes,
+        align: str = "top-left",
+        segments: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        softcap: float | None = None,
+        dropout: Dropout | None = None,
+        device: torch.device | None = None,
     ) -> Mask:
         """From `attention`'s (already validated) arguments."""
         bias = keep = None
@@ -102,12 +115,17 @@ class Mask:
         left, right = window if window is not None else (None, None)
         if is_causal:
             right = 0 if right is None else min(right, 0)
-        return Mask(bias, keep, left, right, shapes.heads_kv, shapes.seq_q, shapes.seq_k)
+        band = None
+        if left is not None or right is not None or segments is not None:
+            band = Band.of(shapes.seq_q, shapes.seq_k, left, right, align, segments, device)
+        return Mask(
+            bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout
+        )
 
     @staticmethod
     def none(heads_kv: int, seq_q: int, seq_k: int) -> Mask:
         """Attend everything."""
-        return Mask(None, None, None, None, heads_kv, seq_q, seq_k)
+        return Mask(None, None, None, heads_kv, seq_q, seq_k)
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -122,7 +140,7 @@ class Mask:
 
     @property
     def banded(self) -> bool:
-        return self.left is not None or self.right is not None
+        return self.band is not None
 
     def key_span(self, rows: slice) -> tuple[int, int]:
         """[c0, c1): the keys rows [rows.start, rows.stop) can attend under the band.
@@ -130,48 +148,45 @@ class Mask:
         Tiles outside it are entirely masked and the tiled strategies skip
         them: with is_causal that is about half of all tiles.
         """
-        r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
-        c0 = 0 if self.left is None else max(0, r0 - self.left)
-        c1 = self.seq_k if self.right is None else min(self.seq_k, r1 + self.right)
-        return c0, max(c0, c1)
+        if self.band is None:
+            return 0, self.seq_k
+        return self.band.key_span(rows)
 
     def band_covers(self, rows: slice, cols: slice) -> bool:
         """True when every (i, j) of the tile lies inside the band (no band mask needed)."""
-        r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
-        c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
-        inside_left = self.left is None or c0 >= (r1 - 1) - self.left
-        inside_right = self.right is None or c1 - 1 <= r0 + self.right
-        return inside_left and inside_right
-
-    def band_drop(self, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
-        """[r, c] bool, True where key j lies outside the band of query i."""
-        r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
-        c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
-        offset = torch.arange(c0, c1, device=device).unsqueeze(0) - torch.arange(
-            r0, r1, device=device
-        ).unsqueeze(1)  # j - i
-        drop = torch.zeros_like(offset, dtype=torch.bool)
-        if self.left is not None:
-            drop |= offset < -self.left
-        if self.right is not None:
-            drop |= offset > self.right
-        return drop
+        return self.band is None or self.band.covers(rows, cols)
 
     # -- applying ----------------------------------------------------------
 
-    def apply_(self, s: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL) -> torch.Tensor:
-        """Mask a tile of scores in place and return it.
+    def apply_(
+        self,
+        s: torch.Tensor,
+        rows: slice = _ALL,
+        cols: slice = _ALL,
+        slope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Cap, bias and mask a tile of scores in place and return it.
 
-        s: [B, Hkv, G, r, c], the scores of query rows ``rows`` against key
-        columns ``cols`` (slices with explicit bounds when not whole).
+        s: [B, Hkv, G, r, c], the scaled scores of query rows ``rows`` against
+        key columns ``cols`` (slices with explicit bounds when not whole).
+        With a softcap and a ``slope`` buffer (like s), slope receives
+        d(c tanh(S / c)) / dS = 1 - tanh(S / c)^2, the factor the backward
+        carries dS through.
         """
+        if self.softcap is not None:
+            t = s.div_(self.softcap).tanh_()
+            if slope is not None:
+                torch.mul(t, t, out=slope).neg_().add_(1.0)
+            t.mul_(self.softcap)
         if self.bias is not None:
             s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
         if self.keep is not None:
             keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
             s.masked_fill_(keep.logical_not(), float("-inf"))
-        if self.banded and not self.band_covers(rows, cols):
-            s.masked_fill_(self.band_drop(rows, cols, s.device), float("-inf"))
+        if self.band is not None and not self.band.covers(rows, cols):
+            r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
+            c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
+            s.masked_fill_(self.band.drop(slice(r0, r1), slice(c0, c1), s.device), float("-inf"))
         return s
 
 

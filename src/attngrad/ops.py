@@ -39,6 +39,7 @@ LOG2E = 1.0 / math.log(2.0)  # exp(x) == exp2(x * LOG2E)
 __all__ = [
     "LOG2E",
     "attend",
+    "capped_tanh",
     "compute_dtype",
     "log_normalizer",
     "lse",
@@ -74,6 +75,15 @@ def scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     torch.Size([1, 2, 3])
     """
     return torch.matmul(q * scale, k.transpose(-2, -1))
+
+
+def capped_tanh(q: torch.Tensor, k: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """t = tanh(S / cap) of the raw scores S = scale * q @ k^T: [..., Nq, d], [..., Nk, d] -> [..., Nq, Nk].
+
+    With a softcap the scores are cap * t; their slope is 1 - t^2 and their
+    curvature -2 t (1 - t^2) / cap, the factors the gradients carry.
+    """
+    return scores(q, k, scale / cap).tanh_()
 
 
 def query_key_gradients(

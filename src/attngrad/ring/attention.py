@@ -141,7 +141,7 @@ def ring_forward(
         for blk in blocks:
             qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
             o_b, saved = ring.impl.forward(
-                qb, kb, vb, blk.mask(hkv), scale, _tiles(ring.impl, qb, kb, vb)
+                qb, kb, vb, blk.mask(hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb)
             )
             stats_b = saved["stats"]
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
@@ -234,7 +234,7 @@ def _ring_backward_group(
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
             dlse_b = None if dlse is None else _rows(dlse, blk.rows)
             ring.impl.backward_into(
-                grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final, blk.mask(hkv), scale,
+                grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final, blk.mask(hkv, q.device), scale,
                 _tiles(ring.impl, qb, kb, vb),
             )  # fmt: skip
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attngrad.band import Band
 from attngrad.masks import Mask
 
 __all__ = ["LAYOUTS", "Block", "chunks_of", "shard", "step_blocks", "unshard", "validate_layout"]
@@ -122,10 +123,11 @@ class Block:
     cols: slice
     causal: bool
 
-    def mask(self, heads_kv: int) -> Mask:
+    def mask(self, heads_kv: int, device: torch.device | None = None) -> Mask:
         """The band of the block: causal (right = 0) or none."""
         seq_q, seq_k = self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
-        return Mask(None, None, None, 0 if self.causal else None, heads_kv, seq_q, seq_k)
+        band = Band.of(seq_q, seq_k, None, 0, device=device) if self.causal else None
+        return Mask(None, None, band, heads_kv, seq_q, seq_k)
 
 
 def _append(blocks: list[Block], new: Block) -> None:

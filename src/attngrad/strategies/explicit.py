@@ -21,6 +21,7 @@ import torch
 
 from attngrad import ops
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_
 from attngrad.strategies.base import AttentionFunction, Grads
@@ -115,6 +116,7 @@ def _forward_chunks(
     q5, k, v = group_heads(q, hkv), k.to(dtype), v.to(dtype)
     o = q.new_empty(b, hq, nq, dv)  # a base tensor, not a view: callers may edit it in place
     o5 = group_heads(o, hkv)
+    drop = None if mask.dropout is None else mask.dropout.tiles(q, k, dtype)
     for rows, cols in chunks(mask, rows_per_chunk):
         s = masked_scores(q5, k, mask, scale, rows, cols)  # (B, Hkv, G, r, c)
         p_c, stats_c = ops.softmax_(s)
@@ -122,7 +124,12 @@ def _forward_chunks(
             stats[:, :, :, rows] = stats_c
         if p is not None:
             p[:, :, :, rows, cols] = p_c
-        o_c = ops.attend(p_c.flatten(2, 3), v[:, :, cols])  # (B, Hkv, G*r, dv)
+        p_c = p_c.flatten(2, 3)  # (B, Hkv, G*r, c)
+        if drop is not None:  # P * Z; the 1 / (1 - p) goes onto O
+            Dropout.apply_(p_c, drop(rows, cols))
+        o_c = ops.attend(p_c, v[:, :, cols])  # (B, Hkv, G*r, dv)
+        if mask.dropout is not None:
+            o_c.mul_(mask.dropout.scale)
         o5[:, :, :, rows] = o_c.view(b, hkv, g, rows.stop - rows.start, dv)
     return o
 
@@ -177,32 +184,46 @@ def backward_chunks(
 
     ``p_chunk(rows, cols)`` gives P's chunk as [B, Hkv, G*r, c] in the
     compute dtype: read from the saved P or rebuilt from the row statistics
-    (recompute); it is read, never written.  Only the band of ``mask`` is used (to
-    skip keys P is zero for).  A None accumulator is not computed.
+    (recompute); it is read, never written.  Of ``mask`` only the band (to
+    skip keys P is zero for), the dropout (its Z regenerated chunk by chunk)
+    and the softcap (whose slope is rebuilt from q k^T) are used.  A None
+    accumulator is not computed.
     """
     dq, dk, dv, dbias = grads
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     g, dtype = hq // hkv, ops.compute_dtype(q.dtype)
     need_ds = dq is not None or dk is not None or dbias is not None
+    dropout = mask.dropout
+    if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
+        dout = dout.to(dtype) * dropout.scale
     q5, do5 = group_heads(q, hkv), group_heads(dout, hkv)
     dlse5 = None if dlse is None else group_heads(dlse.unsqueeze(-1), hkv)
     k, v = k.to(dtype), v.to(dtype)
+    drop = None if dropout is None else dropout.tiles(q, k, dtype)
     for rows, cols in chunks(mask, rows_per_chunk):
         r, c = rows.stop - rows.start, cols.stop - cols.start
         p_c = p_chunk(rows, cols)  # (B, Hkv, G*r, c)
         do_c = take_rows(do5, rows).to(dtype)  # (B, Hkv, G*r, dv)
+        bits = None if drop is None else drop(rows, cols)
         if dv is not None:
-            dv[:, :, cols] += ops.value_gradient(p_c, do_c)
+            p_v = p_c if bits is None else Dropout.apply_(p_c, bits, torch.empty_like(p_c))
+            dv[:, :, cols] += ops.value_gradient(p_v, do_c)
         if not need_ds:
             continue
-        ds = ops.softmax_backward_(p_c, ops.probability_gradient(do_c, v[:, :, cols]))
+        dp = ops.probability_gradient(do_c, v[:, :, cols])
+        if bits is not None:
+            Dropout.apply_(dp, bits)
+        ds = ops.softmax_backward_(p_c, dp)
         if dlse5 is not None:  # lse = m + log l: d lse / dS = P
             ds.addcmul_(p_c, take_rows(dlse5, rows).to(dtype))
         if dbias is not None:
             add_bias_gradient_(dbias, ds.view(b, hkv, g, r, c), rows, cols)
         if dq is not None or dk is not None:
             q_c = take_rows(q5, rows).to(dtype)
+            if mask.softcap is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
+                t = ops.capped_tanh(q_c, k[:, :, cols], scale, mask.softcap)
+                ds.mul_(t.mul_(t).neg_().add_(1.0))
             dq_c, dk_c = ops.query_key_gradients(ds, q_c, k[:, :, cols], scale)
             if dq is not None:
                 group_heads(dq, hkv)[:, :, :, rows] += dq_c.view(b, hkv, g, r, d)

@@ -25,6 +25,7 @@ import math
 import torch
 
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_
 from attngrad.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
@@ -100,6 +101,7 @@ def forward(
     stats = torch.empty(b, hkv, g, nq, 2, dtype=dtype, device=q.device)
     # one workspace for every score tile: a fresh multi-MiB tensor per tile costs page faults
     work = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
+    drop = None if mask.dropout is None else mask.dropout.tiles(q, k, dtype)
     for rows, key_tiles in schedule(mask, blocks):
         r = rows.stop - rows.start
         qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
@@ -117,9 +119,13 @@ def forward(
             shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
             p = qk.sub_(shift).mul_(LOG2E).exp2_()
             alpha = torch.exp2((m_i - shift) * LOG2E)
-            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l of the undropped P
+            if drop is not None:  # P * Z; the 1 / (1 - p) is applied to O once
+                Dropout.apply_(p, drop(rows, cols))
             _batched(acc.mul_(alpha)).baddbmm_(_batched(p), _batched(v[:, :, cols]))
             m_i = m_new
+        if mask.dropout is not None:
+            acc.mul_(mask.dropout.scale)
         o5[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
         stats[:, :, :, rows] = torch.cat((shift, log_normalizer(l_i)), -1).view(b, hkv, g, r, 2)
     return o, {"o": o, "stats": stats.view(b, hq, nq, 2)}
@@ -159,6 +165,10 @@ def backward_into(
     do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
     # Delta = rowsum(dO * O), as one batched dot per row: no [.., Nq, dv] product is formed
     delta = torch.einsum("bhgnd,bhgnd->bhgn", do5, group_heads(o, hkv).to(dtype)).unsqueeze(-1)
+    dropout = mask.dropout
+    if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
+        do5 = do5 * dropout.scale
+    drop = None if dropout is None else dropout.tiles(q, k, dtype)
     if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
         delta -= group_heads(dlse.to(dtype), hkv).unsqueeze(-1)
     stats5 = group_heads(stats, hkv)  # (B, Hkv, G, Nq, 2)
@@ -166,6 +176,8 @@ def backward_into(
     k, v = k.to(dtype), v.to(dtype)
     work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
     work_ds = torch.empty_like(work_p)
+    work_pz = None if drop is None else torch.empty_like(work_p)  # P * Z
+    work_slope = None if mask.softcap is None else torch.empty_like(work_p)
     work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
     work_dv = torch.empty(b * hkv * blocks[1] * dv_dim, dtype=dtype, device=q.device)
     for cols, tiles in key_schedule(mask, blocks):
@@ -181,14 +193,23 @@ def backward_into(
             kc, vc = k[:, :, keys], v[:, :, keys]
             qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n)
             torch.matmul(qb, kc.transpose(-2, -1), out=qk)
-            mask.apply_(qk.view(b, hkv, g, r, n), rows, keys)
+            slope = None if work_slope is None else _scratch(work_slope, b, hkv, g, r, n)
+            mask.apply_(qk.view(b, hkv, g, r, n), rows, keys, slope)
             p = probabilities_(qk, stats_b)
             dp = _scratch(work_ds, b, hkv, g * r, n)
             torch.matmul(dob, vc.transpose(-2, -1), out=dp)
-            _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
+            if drop is None:
+                _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
+            else:
+                bits = drop(rows, keys)
+                pz = Dropout.apply_(p, bits, _scratch(work_pz, b, hkv, g * r, n))
+                _accumulate(dv_c, local, pz.transpose(-2, -1), dob)  # dV += (P * Z)^T dO
+                Dropout.apply_(dp, bits)
             ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
             if dbias is not None:
                 add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
+            if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
+                ds.mul_(slope.view(b, hkv, g * r, n))
             if dq5 is not None:
                 dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
             _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)

@@ -6,25 +6,33 @@ differentiated once:
 
     L(a) = scale * (a_q k^T + q a_k^T) + a_bias          [Nq, Nk]
 
+or, with a softcap c (scores c tanh(S_raw / c) + bias), the raw part times
+the cap's slope 1 - tanh^2 before a_bias is added.
+
 Forward mode applies it to the tangents (dS/dt = L(q', k', bias')); the
 second-order backward to the cotangents of (dq, dk, dbias), since
 <g_q, scale dS k> + <g_k, scale dS^T q> + <g_bias, dS> = <L(g), dS>.
 Tiles are [B, Hkv, G*r, c] (a GQA group's rows folded, as in
-`attngrad.heads`), in the compute dtype.
+`attngrad.heads`), in the compute dtype.  Both passes also need the
+softcap's tanh (`softcap_tanh`) and the dropped P * Z / (1 - p)
+(`dropout_tiles`) of a tile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask
+from attngrad.ops import capped_tanh
 from attngrad.tiling import tile_sizes
 
-__all__ = ["Direction", "blocks_for"]
+__all__ = ["Direction", "blocks_for", "dropout_tiles", "softcap_tanh"]
 
 
 def blocks_for(tiles: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
@@ -67,22 +75,22 @@ class Direction:
         gk = None if a_k is None else a_k.to(dtype) * scale
         gb = None
         if a_bias is not None:
-            gb = Mask(a_bias.to(dtype), None, None, None, hkv, mask.seq_q, mask.seq_k)
+            gb = Mask(a_bias.to(dtype), None, None, hkv, mask.seq_q, mask.seq_k)
         return Direction(gq, gk, gb)
 
     @property
     def zero(self) -> bool:
         return self.a_q is None and self.a_k is None and self.a_bias is None
 
-    def tile(
-        self, q_rows: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice, groups: int
+    def raw_tile(
+        self, q_rows: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice
     ) -> torch.Tensor:
-        """L(a) on the tile (rows, keys): [B, Hkv, G*r, c].
+        """scale * (a_q k^T + q a_k^T) on the tile (rows, keys): [B, Hkv, G*r, c] (zeros if neither).
 
         q_rows: [B, Hkv, G*r, d] (q's rows of the tile, unscaled); k: [B, Hkv, Nk, d].
         """
         b, hkv, gr, _ = q_rows.shape
-        r, c = rows.stop - rows.start, keys.stop - keys.start
+        c = keys.stop - keys.start
         out = None
         if self.a_q is not None:
             out = torch.matmul(take_rows(self.a_q, rows), k[:, :, keys].transpose(-2, -1))
@@ -96,6 +104,54 @@ class Direction:
                 )
         if out is None:
             out = torch.zeros(b, hkv, gr, c, dtype=q_rows.dtype, device=q_rows.device)
-        if self.a_bias is not None:
-            self.a_bias.apply_(out.view(b, hkv, groups, r, c), rows, keys)
         return out
+
+    def finish_(
+        self, raw: torch.Tensor, rows: slice, keys: slice, groups: int, slope: torch.Tensor | None
+    ) -> torch.Tensor:
+        """L(a) from `raw_tile`'s part, in place: raw * slope (a softcap's) + a_bias."""
+        b, hkv, gr, c = raw.shape
+        if slope is not None:
+            raw.mul_(slope)
+        if self.a_bias is not None:
+            self.a_bias.apply_(raw.view(b, hkv, groups, gr // groups, c), rows, keys)
+        return raw
+
+    def tile(
+        self,
+        q_rows: torch.Tensor,
+        k: torch.Tensor,
+        rows: slice,
+        keys: slice,
+        groups: int,
+        slope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """L(a) on the tile (rows, keys): [B, Hkv, G*r, c]; ``slope``: a softcap's 1 - tanh^2.
+
+        q_rows: [B, Hkv, G*r, d] (q's rows of the tile, unscaled); k: [B, Hkv, Nk, d].
+        """
+        return self.finish_(self.raw_tile(q_rows, k, rows, keys), rows, keys, groups, slope)
+
+
+def softcap_tanh(
+    mask: Mask, q_rows: torch.Tensor, k: torch.Tensor, keys: slice, scale: float
+) -> torch.Tensor | None:
+    """tanh(S / c) of the tile's raw scores under the mask's softcap c, or None without one."""
+    if mask.softcap is None:
+        return None
+    return capped_tanh(q_rows, k[:, :, keys], scale, mask.softcap)
+
+
+def dropout_tiles(
+    mask: Mask, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
+) -> Callable[[slice, slice, torch.Tensor], torch.Tensor] | None:
+    """(rows, keys, p) -> p * Z / (1 - p) as a new tile, or None without dropout."""
+    dropout = mask.dropout
+    if dropout is None:
+        return None
+    bits = dropout.tiles(q, k, dtype)
+
+    def dropped(rows: slice, keys: slice, p: torch.Tensor) -> torch.Tensor:
+        return Dropout.apply_(p, bits(rows, keys), torch.empty_like(p)).mul_(dropout.scale)
+
+    return dropped

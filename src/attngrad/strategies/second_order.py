@@ -48,7 +48,7 @@ import torch
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_
 from attngrad.ops import compute_dtype
-from attngrad.strategies.linearized import Direction, blocks_for
+from attngrad.strategies.linearized import Direction, blocks_for, dropout_tiles, softcap_tanh
 from attngrad.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
@@ -91,6 +91,7 @@ def second_order(
     blocks = blocks_for(tiles, q, k, v)
     direction = Direction.of(g_q, g_k, g_bias, mask, scale, dtype)
     p_tile = impl.probabilities(q, k, saved, mask, scale)
+    dropped = dropout_tiles(mask, q, k, dtype)
     q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
     k, v = k.to(dtype), v.to(dtype)
     gv = None if g_v is None else g_v.to(dtype)
@@ -110,13 +111,18 @@ def second_order(
         for keys in key_tiles:
             p = p_tile(rows, keys)
             dp = torch.matmul(do_r, v[:, :, keys].transpose(-2, -1))
+            if dropped is not None:
+                dp = dropped(rows, keys, dp)  # dP = (dO v^T) * M
             delta_r += _rowsum(p * dp)
             if not direction.zero:
-                pg = direction.tile(q_r, k, rows, keys, g).mul_(p)
+                t = softcap_tanh(mask, q_r, k, keys, scale)
+                slope = None if t is None else t.mul_(t).neg_().add_(1.0)
+                pg = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)
                 r_r += _rowsum(pg)
                 pgdp += _rowsum(pg.mul_(dp))
             if u_r is not None and gv is not None:
-                u_r += torch.matmul(p, gv[:, :, keys])
+                p_drop = p if dropped is None else dropped(rows, keys, p)
+                u_r += torch.matmul(p_drop, gv[:, :, keys])
         rho_r = pgdp.sub_(r_r * delta_r)  # rho' = rowsum(P G dP) - r Delta + rowsum(dO u)
         if u is not None and u_r is not None:
             rho_r += _rowsum(do_r * u_r)
@@ -142,13 +148,25 @@ def second_order(
             q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
             kc, vc = k[:, :, keys], v[:, :, keys]
             p = p_tile(rows, keys)
-            y = torch.matmul(do_r, vc.transpose(-2, -1)).sub_(take_rows(c_row, rows))  # dP - c
+            y = torch.matmul(do_r, vc.transpose(-2, -1))
+            if dropped is not None:
+                y = dropped(rows, keys, y)  # dP = (dO v^T) * M
+            y.sub_(take_rows(c_row, rows))  # Y = dP - c
             ds = p * y
-            t = None  # H * Y + dO g_v^T - rho', then S-hat = P * t
+            tanh = softcap_tanh(mask, q_r, k, keys, scale)
+            slope = None if tanh is None else 1.0 - tanh * tanh
+            g_raw = None  # scale (g_q k^T + q g_k^T), the cap's curvature term needs it
+            t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
             if not direction.zero:
-                h = direction.tile(q_r, k, rows, keys, g).sub_(take_rows(r_sum, rows))  # G - r
+                g_raw = direction.raw_tile(q_r, k, rows, keys)
+                g_tile = direction.finish_(
+                    g_raw.clone() if slope is not None else g_raw, rows, keys, g, slope
+                )
+                h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
                 if grad_v is not None or grad_do is not None:
                     d_hat = p * h
+                    if dropped is not None:  # through dP = (dO v^T) * M
+                        d_hat = dropped(rows, keys, d_hat)
                     if grad_v is not None:
                         grad_v[:, :, keys] += torch.matmul(d_hat.transpose(-2, -1), do_r)
                     if grad_do is not None:
@@ -156,7 +174,10 @@ def second_order(
                 t = h.mul_(y)
             if gv is not None:
                 gvt = gv[:, :, keys].transpose(-2, -1)
-                if t is None:
+                if dropped is not None:  # through dV = (P * M)^T dO: M * (dO g_v^T)
+                    dog = dropped(rows, keys, torch.matmul(do_r, gvt))
+                    t = dog if t is None else t.add_(dog)
+                elif t is None:
                     t = torch.matmul(do_r, gvt)
                 else:  # added inside the matmul
                     t.view(-1, g * n, c).baddbmm_(
@@ -165,6 +186,15 @@ def second_order(
             s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
             if grad_bias is not None and s_hat is not None:
                 add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
+            if slope is not None and tanh is not None:
+                # onto the raw scores: S-hat * slope + G_raw * dS * curvature, and dS_raw
+                if s_hat is not None:
+                    s_hat.mul_(slope)
+                    if g_raw is not None:
+                        s_hat.addcmul_(g_raw * ds, tanh * slope, value=-2.0 / mask.softcap)
+                elif g_raw is not None:
+                    s_hat = (g_raw * ds).mul_(tanh * slope).mul_(-2.0 / mask.softcap)
+                ds.mul_(slope)
             if grad_q is not None:
                 part = (
                     torch.zeros_like(q_r) if s_hat is None else torch.matmul(s_hat, kc).mul_(scale)

@@ -7,6 +7,10 @@ S' = L(q', k', bias') = scale * (q' k^T + q k'^T) + bias'
     P'   = P * (S' - mu),      mu = rowsum(P * S') = lse'
     O'   = P' v + P v' = (P * S') v + P v' - mu O
 
+With dropout (O = (P * M) v, M = Z / (1 - p)) the products with v take
+P * M and (P * S') * M, while mu keeps the undropped P; with a softcap S'
+carries the cap's slope (`attngrad.strategies.linearized`).
+
 In the online-softmax form of the forward (`attngrad.strategies.flash`),
 over key tiles j with running max m_j, alpha_j = exp(m_{j-1} - m_j) and
 E_j = exp(S_j - m_j)::
@@ -39,7 +43,7 @@ from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask
 from attngrad.ops import compute_dtype
 from attngrad.strategies import batching
-from attngrad.strategies.linearized import Direction, blocks_for
+from attngrad.strategies.linearized import Direction, blocks_for, dropout_tiles, softcap_tanh
 from attngrad.tiling import schedule
 
 __all__ = ["OutputTangent", "output_tangent"]
@@ -69,6 +73,7 @@ def output_tangent(
     dtype = compute_dtype(q.dtype)
     direction = Direction.of(t_q, t_k, t_bias, mask, scale, dtype)
     p_tile = impl.probabilities(q, k, saved, mask, scale)
+    dropped = dropout_tiles(mask, q, k, dtype)
     q5, o5 = group_heads(q, hkv), group_heads(o, hkv)
     k, v = k.to(dtype), v.to(dtype)
     tv = None if t_v is None else t_v.to(dtype)
@@ -81,12 +86,17 @@ def output_tangent(
         mu_r = torch.zeros(b, hkv, g * n, 1, dtype=dtype, device=q.device)
         for keys in key_tiles:
             p = p_tile(rows, keys)
+            p_drop = p if dropped is None else dropped(rows, keys, p)  # P * Z / (1 - p)
             if not direction.zero:
-                ps = direction.tile(q_r, k, rows, keys, g).mul_(p)  # P * S'
+                t = softcap_tanh(mask, q_r, k, keys, scale)
+                slope = None if t is None else t.mul_(t).neg_().add_(1.0)
+                ps = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)  # P * S'
                 mu_r += ps.sum(dim=-1, keepdim=True)
+                if dropped is not None:
+                    ps = dropped(rows, keys, ps)
                 acc += torch.matmul(ps, v[:, :, keys])
             if tv is not None:
-                acc += torch.matmul(p, tv[:, :, keys])
+                acc += torch.matmul(p_drop, tv[:, :, keys])
         acc -= mu_r * take_rows(o5, rows).to(dtype)
         out[:, :, :, rows] = acc.view(b, hkv, g, n, dv_dim)
         mu[:, :, :, rows] = mu_r.view(b, hkv, g, n, 1)
