@@ -15,18 +15,21 @@ MurmurHash3's finalizer, a bijection of 32-bit words)::
     row(bh, i) = mix(mix(mix(mix(seed) ^ offset) ^ bh) ^ i)       O(Nq) per head
     col(j)     = mix(mix(seed ^ 0x9E3779B9) ^ j)                  O(Nk)
     x          = row(bh, i) ^ col(j)                              per score, int32 from here
-    y          = x + (x * x | 5)                                  mod 2^32
-    keep       = y < T,   T = -2^31 + round((1 - p) 2^31) * 2     (signed)
+    y          = (x ^ x * x) >> 1                                 mod 2^32, arithmetic shift
+    keep       = y < T,   T = round((1 - p) 2^31) - 2^30
 
-``x + (x * x | 5)`` is Klimov and Shamir's T-function: a permutation of the
-32-bit words, so y is as uniform as x and the keep rate is exactly
-(T + 2^31) / 2^32, i.e. 1 - p to within 2^-31; being non-linear it breaks
-the xor structure of row ^ col.  Per score it costs seven integer ops
-(xor, multiply, or, add, and the signed compare done as
-``((y >> 1) - T / 2) >> 31``, which gives -1 where kept and 0 where dropped:
-a bit mask that is and-ed into a float tile's bits, so a dropped entry
-becomes +0.0 with no comparison or select).  The same steps in Triton are in
-`attngrad.kernels`; `keep_mask` gives the whole mask for tests.
+``x ^ x * x`` is a T-function (bit i of x * x depends only on the bits of x
+below i, for i >= 1): bits 1..31 of it are an invertible function of bits
+1..31 of x for either value of bit 0, so y = those 31 bits is uniform
+whenever x is, and the keep rate is exactly (T + 2^30) / 2^31, i.e. 1 - p
+to within 2^-31.  Being non-linear (the square), it breaks the xor
+structure of row ^ col.  Per score it costs six integer ops (xor,
+multiply, xor, shift, and the compare done as ``(y - T) >> 31``, which
+gives -1 where kept and 0 where dropped: a bit mask that is and-ed into a
+float tile's bits, so a dropped entry becomes +0.0 with no comparison or
+select; y and T both lie in [-2^30, 2^30], so y - T cannot overflow).  The
+same steps in Triton are in `attngrad.kernels`; `keep_mask` gives the whole
+mask for tests.
 
 Seed and offset are one draw from the generator of the tensors' device
 (``torch.manual_seed`` reproduces a call, ``torch.random.fork_rng`` isolates
@@ -93,7 +96,7 @@ class Dropout:
 
     @property
     def threshold(self) -> int:
-        """T / 2, where y < T keeps a score (module docstring): in [-2^30, 2^30]."""
+        """T, where y < T keeps a score (module docstring): in [-2^30, 2^30]."""
         return round((1.0 - self.p) * 2**31) - 2**30
 
     def shifted(self, rows: int, cols: int) -> Dropout:
@@ -123,7 +126,7 @@ class Dropout:
 
         All ones where kept, 0 where dropped, an integer as wide as ``dtype``
         (int32 for float32, int64 for float64) for `apply_`.  The row and
-        column words are hashed once here (O(N)); each tile costs the seven
+        column words are hashed once here (O(N)); each tile costs the six
         per-score ops, in a workspace reused from tile to tile (valid until
         the next tile is asked for).
         """
@@ -142,7 +145,7 @@ class Dropout:
                 work[:] = [torch.empty(2 * n, dtype=torch.int32, device=device)]
             x, y = work[0][:n].view(shape), work[0][n : 2 * n].view(shape)
             torch.bitwise_xor(r, c, out=x)
-            torch.mul(x, x, out=y).bitwise_or_(5).add_(x)
+            torch.mul(x, x, out=y).bitwise_xor_(x)
             y.bitwise_right_shift_(1).sub_(self.threshold).bitwise_right_shift_(31)
             return y if dtype != torch.float64 else y.to(torch.int64)
 

@@ -200,12 +200,11 @@ def backward_into(
             torch.matmul(dob, vc.transpose(-2, -1), out=dp)
             if drop is None:
                 _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
+                ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
             else:
-                bits = drop(rows, keys)
-                pz = Dropout.apply_(p, bits, _scratch(work_pz, b, hkv, g * r, n))
+                pz = Dropout.apply_(p, drop(rows, keys), _scratch(work_pz, b, hkv, g * r, n))
                 _accumulate(dv_c, local, pz.transpose(-2, -1), dob)  # dV += (P * Z)^T dO
-                Dropout.apply_(dp, bits)
-            ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
+                ds = dp.mul_(pz).addcmul_(p, delta_b, value=-1.0)  # P * (dP * Z - Delta)
             if dbias is not None:
                 add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
             if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
