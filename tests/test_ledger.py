@@ -10,8 +10,10 @@ import torch
 
 from attngrad import cli
 from attngrad.contract import Shapes
+from attngrad.api import attention
 from attngrad.ledger import (
     ledger_row,
+    measure_saved_bytes,
     measure_peak_bytes,
     predicted_saved_bytes,
     run_ledger,
@@ -52,6 +54,33 @@ def test_predicted_equals_measured_byte_for_byte(strategy, dtype, sizes, causal)
     row = ledger_row(strategy, _layout(sizes, dtype, causal), peak=False)
     assert row.measured_saved == row.predicted_saved
     assert row.match is True
+
+
+FEATURES = {
+    "dropout": {"dropout_p": 0.3},
+    "softcap": {"softcap": 5.0},
+    "bottom-right": {"is_causal": True, "align": "bottom-right", "window": (4, None)},
+    "packed": {
+        "cu_seqlens_q": torch.tensor([0, 4, 4, 9]),
+        "cu_seqlens_k": torch.tensor([0, 10, 15, 23]),
+    },
+}
+
+
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_dropout_softcap_alignment_and_segments_save_nothing_more(strategy, feature):
+    """The same formula holds: no dropout mask, slope or band is saved for backward."""
+    case = _layout(LAYOUTS[1], torch.float32)
+    q, k, v = (
+        torch.randn(*s, requires_grad=True) for s in ((1, 6, 9, 8), (1, 2, 23, 8), (1, 2, 23, 8))
+    )
+    kw = FEATURES[feature]
+    measured, out = measure_saved_bytes(
+        lambda: attention(q, k, v, enable_gqa=True, strategy=strategy, **kw)
+    )
+    assert measured == predicted_saved_bytes(strategy, case)
+    out.sum().backward()  # and backward runs on what was saved
 
 
 def test_formulas_by_hand():
