@@ -4,6 +4,10 @@ Backward is the four local ops of `attngrad.ops` on the saved P:
 dV = P^T dO, dP = dO v^T, dS = P * (dP - rowsum(P * dP)), dq/dk = scale * dS k / dS^T q.
 Saved (`saves`): P, b * B*Hq*Nq*Nk bytes, beside q, k, v.
 
+With dropout P is saved undropped and each chunk's Z is regenerated from
+its hash (`attngrad.dropout`); with a softcap, backward rebuilds the cap's
+slope from q k^T.
+
 Both passes walk P in chunks of query rows (the strategy's tiles): a chunk of
 S, dP and dS stays in cache between the matmuls that make and use it, so the
 matmuls run at their cache-resident rate instead of streaming [Nq, Nk]

@@ -11,7 +11,15 @@ Delta = rowsum(dO * O) in place of rowsum(P * dP):
     P = exp((S - m) - log l)   dV += P^T dO   dP = dO v^T   dS = P * (dP - Delta)
     dq += scale * dS k   dk += scale * dS^T q   dbias[tile] += dS
 
-Tiles that the causal/window band masks entirely are skipped.  Scores stay in
+With dropout, forward accumulates (P * Z) v (l from the undropped P) and
+scales O by 1 / (1 - p) once; backward regenerates each tile's Z, takes dV
+from (P * Z) and dS = P * (dP * Z - Delta) = (P * Z) * dP - P * Delta, with
+dO pre-scaled by 1 / (1 - p).  With a softcap, the tile's masking also
+writes the cap's slope 1 - tanh^2, which dS takes on its way to dq and dk
+(after dbias, which is dS itself).
+
+Tiles that the band (causal, window, alignment, packed segments) masks
+entirely are skipped.  Scores stay in
 natural units until the row max is subtracted; exp runs as exp2 of the
 difference times log2(e), never of a score itself (a bias of finfo.min times
 log2(e) would overflow).  Saved bytes: b * (B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv))

@@ -37,6 +37,15 @@ and accumulates the gradients.  No tensor beyond one [block_q, block_k]
 tile per (batch, head) is formed; P comes from the strategy's
 ``probabilities`` (the saved P, or rebuilt from the row statistics).
 A row that attends nothing has P = 0 and so contributes nothing.
+
+Dropout (O = (P * M) v, M = Z / (1 - p), Z regenerated per tile) puts M on
+each path through v: dP = (dO v^T) * M (so Y, Delta and D-hat's products
+with v and dO take it), u = (P * M) g_v, and P-hat's g_v term is
+M * (dO g_v^T).  A softcap (scores c tanh(S_raw / c), slope
+sigma' = 1 - tanh^2, curvature sigma'' = -2 tanh sigma' / c) makes
+G = sigma' * G_raw + g_bias with G_raw = s (g_q k^T + q g_k^T), and the
+raw scores' cotangent S-hat * sigma' + G_raw * dS * sigma''; the direct
+terms take dS_raw = dS * sigma', while grad bias stays S-hat.
 """
 
 from __future__ import annotations
