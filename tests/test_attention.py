@@ -411,14 +411,6 @@ def test_explicit_saves_q_k_v_p_and_row_statistics_only(c, dtype):
 
 
 @by_strategy
-@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.999])
-def test_dropout_is_not_implemented(strategy, dropout_p):
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        attngrad.attention(q, q, q, dropout_p=dropout_p, strategy=strategy)
-
-
-@by_strategy
 def test_dropout_zero_is_accepted(strategy):
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
     plain = attngrad.attention(q, q, q, strategy=strategy)
