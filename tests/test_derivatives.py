@@ -310,22 +310,37 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
+FEATURES = {
+    "plain": {},
+    "dropout": {"dropout_p": 0.2, "generator": torch.Generator().manual_seed(0)},
+    "softcap": {"softcap": 4.0},
+    "sinks": {"sinks": torch.zeros(2, dtype=torch.float64)},
+    "packed-bottom-right": {
+        "cu_seqlens_q": torch.tensor([0, 100, 512]),
+        "window": (None, 0),  # causal beside a mask
+        "align": "bottom-right",
+    },
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("order", ["double-backward", "jvp"])
-def test_flash_never_forms_a_score_matrix_under_second_order(order: str) -> None:
+def test_flash_never_forms_a_score_matrix_under_second_order(order: str, feature: str) -> None:
     b, h, n, d = 1, 2, 512, 16
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = torch.randn(1, 1, 1, n, dtype=torch.float64, requires_grad=True)  # a key bias
     tile = 64 * 128
+    kw = {"strategy": "flash", "block_q": 64, "block_k": 128, **FEATURES[feature]}
 
     def run() -> None:
         if order == "jvp":
             primals = (q.detach(), k.detach(), v.detach())
             torch.func.jvp(
-                lambda q, k, v: attngrad.attention(q, k, v, strategy="flash", block_q=64, block_k=128),
+                lambda q, k, v: attngrad.attention(q, k, v, **kw),
                 primals, tuple(torch.ones_like(t) for t in primals),
             )  # fmt: skip
             return
-        out = attngrad.attention(q, k, v, mask, strategy="flash", block_q=64, block_k=128)
+        out = attngrad.attention(q, k, v, mask, **kw)
         grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v, mask), create_graph=True)
         torch.autograd.grad(sum(g.sum() for g in grads), (q, k, v, mask))
 

@@ -141,9 +141,9 @@ class Dropout:
             c = col[cols]
             shape = (*r.shape[:-1], c.shape[0])
             n = math.prod(shape)
-            if not work or work[0].numel() < 2 * n:
-                work[:] = [torch.empty(2 * n, dtype=torch.int32, device=device)]
-            x, y = work[0][:n].view(shape), work[0][n : 2 * n].view(shape)
+            if not work or work[0].numel() < n:
+                work[:] = [torch.empty(n, dtype=torch.int32, device=device) for _ in range(2)]
+            x, y = (w[:n].view(shape) for w in work)
             torch.bitwise_xor(r, c, out=x)
             torch.mul(x, x, out=y).bitwise_xor_(x)
             y.bitwise_right_shift_(1).sub_(self.threshold).bitwise_right_shift_(31)
