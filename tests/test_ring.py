@@ -4,7 +4,8 @@ The distributed tests start real gloo process groups (spawned processes, a
 FileStore in tmp_path): one group per world size runs every case in a loop and
 writes its shards to a file; the parent reassembles them with `unshard` and
 judges them by the rule of `attngrad.verify` against the float64 reference.
-Spawning costs ~2 s per group.
+Spawning costs ~2 s per group.  The same groups run dropout and sinks, judged
+against single-process flash attention under the same seed (`ExtraCase`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 import attngrad
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout, draw_seed
 from attngrad.reference import reference_attention, reference_lse
 from attngrad.ring import ring_attention, shard, unshard
 from attngrad.ring.attention import block_strategy, merge_partial_
@@ -102,24 +104,64 @@ def test_zigzag_causal_skips_future_pairs_unmasks_past_ones_and_masks_the_diagon
     m = 4
     first, second = slice(0, m), slice(m, 2 * m)
     both = slice(0, 2 * m)
+    # origins: the global (query, key) positions of each block's first row and key
     assert step_blocks(0, 0, 2, "zigzag", 2 * m, True) == [
-        Block(first, first, True),  # chunk 0 x chunk 0: the diagonal
-        Block(second, first, False),  # chunk 3 x chunk 0: all in the past (0 x 3 skipped)
-        Block(second, second, True),  # chunk 3 x chunk 3
+        Block(first, first, True, (0, 0)),  # chunk 0 x chunk 0: the diagonal
+        Block(second, first, False, (3 * m, 0)),  # chunk 3 x chunk 0: the past (0 x 3 skipped)
+        Block(second, second, True, (3 * m, 3 * m)),  # chunk 3 x chunk 3
     ]
     # rank 0 against rank 1's (1, 2): chunk 0 sees neither, chunk 3 sees both whole
-    assert step_blocks(0, 1, 2, "zigzag", 2 * m, True) == [Block(second, both, False)]
+    assert step_blocks(0, 1, 2, "zigzag", 2 * m, True) == [Block(second, both, False, (3 * m, m))]
     # rank 1 against rank 0's (0, 3): chunks 1 and 2 both see chunk 0 whole, chunk 3 not
-    assert step_blocks(1, 0, 2, "zigzag", 2 * m, True) == [Block(both, first, False)]
+    assert step_blocks(1, 0, 2, "zigzag", 2 * m, True) == [Block(both, first, False, (m, 0))]
 
 
 def test_without_causal_every_step_is_one_unmasked_block():
     for layout, world in itertools.product(LAYOUTS, [2, 3]):
         for rank, source in itertools.product(range(world), repeat=2):
-            whole = slice(0, 6)
-            assert step_blocks(rank, source, world, layout, 6, False) == [
-                Block(whole, whole, False)
-            ]
+            blocks = step_blocks(rank, source, world, layout, 6, False)
+            assert [(b.rows, b.cols, b.causal) for b in blocks] == [(slice(0, 6),) * 2 + (False,)]
+
+
+def _global_positions(rank: int, world: int, layout: str, n: int) -> torch.Tensor:
+    """The global positions of a rank's n local ones: int64 [n]."""
+    return shard(torch.arange(n * world).view(-1, 1), rank, world, layout).flatten()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_positional_blocks_sit_at_their_global_origin_and_cover_each_pair_once(
+    layout, world, is_causal
+):
+    """What dropout needs: every block is contiguous in the global sequence, at its origin."""
+    n = 4
+    seen = torch.zeros(n * world, n * world, dtype=torch.int64)
+    for rank, source in itertools.product(range(world), repeat=2):
+        q_at, k_at = (_global_positions(r, world, layout, n) for r in (rank, source))
+        for b in step_blocks(rank, source, world, layout, n, is_causal, positional=True):
+            rows, cols = q_at[b.rows], k_at[b.cols]
+            assert b.origin is not None
+            assert torch.equal(rows, torch.arange(len(rows)) + b.origin[0])
+            assert torch.equal(cols, torch.arange(len(cols)) + b.origin[1])
+            visible = torch.ones(len(rows), len(cols), dtype=torch.int64)
+            seen[rows.unsqueeze(-1), cols] += visible.tril() if b.causal else visible
+    full = torch.ones_like(seen)
+    assert torch.equal(seen, full.tril() if is_causal else full)
+
+
+def test_zigzag_merges_across_a_gap_only_without_dropout():
+    # P = 3: rank 0 holds chunks (0, 5), rank 1 (1, 4); no pair is adjacent in the sequence
+    merged = step_blocks(0, 1, 3, "zigzag", 4, False)
+    assert [(b.rows, b.cols, b.origin) for b in merged] == [(slice(0, 4), slice(0, 4), None)]
+    with pytest.raises(ValueError, match=r"not adjacent in the sequence.*positional=True"):
+        merged[0].mask(2, dropout=Dropout(0.5, 1, 2))
+    split = step_blocks(0, 1, 3, "zigzag", 4, False, positional=True)
+    assert [b.origin for b in split] == [(0, 2), (0, 8), (10, 2), (10, 8)]
+    # rank 2 holds chunks (2, 3), adjacent: its blocks merge, origin and all
+    assert step_blocks(2, 2, 3, "zigzag", 4, False, positional=True) == [
+        Block(slice(0, 4), slice(0, 4), False, (4, 4))
+    ]
 
 
 def _causal_work(rank: int, world: int, layout: str, n: int) -> int:
@@ -302,6 +344,11 @@ def _qkv(n: int = 8, heads_q: int = 2, heads_kv: int = 2, seq_k: int | None = No
         (_qkv(), {"strategy": "explicit"}, ValueError, "strategy must be one of 'flash'"),
         (_qkv(heads_q=3), {}, ValueError, r"query heads \(3\) must be a multiple"),
         (_qkv(), {"group": "x"}, TypeError, "group must be a torch.distributed.ProcessGroup"),
+        (_qkv(), {"dropout_p": 1.5}, ValueError, r"dropout_p must be in \[0, 1\], got 1.5"),
+        (_qkv(), {"dropout_p": "0.1"}, TypeError, "dropout_p must be a float in"),
+        (_qkv(), {"generator": 0}, TypeError, "generator must be a torch.Generator or None"),
+        (_qkv(), {"sinks": torch.zeros(3)}, ValueError, r"sinks has shape \(3,\).*\[Hq\] = \[2\]"),
+        (_qkv(), {"sinks": torch.zeros(2).long()}, TypeError, "sinks has dtype torch.int64"),
     ],
     ids=[
         "layout",
@@ -313,6 +360,11 @@ def _qkv(n: int = 8, heads_q: int = 2, heads_kv: int = 2, seq_k: int | None = No
         "strategy",
         "heads",
         "group",
+        "dropout-range",
+        "dropout-str",
+        "generator",
+        "sinks-shape",
+        "sinks-dtype",
     ],
 )
 def test_bad_arguments_raise_naming_the_value(inputs, kwargs, error, match):
@@ -330,6 +382,17 @@ def test_without_a_process_group_it_is_plain_flash_attention(layout):
     want = attngrad.attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True, strategy="flash")
     assert torch.equal(got, want)
     assert got.grad_fn.name() == want.grad_fn.name()
+
+
+def test_without_a_process_group_dropout_and_sinks_pass_to_attention():
+    q, k, v = (torch.randn(1, 4, 6, 4, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(4, dtype=torch.float64)
+    kw = {"is_causal": True, "dropout_p": 0.5, "sinks": sinks}
+    got = ring_attention(q, k, v, generator=torch.Generator().manual_seed(3), **kw)
+    want = attngrad.attention(
+        q, k, v, generator=torch.Generator().manual_seed(3), strategy="flash", **kw
+    )
+    assert torch.equal(got, want)
 
 
 def test_world_size_one_is_plain_attention(tmp_path):
@@ -443,6 +506,125 @@ def _assert_lse(ranks: list[dict], world: int) -> None:
         torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-10)
 
 
+# -- dropout and sinks: against single-process flash under the same seed
+
+
+@dataclass(frozen=True)
+class ExtraCase:
+    """A ring call with dropout and / or sinks, [2, Hq=4, N, d=4] with Hkv = 2, dv = 3, float64.
+
+    Its twin is ``attention(..., strategy="flash", enable_gqa=True)`` on the
+    gathered sequence.  Rank r seeds its generator (``generator=``, or the
+    default one via torch.manual_seed) with DROPOUT_SEED + r: rank 0 as the
+    single process, the others differently, so only rank 0's draw can match.
+    """
+
+    layout: str
+    causal: bool
+    dropout_p: float
+    sinks: str | None = None  # "head": [Hq]; "token": [Hq, N]
+    default_generator: bool = False
+
+    @property
+    def id(self) -> str:
+        causal = "causal" if self.causal else "full"
+        sinks = self.sinks or "nosinks"
+        seeded = "default" if self.default_generator else "generator"
+        return f"{self.layout}-{causal}-p{self.dropout_p}-{sinks}-{seeded}"
+
+
+DROPOUT_SEED = 1234
+EXTRA_CASES = [
+    *(ExtraCase(layout, causal, 0.3) for layout in LAYOUTS for causal in (False, True)),
+    ExtraCase("zigzag", True, 0.0, "head"),
+    ExtraCase("contiguous", False, 0.3, "token", default_generator=True),
+]
+
+
+def _extra_inputs(ec: ExtraCase, world: int, seed: int) -> dict[str, torch.Tensor]:
+    """Full float64 q, k, v, dout (and sinks) of the case: N = 6 * world."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 6 * world
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    full = {"q": randn(2, 4, n, 4), "k": randn(2, 2, n, 4), "v": randn(2, 2, n, 3)}
+    full["dout"] = randn(2, 4, n, 3)
+    if ec.sinks is not None:
+        full["sinks"] = randn(4) if ec.sinks == "head" else randn(4, n)
+    return full
+
+
+def _extra_cases(world: int) -> list[tuple[ExtraCase, dict[str, torch.Tensor]]]:
+    return [(ec, _extra_inputs(ec, world, seed)) for seed, ec in enumerate(EXTRA_CASES)]
+
+
+def _seeded(ec: ExtraCase, rank: int) -> torch.Generator:
+    """The generator rank draws from, seeded DROPOUT_SEED + rank (rank 0: the single process's)."""
+    seed = DROPOUT_SEED + rank
+    return torch.manual_seed(seed) if ec.default_generator else torch.Generator().manual_seed(seed)
+
+
+def _attend(ec: ExtraCase, full: dict, rank: int, world: int, call) -> dict[str, torch.Tensor]:
+    """out and the gradients of q, k, v (and sinks) of ``call`` on rank's shard, float64.
+
+    With world = 1 that is the full sequence (shard 0 of 1).
+    """
+    mine = {n: shard(full[n], rank, world, ec.layout) for n in ("q", "k", "v", "dout")}
+    leaves = {n: mine[n].clone().requires_grad_() for n in "qkv"}
+    if ec.sinks is not None:
+        sinks = full["sinks"]
+        if ec.sinks == "token":  # this rank's rows
+            sinks = shard(sinks.unsqueeze(-1), rank, world, ec.layout).squeeze(-1)
+        leaves["sinks"] = sinks.clone().requires_grad_()
+    gen = _seeded(ec, rank)
+    out = call(
+        leaves["q"], leaves["k"], leaves["v"], is_causal=ec.causal, dropout_p=ec.dropout_p,
+        generator=None if ec.default_generator else gen, sinks=leaves.get("sinks"),
+    )  # fmt: skip
+    grads = torch.autograd.grad(out, list(leaves.values()), mine["dout"])
+    got = {"out": out.detach(), **{f"d{n}": g for n, g in zip(leaves, grads, strict=True)}}
+    return {**got, "rng": gen.get_state()}
+
+
+def _ring_call(ec: ExtraCase):
+    return lambda *qkv, **kw: ring_attention(*qkv, layout=ec.layout, **kw)
+
+
+def _flash_call(*qkv, **kw):
+    return attngrad.attention(*qkv, strategy="flash", enable_gqa=True, **kw)
+
+
+def _gather_extra(ec: ExtraCase, ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """The ranks' results over the full sequence; a per-head sink's gradient summed over ranks."""
+    got = {n: unshard([res[n] for res in ranks], ec.layout) for n in ("out", "dq", "dk", "dv")}
+    if ec.sinks == "head":  # each rank holds its rows' share: all_reduce(sum) in training
+        got["dsinks"] = sum(res["dsinks"] for res in ranks)
+    elif ec.sinks == "token":
+        got["dsinks"] = unshard([res["dsinks"].unsqueeze(-1) for res in ranks], ec.layout)[..., 0]
+    return got
+
+
+def _assert_extra(ranks: list[dict], world: int) -> None:
+    """Dropout and sinks through the ring equal single-process flash under the same seed."""
+    for ec, full in _extra_cases(world):
+        per_rank = [res["extra"][ec.id] for res in ranks]
+        want = _attend(ec, full, 0, 1, _flash_call)
+        got = _gather_extra(ec, per_rank)
+        assert got.keys() == want.keys() - {"rng"}
+        for name, w in got.items():
+            torch.testing.assert_close(w, want[name], rtol=1e-10, atol=1e-10, msg=ec.id + name)
+        if ec.dropout_p > 0:  # the mask is really there
+            plain = _attend(replace(ec, dropout_p=0.0), full, 0, 1, _flash_call)
+            assert not torch.allclose(plain["out"], want["out"]), ec.id
+        for r, res in enumerate(per_rank):  # each generator advanced as attention's would
+            gen = _seeded(ec, r)
+            if ec.dropout_p > 0:  # one draw of (seed, offset)
+                draw_seed(gen.device, gen)
+            assert torch.equal(res["rng"], gen.get_state()), (ec.id, r)
+
+
 def _error_of(call) -> tuple[str, str, float]:
     """The exception ``call`` raises (type name, message) and the seconds it took."""
     start = time.monotonic()
@@ -500,6 +682,9 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         _run_case(rc, full, rank, world)
     results["saved"] = saved
     results["lse"] = _lse_shards(*_lse_case(cases), rank, world)
+    results["extra"] = {
+        ec.id: _attend(ec, full, rank, world, _ring_call(ec)) for ec, full in _extra_cases(world)
+    }
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     results["create_graph"] = _error_of(
         lambda: torch.autograd.grad(ring_attention(q, q, q).sum(), q, create_graph=True)
@@ -509,6 +694,10 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     results["unequal"] = _error_of(lambda: ring_attention(q, q, q))[:2]
     q, kv = torch.randn(1, 2 + 2 * (rank == 1), 4, 8), torch.randn(1, 2, 4, 8)
     results["heads"] = _error_of(lambda: ring_attention(q, kv, kv))[:2]
+    q = torch.randn(1, 2, 4, 8)
+    results["dropout_p"] = _error_of(lambda: ring_attention(q, q, q, dropout_p=0.25 * (1 + rank)))[
+        :2
+    ]
     if world == 3:  # a ring over a subgroup: ranks 0 and 2 (global ranks differ from group ranks)
         sub = dist.new_group([0, 2])
         if rank != 1:
@@ -573,6 +762,7 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
         assert res["saved"] == [q, kv, kv, q, stats]
 
     _assert_lse(ranks, world)
+    _assert_extra(ranks, world)
     for r, res in enumerate(ranks):
         kind, message = res["create_graph"]
         assert kind == "NotImplementedError" and "attngrad.attention" in message, (r, message)
@@ -580,6 +770,11 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
         assert kind == "ValueError" and "seq_len: rank 0 4, rank 1 6" in message, (r, message)
         kind, message = res["heads"]
         assert kind == "ValueError" and "heads_q: rank 0 2, rank 1 4" in message, (r, message)
+        kind, message = res["dropout_p"]
+        assert kind == "ValueError" and "dropout_p: rank 0 0.25, rank 1 0.5" in message, (
+            r,
+            message,
+        )
     return [exits, *ranks]
 
 

@@ -5,6 +5,13 @@
 >>> # o = ring_attention(q, k, v, is_causal=True, layout="zigzag")   # this rank's [..., H, N/P, d]
 >>> # O = unshard(all_gathered_o, "zigzag")                            # if the full output is wanted
 
+Dropout (``dropout_p``, ``generator``) and attention sinks (``sinks``) work
+as in `attngrad.attention`: the ranks drop with rank 0's draw of the mask's
+seed at global positions, so the result is the gathered call's under the
+same seed; a sink is merged once per row, and a shared sink's gradient is
+summed over the ranks by the caller (``dist.all_reduce``), like any
+parameter's.
+
 `layout` cuts and reassembles the shards, `comm` moves the blocks (with a
 timeout), `checks` validates the shards on each rank and across the ring,
 `attention` computes: forward, backward and the public `ring_attention`.

@@ -21,6 +21,22 @@ so the block kernel's backward runs unchanged on each (q shard, k/v block)
 pair.  k/v travel the ring again, and each block's dK/dV travel with it,
 collecting every rank's contribution, until they reach their owner.  Each
 rank saves only its own q, k, v, O and statistics: O(N/P) memory per rank.
+
+Dropout and sinks come out as in single-process `attngrad.attention`:
+
+* dropout's mask Z is a hash of (seed, offset, b * Hq + h, global query
+  position, global key position) (`attngrad.dropout`).  Every rank draws
+  (seed, offset) from its generator, as `attention` does, and all take rank
+  0's draw (one broadcast); each block's mask is shifted to the block's
+  global origin (`attngrad.ring.layout`), so the block kernel draws exactly
+  the bits of the gathered call.  The merge above is linear in the partial
+  outputs, and (m, l) are those of the undropped softmax, so forward and
+  backward need nothing else.  Backward then runs as one head group: Z
+  hashes the call's head index, which a group's slice of the heads would
+  renumber.
+* a sink joins each row's denominator once, so it is merged after the ring,
+  into the final (O, lse) (`attngrad.sinks.merge_sinks`), and its gradient
+  comes from autograd through that merge: dlse reaches the ring's backward.
 """
 
 from __future__ import annotations
@@ -36,10 +52,14 @@ from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
 from attngrad.contract import Shapes, check_flag, validate_attention
+from attngrad.dropout import Dropout, draw_seed
+from attngrad.keywords import validate_generator, validate_sinks
+from attngrad.masks import Mask
 from attngrad.ops import compute_dtype, log_normalizer, lse
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
+from attngrad.sinks import merge_sinks
 from attngrad.strategies import MODULES, unavailable_reason
 from attngrad.strategies import triton as triton_strategy
 
@@ -100,20 +120,28 @@ def merge_partial_(
 
 @dataclass(frozen=True)
 class _Ring:
-    """What forward and backward share: the comm, the layout and the block strategy."""
+    """What forward and backward share: the comm, the layout, the block strategy, the dropout."""
 
     comm: RingComm
     layout: str
     is_causal: bool
     impl: ModuleType
+    dropout: Dropout | None = None
 
     def steps(self, seq_local: int) -> list[list[Block]]:
         """The blocks of each step s, against the k/v shard of rank r - s."""
         rank, world = self.comm.rank, self.comm.world
+        positional = self.dropout is not None  # blocks must keep their global origins
         return [
-            step_blocks(rank, (rank - s) % world, world, self.layout, seq_local, self.is_causal)
+            step_blocks(
+                rank, (rank - s) % world, world, self.layout, seq_local, self.is_causal, positional
+            )
             for s in range(world)
         ]
+
+    def mask(self, blk: Block, heads_kv: int, device: torch.device) -> Mask:
+        """The block kernel's mask of ``blk``: its band, the dropout at its global origin."""
+        return blk.mask(heads_kv, device, self.dropout)
 
 
 def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
@@ -141,7 +169,7 @@ def ring_forward(
         for blk in blocks:
             qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
             o_b, saved = ring.impl.forward(
-                qb, kb, vb, blk.mask(hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb)
+                qb, kb, vb, ring.mask(blk, hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb)
             )
             stats_b = saved["stats"]
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
@@ -160,7 +188,8 @@ def ring_forward(
 
 # Backward runs one ring per group of kv heads (at most this many groups): the
 # buffers a rank holds for the ring (a remote k/v shard, its dK/dV accumulators)
-# then cover only that group's heads, while the outputs stay whole.
+# then cover only that group's heads, while the outputs stay whole.  With
+# dropout one group: its mask hashes each head's index among all Hq.
 HEAD_GROUPS = 4
 
 
@@ -183,12 +212,13 @@ def ring_backward(
     heads go with their kv head) and each group's gradients come from a ring
     pass of their own, `_ring_backward_group`: same messages in total, each
     1/HEAD_GROUPS the size, so the ring's buffers shrink by that factor.
+    With dropout, one group of all heads (module docstring).
     """
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    groups = min(hkv, HEAD_GROUPS)
+    groups = 1 if ring.dropout is not None else min(hkv, HEAD_GROUPS)
     bounds = [hkv * i // groups for i in range(groups + 1)]
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
@@ -234,8 +264,8 @@ def _ring_backward_group(
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
             dlse_b = None if dlse is None else _rows(dlse, blk.rows)
             ring.impl.backward_into(
-                grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final, blk.mask(hkv, q.device), scale,
-                _tiles(ring.impl, qb, kb, vb),
+                grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final,
+                ring.mask(blk, hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb),
             )  # fmt: skip
 
     incoming: Exchange | None = ring.comm.send_recv((k, v))
@@ -311,6 +341,21 @@ def _ring_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
+def _shared_dropout(
+    comm: RingComm, dropout_p: float, device: torch.device, generator: torch.Generator | None
+) -> Dropout | None:
+    """The call's dropout, one on every rank: each rank draws (seed, offset), rank 0's is used.
+
+    Each rank's generator advances by the one draw `attention` makes, so ranks
+    seeded alike stay alike; the broadcast makes the mask one even when they are not.
+    """
+    if dropout_p == 0:
+        return None
+    words = torch.tensor(draw_seed(device, generator), dtype=torch.int64, device=device)
+    seed, offset = comm.broadcast(words, "sharing the dropout seed").tolist()
+    return Dropout(float(dropout_p), int(seed), int(offset))
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -323,6 +368,9 @@ def ring_attention(
     timeout: float = DEFAULT_TIMEOUT,
     strategy: str | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention over a sequence sharded across the ranks of ``group``; each rank passes its shard.
 
@@ -344,13 +392,31 @@ def ring_attention(
     lse [..., Hq, N/P], this shard's rows' log-sum-exp over the full sequence.
     First order only: ``create_graph=True`` raises NotImplementedError.
 
+    ``dropout_p``, ``generator``: attention dropout as in `attngrad.attention`,
+    with the mask of the gathered call: every rank draws (seed, offset) from
+    ``generator`` (None: its device's default generator), which advances it
+    as `attention`'s draw would, and all ranks use rank 0's draw (one
+    broadcast).  So under ``torch.manual_seed(s)`` (or a generator seeded s)
+    the result is this rank's shard of ``attention(Q, K, V, dropout_p=p,
+    ...)`` under the same seed, however the other ranks are seeded.
+
+    ``sinks``: as in `attngrad.attention`, [Hq] (one logit per head) or
+    broadcastable to [..., Hq, N/P] (per token: this rank's rows; cut a
+    [..., Hq, N] one with ``shard(s.unsqueeze(-1), rank, P, layout).squeeze(-1)``).
+    Each row's sink is merged once, into the ring's final (O, lse).  The
+    gradient a rank gets for ``sinks`` is its own rows' share: for a sink
+    parameter shared by the ranks, sum its ``.grad`` over ``group``
+    (``dist.all_reduce``), as for any parameter replicated across them.
+
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
     all_gather).  Saved for backward per rank: its own q, k, v, O and stats.
     Backward is a ring too: every rank that called forward must run it.
     """
-    shapes = validate_attention(q, k, v, None, 0.0, is_causal, scale, True)
+    shapes = validate_attention(q, k, v, None, dropout_p, is_causal, scale, True)
     check_flag("return_lse", return_lse)
+    sink = validate_sinks(sinks, q, shapes)
+    generator = validate_generator(generator, q.device)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup or None (the default group), "
@@ -366,19 +432,23 @@ def ring_attention(
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(
-            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, strategy=strategy,
-            return_lse=return_lse,
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=True,
+            strategy=strategy, return_lse=return_lse, sinks=sinks, generator=generator,
         )  # fmt: skip
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     comm = RingComm(ring_group, float(timeout))
-    check_same_shards(comm, q, shapes, is_causal, layout, s)
+    check_same_shards(comm, q, shapes, is_causal, layout, s, float(dropout_p))
+    dropout = _shared_dropout(comm, dropout_p, q.device, generator)
     n = shapes.seq_q
     b, hq, hkv = shapes.batch, shapes.heads_q, shapes.heads_kv
     qb = q.reshape(b, hq, n, shapes.head_dim)  # (B, Hq, n, d)
     # k/v are sent as they are: contiguous
     kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
     vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
-    ring = _Ring(comm, layout, is_causal, MODULES[strategy])
+    ring = _Ring(comm, layout, is_causal, MODULES[strategy], dropout)
     o, lse_ = RingAttention.apply(qb, kb, vb, ring, s)
     out = o.reshape(*shapes.lead, hq, n, shapes.value_dim)
-    return (out, lse_.reshape(*shapes.lead, hq, n)) if return_lse else out
+    lse_ = lse_.reshape(*shapes.lead, hq, n)
+    if sink is not None:  # once per row, after every key's partial has been merged
+        out, lse_ = merge_sinks(out, lse_, sink)
+    return (out, lse_) if return_lse else out

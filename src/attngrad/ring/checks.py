@@ -30,7 +30,9 @@ _FIELDS = (
     "is_causal",
     "layout",
     "scale",
+    "dropout_p",
 )
+_FLOATS = ("scale", "dropout_p")  # sent as the int64 of their float64 bits
 
 
 def validate_ring(
@@ -70,10 +72,10 @@ def _describe(
     is_causal: bool,
     layout: str,
     scale: float,
+    dropout_p: float,
     device: torch.device,
 ) -> torch.Tensor:
-    """What every rank must agree on, as int64 in the order of _FIELDS (scale as its bits)."""
-    (scale_bits,) = struct.unpack("<q", struct.pack("<d", scale))
+    """What every rank must agree on, as int64 in the order of _FIELDS (floats as their bits)."""
     return torch.tensor(
         [
             shapes.batch,
@@ -85,11 +87,18 @@ def _describe(
             _DTYPES.index(dtype),
             int(is_causal),
             LAYOUTS.index(layout),
-            scale_bits,
+            _bits(scale),
+            _bits(dropout_p),
         ],
         dtype=torch.int64,
         device=device,  # where the backend communicates (NCCL: on the GPU)
     )
+
+
+def _bits(x: float) -> int:
+    """The float64 ``x`` as the int64 of its bits (exact, so equal floats compare equal)."""
+    (bits,) = struct.unpack("<q", struct.pack("<d", x))
+    return int(bits)
 
 
 def _decode(field: str, value: int) -> object:
@@ -99,16 +108,26 @@ def _decode(field: str, value: int) -> object:
         return LAYOUTS[value]
     if field == "is_causal":
         return bool(value)
-    if field == "scale":
+    if field in _FLOATS:
         return struct.unpack("<d", struct.pack("<q", value))[0]
     return value
 
 
 def check_same_shards(
-    comm: RingComm, q: torch.Tensor, shapes: Shapes, is_causal: bool, layout: str, scale: float
+    comm: RingComm,
+    q: torch.Tensor,
+    shapes: Shapes,
+    is_causal: bool,
+    layout: str,
+    scale: float,
+    dropout_p: float,
 ) -> None:
-    """ValueError unless every rank's shard (query ``q``) has the same sizes, dtype and settings."""
-    mine = _describe(shapes, q.dtype, is_causal, layout, scale, q.device)
+    """ValueError unless every rank's shard (query ``q``) has the same sizes, dtype and settings.
+
+    dropout_p must agree too: with dropout every rank takes part in one more
+    collective (the seed's broadcast), and all ranks drop with one mask.
+    """
+    mine = _describe(shapes, q.dtype, is_causal, layout, scale, dropout_p, q.device)
     table = torch.stack(comm.all_gather(mine)).cpu()
     differ = [f for i, f in enumerate(_FIELDS) if not bool((table[:, i] == table[0, i]).all())]
     if not differ:
@@ -127,5 +146,5 @@ def check_same_shards(
     raise ValueError(
         f"ring_attention got different shards or settings on different ranks: {per_rank}. "
         "Every rank passes its shard of the same q, k, v (same batch, heads, head dims and "
-        "dtype) and the same is_causal, layout and scale."
+        "dtype) and the same is_causal, layout, scale and dropout_p."
     )

@@ -9,7 +9,7 @@ this rank, the peer and the timeout, instead of hanging.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,10 +98,23 @@ class RingComm:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all), in rank order."""
         out = [torch.empty_like(t) for _ in range(self.world)]
-        try:
-            work = dist.all_gather(out, t, group=self.group, async_op=True)
-        except RuntimeError as e:
-            raise self._error("gathering the shard shapes", e) from e
-        assert work is not None  # async_op=True always returns a Work
-        self.wait(work, "gathering the shard shapes")
+        self._collective(
+            lambda: dist.all_gather(out, t, group=self.group, async_op=True),
+            "gathering the shard shapes",
+        )
         return out
+
+    def broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Group rank 0's ``t`` on every rank (written into ``t``, which is returned)."""
+        src = dist.get_global_rank(self.group, 0)
+        self._collective(lambda: dist.broadcast(t, src, group=self.group, async_op=True), what)
+        return t
+
+    def _collective(self, post: Callable[[], dist.Work | None], what: str) -> None:
+        """Post one asynchronous collective and wait for it with the deadline."""
+        try:
+            work = post()
+        except RuntimeError as e:  # a broken connection fails at posting already
+            raise self._error(what, e) from e
+        assert work is not None  # async_op=True always returns a Work
+        self.wait(work, what)

@@ -14,6 +14,14 @@ With ``is_causal`` a query chunk sees the key chunks before it whole, its own
 chunk causally, and nothing after it.  Under "contiguous" rank P-1 then has P
 times the work of rank 0; under "zigzag" every rank pairs an early chunk with
 a late one and all do the same work.
+
+A ring step computes its (query chunk, key chunk) pairs as `Block`s, and
+merges unmasked pairs that sit side by side locally into one kernel call.
+Dropout draws its mask by *global* (query, key) position, so each block
+carries its ``origin`` (the global position of its first row and key) and
+with dropout (``positional``) only pairs that are adjacent in the global
+sequence too merge: under "zigzag" rank r's chunks r and 2P-1-r are apart
+unless r = P-1, and a step may then take up to four blocks instead of one.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from attngrad.band import Band
+from attngrad.dropout import Dropout
 from attngrad.masks import Mask
 
 __all__ = ["LAYOUTS", "Block", "chunks_of", "shard", "step_blocks", "unshard", "validate_layout"]
@@ -116,42 +125,93 @@ class Block:
     """One call of the block kernel: local query ``rows`` against ``cols`` of the k/v block in hand.
 
     ``causal``: the two are the same global chunk, so key j is visible to query
-    i iff j <= i (local indices); otherwise every key is visible.
+    i iff j <= i (local indices); otherwise every key is visible.  ``origin``:
+    the global positions (query, key) of local row ``rows.start`` and key
+    ``cols.start``, when the rows and the keys each run on contiguously in the
+    global sequence; None for a block merged across a gap (zigzag's two chunks
+    of a rank are not adjacent, except rank P-1's).
     """
 
     rows: slice
     cols: slice
     causal: bool
+    origin: tuple[int, int] | None = (0, 0)
 
-    def mask(self, heads_kv: int, device: torch.device | None = None) -> Mask:
-        """The band of the block: causal (right = 0) or none."""
-        seq_q, seq_k = self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
+    def mask(
+        self, heads_kv: int, device: torch.device | None = None, dropout: Dropout | None = None
+    ) -> Mask:
+        """The block's band (causal, right = 0, or none) and ``dropout`` moved to its origin.
+
+        ``dropout`` indexes its mask by global position: the block kernel then
+        draws exactly the bits single-process attention draws for these
+        (query, key) pairs.  It needs a block with an origin.
+        """
+        seq_q, seq_k = _extent(self.rows), _extent(self.cols)
         band = Band.of(seq_q, seq_k, None, 0, device=device) if self.causal else None
-        return Mask(None, None, band, heads_kv, seq_q, seq_k)
+        if dropout is not None:
+            if self.origin is None:
+                raise ValueError(
+                    "this block spans chunks that are not adjacent in the sequence, so dropout "
+                    "cannot index it by global position; build it with step_blocks(..., "
+                    "positional=True)."
+                )
+            dropout = dropout.shifted(*self.origin)
+        return Mask(None, None, band, heads_kv, seq_q, seq_k, dropout=dropout)
 
 
-def _append(blocks: list[Block], new: Block) -> None:
-    """Add ``new``, merged into the last block when both are unmasked and form one rectangle."""
-    last = blocks[-1] if blocks else None
-    if last is not None and not last.causal and not new.causal:
-        if last.rows == new.rows and last.cols.stop == new.cols.start:
-            blocks[-1] = Block(new.rows, slice(last.cols.start, new.cols.stop), False)
-            return
-        if last.cols == new.cols and last.rows.stop == new.rows.start:
-            blocks[-1] = Block(slice(last.rows.start, new.rows.stop), new.cols, False)
-            return
-    blocks.append(new)
+def _extent(s: slice) -> int:
+    """The length of a slice with explicit bounds."""
+    return int(s.stop - s.start)
+
+
+def _merged(last: Block, new: Block) -> Block | None:
+    """``last`` and ``new`` as one block, when both are unmasked and form one rectangle; else None.
+
+    The merged block keeps last's origin when ``new`` continues it in the
+    global sequence too, and has none otherwise.
+    """
+    if last.causal or new.causal:
+        return None
+    if last.rows == new.rows and last.cols.stop == new.cols.start:
+        rows, cols, step = last.rows, slice(last.cols.start, new.cols.stop), (0, _extent(last.cols))
+    elif last.cols == new.cols and last.rows.stop == new.rows.start:
+        rows, cols, step = slice(last.rows.start, new.rows.stop), last.cols, (_extent(last.rows), 0)
+    else:
+        return None
+    origin = last.origin
+    if origin is not None and new.origin != (origin[0] + step[0], origin[1] + step[1]):
+        origin = None
+    return Block(rows, cols, False, origin)
+
+
+def _append(blocks: list[Block], new: Block, positional: bool) -> None:
+    """Add ``new``, merged into the last block when they form one rectangle (`_merged`);
+    with ``positional`` only when the merged block keeps an origin."""
+    merged = _merged(blocks[-1], new) if blocks else None
+    if merged is not None and (merged.origin is not None or not positional):
+        blocks[-1] = merged
+    else:
+        blocks.append(new)
 
 
 def step_blocks(
-    rank: int, source: int, world: int, layout: str, seq_local: int, is_causal: bool
+    rank: int,
+    source: int,
+    world: int,
+    layout: str,
+    seq_local: int,
+    is_causal: bool,
+    positional: bool = False,
 ) -> list[Block]:
     """The blocks ``rank`` computes against the k/v shard of rank ``source``.
 
     Each (query chunk cq, key chunk ck) pair is skipped when ck > cq under
     ``is_causal`` (entirely in the future), causal when ck == cq, and unmasked
     otherwise.  Unmasked pairs that sit side by side merge into one block, so
-    without ``is_causal`` a step is a single block.
+    without ``is_causal`` a step is a single block.  ``positional``: the
+    blocks' masks depend on global positions (dropout), so pairs merge only
+    when the merged block runs on contiguously in the global sequence; every
+    block then has an origin.
     """
     q_chunks, k_chunks = chunks_of(rank, world, layout), chunks_of(source, world, layout)
     m = seq_local // len(q_chunks)
@@ -160,12 +220,10 @@ def step_blocks(
         row: list[Block] = []
         for j, ck in enumerate(k_chunks):
             if not (is_causal and ck > cq):
+                rows, cols = slice(i * m, (i + 1) * m), slice(j * m, (j + 1) * m)
                 _append(
-                    row,
-                    Block(
-                        slice(i * m, (i + 1) * m), slice(j * m, (j + 1) * m), is_causal and ck == cq
-                    ),
+                    row, Block(rows, cols, is_causal and ck == cq, (cq * m, ck * m)), positional
                 )
         for block in row:
-            _append(blocks, block)
+            _append(blocks, block, positional)
     return blocks
