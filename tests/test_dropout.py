@@ -170,3 +170,20 @@ def test_dropout_p_out_of_range_is_refused() -> None:
         attngrad.attention(q, q, q, dropout_p="0.1")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="generator"):
         attngrad.attention(q, q, q, dropout_p=0.1, generator=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
+def test_batched_backward_and_jacrev_see_the_forwards_mask(strategy: str) -> None:
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 5, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attngrad.attention(q, k, v, dropout_p=0.5, strategy=strategy, generator=generator(3))
+
+    assert torch.autograd.gradcheck(call, (q, k, v), check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(call, (q, k, v), check_batched_grad=True)
+    jac = torch.func.jacrev(call, argnums=2)(q, k, v)  # [2, 2, 5, 3, 2, 2, 5, 3]
+    rows = torch.stack(
+        [torch.autograd.grad(call(q, k, v).flatten()[i], v)[0] for i in range(0, 60, 7)]
+    )
+    assert torch.allclose(jac.reshape(60, *v.shape)[0:60:7], rows, rtol=0, atol=1e-14)

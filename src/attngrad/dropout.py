@@ -81,6 +81,10 @@ class Dropout:
 
     row0, col0: the global positions of local query row 0 and key 0 (ring
     attention's blocks; 0 otherwise): the mask is indexed by global positions.
+    batch: the batch of the call as the user made it, when vmap has folded
+    samples into the batch (`attngrad.strategies.batching`): entry b draws
+    the mask of entry b mod batch, so every vmapped sample (a cotangent of
+    jacrev, a batched gradient) sees the forward's mask.
     """
 
     p: float
@@ -88,6 +92,7 @@ class Dropout:
     offset: int
     row0: int = 0
     col0: int = 0
+    batch: int | None = None
 
     @property
     def scale(self) -> float:
@@ -99,6 +104,10 @@ class Dropout:
         """T, where y < T keeps a score (module docstring): in [-2^30, 2^30]."""
         return round((1.0 - self.p) * 2**31) - 2**30
 
+    def folded(self, batch: int) -> Dropout:
+        """The mask of a call of ``batch`` entries, seen after vmap folds samples into the batch."""
+        return self if self.batch is not None else replace(self, batch=batch)
+
     def shifted(self, rows: int, cols: int) -> Dropout:
         """The same mask seen from a block whose local row 0 / key 0 sit ``rows`` / ``cols`` on."""
         return replace(self, row0=self.row0 + rows, col0=self.col0 + cols)
@@ -108,6 +117,8 @@ class Dropout:
     ) -> torch.Tensor:
         """row(bh, i) for query rows ``rows``: int32 [B, Hkv, G, r] (bh = b * Hq + h)."""
         bh = torch.arange(batch * heads_q, dtype=torch.int64, device=device)
+        if self.batch is not None:
+            bh %= self.batch * heads_q
         i = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device) + self.row0
         head = mix32(mix32(torch.tensor(self.seed, dtype=torch.int64, device=device)) ^ self.offset)
         words = mix32(mix32(head ^ bh).unsqueeze(-1) ^ i)  # [B*Hq, r]

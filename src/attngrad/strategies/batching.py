@@ -7,16 +7,20 @@ Attention is independent per batch entry, so under ``torch.vmap`` (and so
 every sample first (a copy).  A mask tensor [Bm, ...] (Bm = 1 or B) is
 expanded to B before folding, since one shared across the batch is still
 per sample under vmap; its gradient is summed back to Bm per sample.
+A dropout mask stays the per-sample one: entry b of the folded batch draws
+the bits of entry b mod B (`attngrad.dropout.Dropout.folded`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch._C._functorch import is_legacy_batchedtensor
+
+from attngrad.masks import Mask
 
 __all__ = ["apply", "fold_all", "unfold", "unfold_mask_gradient", "vmap_rule"]
 
@@ -79,6 +83,12 @@ def vmap_rule(
     """
     size = info.batch_size
     folded = fold_all(args, in_dims, size, function.MASKS)
+    batch = next(
+        _leading(a, d, size).shape[1]
+        for i, (a, d) in enumerate(zip(args, in_dims, strict=True))
+        if isinstance(a, torch.Tensor) and i not in function.MASKS
+    )
+    folded = [_keep_dropout(a, batch) for a in folded]
     out = function.apply(*folded)
     out = out if isinstance(out, tuple) else (out,)
     result: list[object] = []
@@ -90,6 +100,13 @@ def vmap_rule(
         else:
             result.append(unfold(t, size))
     return tuple(result), tuple(0 if isinstance(t, torch.Tensor) else None for t in result)
+
+
+def _keep_dropout(arg: object, batch: int) -> object:
+    """A Mask whose dropout still draws the per-sample mask of a ``batch``-entry call."""
+    if isinstance(arg, Mask) and arg.dropout is not None:
+        return replace(arg, dropout=arg.dropout.folded(batch))
+    return arg
 
 
 @dataclass(frozen=True)
