@@ -2,12 +2,15 @@
 
 The strategy also runs through every strategy-parametrized test of the suite;
 this file adds what is its own: head dims 16..256 padded inside the kernels,
-tile skipping, block sizes, the bias gradient's broadcasts, and the errors
-where it cannot run.
+tile skipping, block sizes, the bias gradient's broadcasts, the errors where
+it cannot run, and the band (alignment, windows, packed segments), softcap
+and dropout against a float64 reference built here from the full score
+matrix (plain torch ops, autograd for the gradients).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -16,12 +19,18 @@ import pytest
 import torch
 
 import attngrad
+from attngrad.band import Band
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout, draw_seed, keep_mask
 from attngrad.ledger import ledger_row
 from attngrad.strategies import available, resolve, unavailable_reason
 from attngrad.strategies import triton as triton_strategy
 from attngrad.verify import Case, make_inputs, outputs_and_grads
 from helpers import assert_rule, case
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+kernels = pytest.importorskip("attngrad.kernels")  # after conftest set TRITON_INTERPRET
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -91,6 +100,207 @@ def test_gradcheck_across_tiles_with_gqa_bias_and_window():
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(call, (q, k, v, bias), fast_mode=True)
+
+
+# -- band, softcap and dropout against a float64 reference ---------------------
+
+
+def _band(nq, nk, is_causal=False, window=None, align="top-left", segments=None):
+    """The `Band` attention builds from these arguments (causal: right = min(right, 0))."""
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return Band.of(nq, nk, left, right, align, segments)
+
+
+def _reference(q, k, v, bias=None, band=None, softcap=None, dropout=None):
+    """(O, lse) from the full score matrix; q: [B, Hq, Nq, d], k, v: [B, Hkv, Nk, d | dv].
+
+    S = q k^T / sqrt(d), capped, biased, masked outside the band; P of live
+    rows (dead rows: P = 0, lse = -inf), times Z / (1 - p) under dropout.
+    """
+    b, hq, nq, d = q.shape
+    g, nk = hq // k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-2, -1) / math.sqrt(d)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    if band is not None:
+        j = torch.arange(nk)
+        s = s.masked_fill((j < band.lo[:, None]) | (j >= band.hi[:, None]), float("-inf"))
+    live = s.amax(-1, keepdim=True) > float("-inf")
+    s = s.masked_fill(~live, 0.0)  # dead rows: finite, and cut off below
+    p = torch.softmax(s, -1) * live
+    lse = torch.where(live.squeeze(-1), torch.logsumexp(s, -1), float("-inf"))
+    if dropout is not None:
+        p = p * keep_mask(dropout, b, hq, nq, nk, CPU) * dropout.scale
+    return p @ v, lse
+
+
+def _dropout(p):
+    """The `Dropout` attention draws from ``_generator()`` at dropout_p = p."""
+    return Dropout(p, *draw_seed(CPU, _generator()))
+
+
+def _generator():
+    return torch.Generator().manual_seed(0)
+
+
+def _inputs(b, hq, hkv, nq, nk, d, dtype=torch.float64, bias_shape=None):
+    """q, k, v (and a bias of ``bias_shape``) requiring grad, drawn in float64 and rounded."""
+    shapes = [(b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)]
+    shapes += [bias_shape] if bias_shape is not None else []
+    return [torch.randn(s, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+
+
+def _results(fn, tensors, dout, dlse):
+    """O, lse and the gradients of <O, dout> + <lse, dlse> (dead rows' lse left out)."""
+    out, lse = fn(*tensors)
+    loss = (out * dout).sum() + (lse.masked_fill(lse == float("-inf"), 0.0) * dlse).sum()
+    return [out, lse, *torch.autograd.grad(loss, tensors)]
+
+
+def _runs(tensors, softcap=None, dropout_p=0.0, **kwargs):
+    """Triton's, the float64 reference's and the plain (reference in the inputs' dtype) results.
+
+    Each: O, lse, dq, dk, dv[, dbias] on ``tensors`` (q, k, v[, bias]), the
+    gradients of one random <O, dout> + <lse, dlse>.  ``kwargs``: attention's
+    band arguments (is_causal, window, align, cu_seqlens_q/k).
+    """
+    q, k, v = tensors[:3]
+    cu = [kwargs.get(f"cu_seqlens_{x}") for x in "qk"]
+    segments = None if cu[0] is None else tuple(tuple(c.tolist()) for c in cu)
+    bands = {n: kwargs[n] for n in ("is_causal", "window", "align") if n in kwargs}
+    band = _band(q.shape[2], k.shape[2], segments=segments, **bands)
+    dropout = _dropout(dropout_p) if dropout_p > 0 else None
+    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    dlse = torch.randn(q.shape[:3], dtype=torch.float64)
+
+    def triton(q, k, v, bias=None):
+        return attngrad.attention(
+            q, k, v, bias, dropout_p, enable_gqa=True, strategy="triton", block_q=16,
+            block_k=16, return_lse=True, softcap=softcap, generator=_generator(), **kwargs,
+        )  # fmt: skip
+
+    def reference(q, k, v, bias=None):
+        return _reference(q, k, v, bias, band, softcap, dropout)
+
+    wide = [t.detach().double().requires_grad_() for t in tensors]
+    narrow = dout.to(q.dtype), dlse.to(q.dtype)
+    return (
+        _results(triton, tensors, *narrow),
+        _results(reference, wide, dout, dlse),
+        _results(reference, tensors, *narrow),
+    )
+
+
+_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def _assert_close(got, want, *_):
+    """float64: triton within rounding of the reference, result by result."""
+    for name, g, w in zip(_NAMES, got, want, strict=False):  # dbias only with a bias
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("nq", "nk", "kwargs"),
+    [
+        (13, 37, {"is_causal": True}),
+        (37, 13, {"is_causal": True}),
+        (29, 23, {"window": (5, 2)}),
+        (23, 29, {"window": (4, 3), "is_causal": True}),
+    ],
+    ids=["causal-Nq<Nk", "causal-Nq>Nk", "window", "causal-window"],
+)
+def test_bottom_right_band_with_gqa(nq, nk, kwargs):
+    tensors = _inputs(1, 4, 2, nq, nk, 16)
+    _assert_close(*_runs(tensors, align="bottom-right", **kwargs))
+
+
+@pytest.mark.parametrize("align", ["top-left", "bottom-right"])
+def test_packed_segments_with_an_empty_key_segment(align):
+    # segment 1 has 4 queries and no key: dead rows (O = 0, lse = -inf, zero gradients)
+    cu_q, cu_k = torch.tensor([0, 9, 13, 30]), torch.tensor([0, 12, 12, 26])
+    tensors = _inputs(1, 2, 1, 30, 26, 16)
+    runs = _runs(tensors, is_causal=True, align=align, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse, dq = runs[0][:3]
+    assert out[:, :, 9:13].eq(0).all() and dq[:, :, 9:13].eq(0).all()
+    assert lse[:, :, 9:13].eq(float("-inf")).all()
+    _assert_close(*runs)
+
+
+def test_softcap_with_a_bias_gradient_and_window():
+    tensors = _inputs(2, 2, 2, 21, 35, 16, bias_shape=(2, 21, 35))
+    with torch.no_grad():
+        tensors[0].mul_(3.0)  # scores well past the cap c = 2
+    _assert_close(*_runs(tensors, softcap=2.0, window=(None, 4)))
+
+
+@pytest.mark.parametrize("softcap", [0.05, 1.0, 30.0])
+def test_softcap_in_float32_within_twice_the_plain_error(softcap):
+    # per result: max |triton - ref| <= 2 max |plain - ref| + u max |ref|
+    tensors = _inputs(1, 2, 1, 19, 27, 16, torch.float32, bias_shape=(19, 27))
+    got, want, plain = _runs(tensors, softcap=softcap)
+    u = torch.finfo(torch.float32).eps / 2
+    for name, g, w, p in zip(_NAMES, got, want, plain, strict=True):  # with a bias
+        assert g.dtype == torch.float32, name
+        w = w.masked_fill(w.isinf(), 0.0)
+        error, plain_error = ((t.double() - w).abs().max() for t in (g, p))
+        assert error <= 2 * plain_error + u * w.abs().max(), (name, error, plain_error)
+
+
+@triton.jit
+def _tanh_kernel(X, Y, n, BLOCK: tl.constexpr):
+    """Y = the kernels' tanh of X, elementwise over n entries."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + at, kernels._tanh(tl.load(X + at, mask=at < n)), mask=at < n)
+
+
+def test_tanh_is_accurate_to_the_dtype_near_zero_too():
+    # the kernels' own tanh (the interpreter has no tl.tanh): relative error within 2 eps
+    grid = torch.cat(
+        [torch.logspace(-30, 3, 4000, dtype=torch.float64), torch.linspace(0, 3, 4001)]
+    )
+    for dtype in (torch.float32, torch.float64):
+        x = torch.cat([grid, -grid]).to(dtype)
+        y = torch.empty_like(x)
+        _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+        want = torch.tanh(x.double())
+        relative = (y.double() - want).abs() / want.abs().clamp_min(1e-300)
+        assert relative.max() <= 2 * torch.finfo(dtype).eps, dtype
+
+
+def test_dropout_mask_is_keep_mask_bit_for_bit():
+    # v = identity (Nk = dv): O = P * Z / (1 - p) itself, so O's zeros are Z's
+    p, (b, hq, nq, nk) = 0.3, (2, 4, 21, 32)
+    q, k = (
+        torch.randn(b, hq, nq, 16, dtype=torch.float64),
+        torch.randn(b, 2, nk, 16, dtype=torch.float64),
+    )
+    v = torch.eye(nk, dtype=torch.float64).expand(b, 2, nk, nk)
+    out = attngrad.attention(
+        q, k, v, dropout_p=p, enable_gqa=True, strategy="triton", block_q=16, block_k=16,
+        generator=_generator(),
+    )  # fmt: skip
+    z = keep_mask(_dropout(p), b, hq, nq, nk, CPU)
+    assert torch.equal(out != 0, z)
+    torch.testing.assert_close(out, _reference(q, k, v, dropout=_dropout(p))[0])
+
+
+def test_dropout_with_softcap_bias_band_gqa_and_lse():
+    tensors = _inputs(1, 4, 2, 25, 34, 16, bias_shape=(4, 25, 34))
+    _assert_close(*_runs(tensors, softcap=3.0, dropout_p=0.3, window=(9, 0), align="bottom-right"))
+
+
+def test_dropout_of_one_gives_zeros():
+    # O = 0 and dV = 0; lse is the undropped P's, and dq, dk come from its cotangent alone
+    tensors = _inputs(1, 2, 2, 20, 20, 16)
+    got, want, _ = _runs(tensors, dropout_p=1.0, is_causal=True)
+    assert got[0].eq(0).all() and got[4].eq(0).all() and got[1].isfinite().all()
+    _assert_close(got, want)
 
 
 def test_skipped_tiles_are_never_read():

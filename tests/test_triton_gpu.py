@@ -103,3 +103,33 @@ def _graph_nodes(out: torch.Tensor) -> list[str]:
 def test_auto_is_triton_on_cuda():
     q = torch.randn(1, 2, 64, 64, device=CUDA, requires_grad=True)
     assert "TritonAttentionBackward" in _graph_nodes(attngrad.attention(q, q, q))
+
+
+def test_band_softcap_and_dropout_agree_with_flash_in_float64():
+    # compiled: the per-row band over packed segments, the kernels' tanh and the dropout
+    # hash against flash's tensor ops (float64, so any difference beyond rounding is a bug)
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=torch.float64, device=CUDA).requires_grad_()
+
+    q, k, v, bias = leaf(2, 4, 300, 64), leaf(2, 2, 333, 64), leaf(2, 2, 333, 48), leaf(4, 300, 333)
+    cu_q = torch.tensor([0, 100, 180, 300], device=CUDA)
+    cu_k = torch.tensor([0, 150, 150, 333], device=CUDA)  # segment 1: no keys, dead rows
+    dout, dlse = (
+        torch.randn(2, 4, 300, 48, dtype=torch.float64, device=CUDA),
+        torch.randn(2, 4, 300, dtype=torch.float64, device=CUDA),
+    )
+    results = {}
+    for strategy in ("flash", "triton"):
+        out, lse = attngrad.attention(
+            q, k, v, bias, 0.2, enable_gqa=True, strategy=strategy, softcap=20.0,
+            window=(64, 0), align="bottom-right", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            generator=torch.Generator(CUDA).manual_seed(0), return_lse=True,
+        )  # fmt: skip
+        loss = (out * dout).sum() + (lse.masked_fill(lse.isinf(), 0.0) * dlse).sum()
+        results[strategy] = [out, lse, *torch.autograd.grad(loss, (q, k, v, bias))]
+    for name, got, want in zip(
+        ("out", "lse", "dq", "dk", "dv", "dbias"), results["triton"], results["flash"], strict=True
+    ):
+        torch.testing.assert_close(
+            got, want, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}"
+        )

@@ -13,16 +13,36 @@ v: [B, Hkv, Nk, dv] (GQA: query head h reads key/value head h // G):
 * `attention_dq`        one program per (query block, batch*query head): dQ, and
   dS itself where the caller needs a bias gradient.
 
-Scores stay in natural units (q k^T * scale + bias) until the row max m is
-subtracted; the softmax is exp2((s - m) * log2 e), never exp2 of a score
-itself, so no finite score overflows (finfo.min * log2 e would).  The scale
-and log2 e come in a small tensor of the accumulation dtype (Scales =
-[scale, log2 e]): a Python float argument would reach a compiled kernel as
-float32 and cost float64 its precision.  The grid is
-(batch * heads, blocks): the first grid axis has no 65535 limit.  Head dims are padded to a power of two >= 16 inside the kernels
-(masked loads), never in memory.  Every score outside Nq x Nk, the band or the
-keep mask is -inf; a row that attends nothing has l = 0: O = 0, Stats =
+Scores.  S = scale * q k^T, capped to c tanh(S / c) under a softcap
+(HAS_SOFTCAP), then the bias added; every score outside Nq x Nk, the band or
+the keep mask is -inf.  The band (`attngrad.band.Band`) comes as per-row
+intervals Lo[i] <= j < Hi[i] (int64 [Nq]); a block of query rows visits the
+keys [min lo, max hi) of its rows, and the dK/dV kernel's key block the rows
+[min First, max Stop) of its keys (`Band.query_span`, int64 [Nk]).  A row
+past Nq, a key past Nk, or a row that attends nothing has the empty interval
+(Nk, 0) (or (Nq, 0)), which never widens a block's range; without a band
+every real row's interval is [0, Nk), so one comparison masks bounds and
+band alike.  Backward: dS = P * (dP - Delta) is the gradient of the capped,
+biased score (the bias's, stored with STORE_DS); q and k take
+dS * (1 - tanh(S / c)^2) under a softcap.
+
+Scores stay in natural units until the row max m is subtracted; the softmax
+is exp2((s - m) * log2 e), never exp2 of a score itself, so no finite score
+overflows (finfo.min * log2 e would).  Scale, log2 e, the softcap c and the
+dropout factor 1 / (1 - p) come in a small tensor of the accumulation dtype
+(Scales = [scale, log2 e, c, 1 / (1 - p)]): a Python float argument would
+reach a compiled kernel as float32 and cost float64 its precision.  The grid
+is (batch * heads, blocks): the first grid axis has no 65535 limit.  Head
+dims are padded to a power of two >= 16 inside the kernels (masked loads),
+never in memory.  A row that attends nothing has l = 0: O = 0, Stats =
 (0, +inf), and backward rebuilds its P as exp2(-inf) = 0.
+
+Dropout (HAS_DROPOUT, `attngrad.dropout`): the keep mask Z of a tile comes
+from precomputed int32 words, RowWords [B*Hq, Nq] and ColWords [Nk], by the
+per-score steps of `Dropout.tiles` (`_kept`), bit for bit the mask every
+strategy draws.  Forward sums l over the undropped P and O over P * Z,
+scaled by 1 / (1 - p); backward uses dV = (P Z / (1 - p))^T dO and
+dP = (dO v^T) Z / (1 - p), Delta = rowsum(dO * O) as without dropout.
 
 Import this module only after deciding on TRITON_INTERPRET: Triton reads it
 when the kernels are decorated.
@@ -69,10 +89,61 @@ def _store_tile(Ptr, head, offs_r, n, offs_c, width, value):
 
 
 @triton.jit
+def _spans(Lo, Hi, offs, n, full, HAS_BAND: tl.constexpr):
+    """(lo, hi): the intervals [lo, hi) of entries offs of int64 [n] pointers Lo, Hi.
+
+    Empty ones (lo >= hi) and entries past n become (full, 0); without a band
+    every entry below n spans [0, full).  So min(lo), max(hi) over a block
+    cover exactly what its entries reach (nothing: an empty range)."""
+    live = offs < n
+    if HAS_BAND:
+        lo = tl.load(Lo + offs, mask=live, other=full)
+        hi = tl.load(Hi + offs, mask=live, other=0)
+        live = lo < hi
+    else:
+        lo = tl.zeros_like(offs)
+        hi = tl.zeros_like(offs) + full
+    return tl.where(live, lo, full), tl.where(live, hi, 0)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) to the precision of x's dtype (float32 or float64), relative near 0 too.
+
+    |x| < 0.625: x (Q + z P) / Q with z = x^2 (Cephes' rational approximation,
+    accurate to float64); else sign(x) (1 - e) / (1 + e) with e = exp(-2|x|)
+    <= 0.29, free of cancellation.  One division either way."""
+    a = tl.abs(x)
+    z = x * x
+    p = (-9.64399179425052238628e-1 * z - 9.92877231001918586564e1) * z - 1.61468768441708447952e3
+    q = ((z + 1.12811678491632931402e2) * z + 2.23548839060100448583e3) * z
+    q = q + 4.84406305325125486048e3
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|) = exp2(-2 log2(e) |x|)
+    small = a < 0.625
+    num = tl.where(small, x * (q + z * p), tl.where(x < 0, e - 1.0, 1.0 - e))
+    return num / tl.where(small, q, 1.0 + e)
+
+
+@triton.jit
+def _capped(s, cap, HAS_SOFTCAP: tl.constexpr):
+    """(c tanh(s / c), its slope 1 - tanh(s / c)^2) under a softcap c, else (s, 1)."""
+    if HAS_SOFTCAP:
+        t = _tanh(s / cap)
+        out = cap * t
+        slope = 1.0 - t * t
+    else:
+        out = s
+        slope = 1.0
+    return out, slope
+
+
+@triton.jit
 def _mask_scores(
     s,
     qi,
     kj,
+    lo,
+    hi,
     b,
     h,
     Bias,
@@ -85,25 +156,16 @@ def _mask_scores(
     seh,
     sem,
     sen,
-    nq,
-    nk,
-    left,
-    right,
     HAS_BIAS: tl.constexpr,
     HAS_KEEP: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
 ):
-    """Scores s with the bias added and -inf wherever query qi may not
-    see key kj (bounds, band, keep mask).  qi, kj broadcast against s; mask
-    offsets in int64 (a mask may hold 2**31 elements)."""
+    """Scores s with the bias added and -inf wherever query qi may not see key
+    kj: outside its interval lo <= kj < hi (`_spans`: bounds and band) or the
+    keep mask.  qi, kj, lo, hi broadcast against s; mask offsets in int64 (a
+    mask may hold 2**31 elements)."""
     qi = qi.to(tl.int64)
     kj = kj.to(tl.int64)
-    valid = (qi < nq) & (kj < nk)
-    if HAS_LEFT:
-        valid = valid & (kj >= qi - left)
-    if HAS_RIGHT:
-        valid = valid & (kj <= qi + right)
+    valid = (kj >= lo) & (kj < hi)
     if HAS_KEEP:
         keep = tl.load(Keep + b * seb + h * seh + qi * sem + kj * sen, mask=valid, other=0)
         valid = valid & (keep != 0)
@@ -111,6 +173,15 @@ def _mask_scores(
         bias = tl.load(Bias + b * sbb + h * sbh + qi * sbm + kj * sbn, mask=valid, other=0.0)
         s = s + bias.to(s.dtype)
     return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _kept(row, col, threshold):
+    """Z: True where dropout keeps a score, from int32 row and column words that
+    broadcast to the tile (`attngrad.dropout`): x = row ^ col,
+    y = (x ^ x * x) >> 1 (wrapping multiply, arithmetic shift), kept iff y < threshold."""
+    x = row ^ col
+    return ((x ^ x * x) >> 1) < threshold
 
 
 @triton.jit
@@ -123,66 +194,59 @@ def _heads(bh, heads_q, groups):
 
 @triton.jit
 def _scales(Scales):
-    """(scale, log2 e) from the Scales tensor, in its dtype."""
-    return tl.load(Scales), tl.load(Scales + 1)
-
-
-@triton.jit
-def _key_range(
-    m0, nk, left, right, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr
-):
-    """[lo, hi): the keys query rows [m0, m0 + BLOCK_M) can reach under the band."""
-    lo = 0
-    hi = nk
-    if HAS_LEFT:
-        lo = tl.maximum(m0 - left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(m0 + BLOCK_M + right, nk)
-    return lo, hi
+    """(scale, log2 e, softcap c, dropout's 1 / (1 - p)) from the Scales tensor, in its dtype."""
+    return tl.load(Scales), tl.load(Scales + 1), tl.load(Scales + 2), tl.load(Scales + 3)
 
 
 @triton.jit
 def attention_forward(
-    Q, K, V, Out, Stats, Bias, Keep,
+    Q, K, V, Out, Stats, Bias, Keep, Lo, Hi, RowWords, ColWords,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
     Scales,
-    heads_q, groups, nq, nk, d, dv, left, right,
-    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    heads_q, groups, nq, nk, d, dv, threshold,
+    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    scale, log2e = _scales(Scales)
+    scale, log2e, cap, keep_scale = _scales(Scales)
     b, h, bhk = _heads(bh, heads_q, groups)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
+    lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
+    if HAS_DROPOUT:
+        row_words = tl.load(RowWords + bh * nq + offs_m, mask=offs_m < nq, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
-    lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in range(tl.min(lo), tl.max(hi), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
         v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
-        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale
-        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
-                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
-                         HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
+        s, _ = _capped(_dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale, cap, HAS_SOFTCAP)
+        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], lo[:, None], hi[:, None], b, h,
+                         Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+                         HAS_BIAS, HAS_KEEP)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no key yet keeps m = -inf: shift it by 0 so exp2(-inf) = 0, not NaN
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2((s - shift[:, None]) * log2e)
         alpha = tl.exp2((m_i - shift) * log2e)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the undropped P's normalizer
+        if HAS_DROPOUT:
+            col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
+            p = tl.where(_kept(row_words[:, None], col_words[None, :], threshold), p, 0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC, UPCAST, PRECISION)
         m_i = m_new
     dead = l_i == 0.0
     o = acc / tl.where(dead, 1.0, l_i)[:, None]
+    if HAS_DROPOUT:
+        o = o * keep_scale
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     log_l = tl.where(dead, float("inf"), tl.log(tl.where(dead, 1.0, l_i)))
     _store_tile(Out, bh, offs_m, nq, offs_dv, dv, o)
@@ -218,21 +282,22 @@ def _row_stats(Stats, Delta, bh, offs_m, nq, log2e):
 
 @triton.jit
 def attention_dkdv(
-    Q, K, V, DO, Stats, Delta, DK, DV, Bias, Keep,
+    Q, K, V, DO, Stats, Delta, DK, DV, Bias, Keep, Lo, Hi, RowWords, ColWords, First, Stop,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
     Scales,
-    heads_q, groups, nq, nk, d, dv, left, right,
-    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    heads_q, groups, nq, nk, d, dv, threshold,
+    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dK = scale * sum_g dS_g^T q_g and dV = sum_g P_g^T dO_g for one key block,
-    working in the transposed orientation (keys along rows)."""
+    """dK = scale * sum_g dS_g^T q_g and dV = sum_g P~_g^T dO_g for one key block,
+    working in the transposed orientation (keys along rows); query rows
+    [min First, max Stop) of the block's keys only."""
     n0 = tl.program_id(1) * BLOCK_N
     bhk = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    scale, log2e = _scales(Scales)
+    scale, log2e, cap, keep_scale = _scales(Scales)
     heads_kv = heads_q // groups
     b = bhk // heads_kv
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -240,31 +305,38 @@ def attention_dkdv(
     offs_dv = tl.arange(0, BLOCK_DV)
     k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
     v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
+    if HAS_DROPOUT:
+        col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], ACC)
-    # query rows i with kj - right <= i <= kj + left for some key kj of the block
-    lo = 0
-    hi = nq
-    if HAS_RIGHT:
-        lo = tl.maximum(n0 - right, 0)
-    if HAS_LEFT:
-        hi = tl.minimum(n0 + BLOCK_N + left, nq)
+    first, stop = _spans(First, Stop, offs_n, nk, nq, HAS_BAND)
     for g in range(groups):
         h = (bhk % heads_kv) * groups + g
         bh = b * heads_q + h
-        for m0 in range(lo, hi, BLOCK_M):
+        for m0 in range(tl.min(first), tl.max(stop), BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
             do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
             m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
+            lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
             s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * scale  # [BLOCK_N, BLOCK_M]
-            s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], b, h, Bias, Keep,
-                               sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
-                               HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
+            s_t, slope_t = _capped(s_t, cap, HAS_SOFTCAP)
+            s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], lo[None, :], hi[None, :],
+                               b, h, Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+                               HAS_BIAS, HAS_KEEP)  # fmt: skip
             p_t = tl.exp2((s_t - m[None, :]) * log2e + neg_log2_l[None, :])
-            dv_acc += _dot(p_t.to(do.dtype), do, ACC, UPCAST, PRECISION)
             dp_t = _dot(v, tl.trans(do), ACC, UPCAST, PRECISION)
+            if HAS_DROPOUT:
+                row_words = tl.load(RowWords + bh * nq + offs_m, mask=offs_m < nq, other=0)
+                kept = _kept(row_words[None, :], col_words[:, None], threshold)
+                pv_t = tl.where(kept, p_t * keep_scale, 0.0)
+                dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
+            else:
+                pv_t = p_t
+            dv_acc += _dot(pv_t.to(do.dtype), do, ACC, UPCAST, PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
+            if HAS_SOFTCAP:
+                ds_t = ds_t * slope_t
             dk += _dot(ds_t.to(q.dtype), q, ACC, UPCAST, PRECISION)
     _store_tile(DK, bhk, offs_n, nk, offs_d, d, dk * scale)
     _store_tile(DV, bhk, offs_n, nk, offs_dv, dv, dv_acc)
@@ -272,21 +344,22 @@ def attention_dkdv(
 
 @triton.jit
 def attention_dq(
-    Q, K, V, DO, Stats, Delta, DQ, DS, Bias, Keep,
+    Q, K, V, DO, Stats, Delta, DQ, DS, Bias, Keep, Lo, Hi, RowWords, ColWords,
     sbb, sbh, sbm, sbn, seb, seh, sem, sen,
     Scales,
-    heads_q, groups, nq, nk, d, dv, left, right,
-    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    heads_q, groups, nq, nk, d, dv, threshold,
+    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     STORE_DS: tl.constexpr,
 ):  # fmt: skip
-    """dQ = scale * dS k for one query block; with STORE_DS also dS into DS [B*Hq, Nq, Nk]."""
+    """dQ = scale * dS_raw k for one query block; with STORE_DS also dS (the gradient
+    of the capped, biased score, the bias's) into DS [B*Hq, Nq, Nk]."""
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    scale, log2e = _scales(Scales)
+    scale, log2e, cap, keep_scale = _scales(Scales)
     b, h, bhk = _heads(bh, heads_q, groups)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -294,21 +367,29 @@ def attention_dq(
     q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
     do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
     m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
+    lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
+    if HAS_DROPOUT:
+        row_words = tl.load(RowWords + bh * nq + offs_m, mask=offs_m < nq, other=0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    lo, hi = _key_range(m0, nk, left, right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in range(tl.min(lo), tl.max(hi), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
         v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
-        s = _dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale
-        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], b, h, Bias, Keep,
-                         sbb, sbh, sbm, sbn, seb, seh, sem, sen, nq, nk, left, right,
-                         HAS_BIAS, HAS_KEEP, HAS_LEFT, HAS_RIGHT)  # fmt: skip
+        s, slope = _capped(_dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale, cap, HAS_SOFTCAP)
+        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], lo[:, None], hi[:, None], b, h,
+                         Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+                         HAS_BIAS, HAS_KEEP)  # fmt: skip
         p = tl.exp2((s - m[:, None]) * log2e + neg_log2_l[:, None])
         dp = _dot(do, tl.trans(v), ACC, UPCAST, PRECISION)
+        if HAS_DROPOUT:
+            col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
+            kept = _kept(row_words[:, None], col_words[None, :], threshold)
+            dp = tl.where(kept, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if STORE_DS:
             _store_tile(DS, bh, offs_m, nq, offs_n, nk, ds)
+        if HAS_SOFTCAP:
+            ds = ds * slope
         dq += _dot(ds.to(k.dtype), k, ACC, UPCAST, PRECISION)
     _store_tile(DQ, bh, offs_m, nq, offs_d, d, dq * scale)
 

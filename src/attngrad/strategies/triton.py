@@ -1,8 +1,10 @@
 """Strategy "triton": the flash algorithm as fused Triton kernels (`attngrad.kernels`).
 
 Same saved tensors as "flash" (q, k, v, O, the row statistics (m, log l),
-plus the caller's mask) and
-the same tiles skipped under a causal/window band.  Forward is one kernel;
+plus the caller's mask) and the same tiles skipped under the band (causal,
+window, alignment, packed segments: `attngrad.band`).  The softcap and
+dropout run inside the kernels; dropout's mask is never stored: each kernel
+rebuilds its tiles from the hash of `attngrad.dropout`.  Forward is one kernel;
 backward is three: Delta = rowsum(O * dO), dK/dV by key block (walking the
 query heads of a GQA group, so no atomics and a deterministic sum) and dQ by
 query block.  With a float mask that requires grad, the dQ kernel also writes
@@ -138,23 +140,73 @@ def tiles(
     return choose_blocks(shapes.seq_q, shapes.seq_k, row_bytes, block_q, block_k)
 
 
-def _mask_args(mask: Mask, shape: tuple[int, int, int, int]) -> tuple[object, ...]:
-    """(Bias, Keep, their 8 strides broadcast to the scores' shape [B, Hq, Nq, Nk])."""
-    args: list[object] = []
-    strides: list[int] = []
-    for t in mask.tensors:
-        if t is None:
-            args.append(None)
-            strides += [0, 0, 0, 0]
-        else:
-            args.append(t)
-            strides += list(t.expand(shape).stride())
-    return (*args, *strides)
+def _mask_args(
+    mask: Mask, shape: tuple[int, int, int, int], device: torch.device
+) -> dict[str, object]:
+    """The kernels' mask arguments by name, for scores of shape [B, Hq, Nq, Nk] on ``device``.
+
+    Bias, Keep and their strides, the band's Lo, Hi, dropout's words and
+    threshold, and the HAS_* flags; absent pieces are None pointers.
+    """
+    band = mask.band
+    return {
+        **_tensor_args(mask, shape),
+        "Lo": None if band is None else band.lo.to(device),
+        "Hi": None if band is None else band.hi.to(device),
+        **_dropout_args(mask, shape, device),
+        "HAS_BIAS": mask.bias is not None,
+        "HAS_KEEP": mask.keep is not None,
+        "HAS_BAND": band is not None,
+        "HAS_SOFTCAP": mask.softcap is not None,
+        "HAS_DROPOUT": mask.dropout is not None,
+    }
 
 
-def _scales(scale: float, like: torch.Tensor) -> torch.Tensor:
-    """[scale, log2 e] in the accumulation dtype of ``like`` (see kernels)."""
-    return torch.tensor([scale, LOG2E], dtype=like.dtype, device=like.device)
+def _tensor_args(mask: Mask, shape: tuple[int, int, int, int]) -> dict[str, object]:
+    """Bias and Keep with their strides broadcast to the scores' shape (sbb..sbn, seb..sen)."""
+    args: dict[str, object] = {}
+    for name, prefix, t in (("Bias", "sb", mask.bias), ("Keep", "se", mask.keep)):
+        strides = (0, 0, 0, 0) if t is None else t.expand(shape).stride()
+        args[name] = t
+        args.update({prefix + dim: n for dim, n in zip("bhmn", strides, strict=True)})
+    return args
+
+
+def _dropout_args(
+    mask: Mask, shape: tuple[int, int, int, int], device: torch.device
+) -> dict[str, object]:
+    """RowWords (int32 [B*Hq, Nq]), ColWords (int32 [Nk]) and the threshold of mask.dropout.
+
+    The words are `attngrad.dropout.Dropout.row_words` / ``col_words`` at the
+    block's global positions; the kernels finish the hash per score.
+    """
+    dropout = mask.dropout
+    if dropout is None:
+        return {"RowWords": None, "ColWords": None, "threshold": 0}
+    b, hq, nq, nk = shape
+    return {
+        "RowWords": dropout.row_words(b, hq, mask.heads_kv, slice(0, nq), device),
+        "ColWords": dropout.col_words(slice(0, nk), device),
+        "threshold": dropout.threshold,
+    }
+
+
+def _query_span_args(mask: Mask, device: torch.device) -> dict[str, object]:
+    """First, Stop: int64 [Nk], the query rows first <= i < stop that attend each key (dK/dV)."""
+    if mask.band is None:
+        return {"First": None, "Stop": None}
+    first, stop = mask.band.query_span()
+    return {"First": first.to(device), "Stop": stop.to(device)}
+
+
+def _scales(scale: float, mask: Mask, like: torch.Tensor) -> torch.Tensor:
+    """[scale, log2 e, softcap c, 1 / (1 - p)] in the accumulation dtype of ``like`` (see kernels).
+
+    c and 1 / (1 - p) are 1 where the mask has no softcap or no dropout (then unread).
+    """
+    cap = 1.0 if mask.softcap is None else mask.softcap
+    keep_scale = 1.0 if mask.dropout is None else mask.dropout.scale
+    return torch.tensor([scale, LOG2E, cap, keep_scale], dtype=like.dtype, device=like.device)
 
 
 def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
@@ -172,10 +224,10 @@ def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
     return options
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> dict[str, object]:
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
+    """The kernels' sizes by name, from q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [.., dv]."""
     hq, nq, d = q.shape[1:]
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    left, right = mask.left, mask.right
     return {
         "heads_q": hq,
         "groups": hq // hkv,
@@ -183,12 +235,6 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> d
         "nk": nk,
         "d": d,
         "dv": dv,
-        "left": 0 if left is None else left,
-        "right": 0 if right is None else right,
-        "HAS_BIAS": mask.bias is not None,
-        "HAS_KEEP": mask.keep is not None,
-        "HAS_LEFT": left is not None,
-        "HAS_RIGHT": right is not None,
         "BLOCK_D": _pow2(d),
         "BLOCK_DV": _pow2(dv),
     }
@@ -215,8 +261,8 @@ def forward(
     grid = (b * hq, _cdiv(nq, block_m))
     shape = (b, hq, nq, k.shape[2])
     _kernels().attention_forward[grid](
-        q, k, v, o, stats, *_mask_args(mask, shape), _scales(scale, stats),
-        **_problem(q, k, v, mask), BLOCK_M=block_m, BLOCK_N=block_n,
+        q, k, v, o, stats, **_mask_args(mask, shape, q.device), Scales=_scales(scale, mask, stats),
+        **_problem(q, k, v), BLOCK_M=block_m, BLOCK_N=block_n,
         **_launch_options(q.dtype, max(q.shape[-1], v.shape[-1])),
     )  # fmt: skip
     return o, {"o": o, "stats": stats}
@@ -245,10 +291,9 @@ def backward_into(
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     dout = dout.contiguous()
-    problem, options = _problem(q, k, v, mask), _launch_options(q.dtype, max(d, dv_dim))
+    problem, options = _problem(q, k, v), _launch_options(q.dtype, max(d, dv_dim))
     shape = (b, hq, nq, nk)
-    masks = _mask_args(mask, shape)
-    scales = _scales(scale, stats)
+    masks = {**_mask_args(mask, shape, q.device), "Scales": _scales(scale, mask, stats)}
     delta = stats.new_empty(b, hq, nq)
     block_m = min(64, _pow2(nq))  # rows x dv elements of O and dO in registers
     kernels.attention_delta[(b * hq, _cdiv(nq, block_m))](
@@ -260,7 +305,7 @@ def backward_into(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     block_m, block_n = blocks["dkdv"]
     kernels.attention_dkdv[(b * hkv, _cdiv(nk, block_n))](
-        q, k, v, dout, stats, delta, dk, dv, *masks, scales,
+        q, k, v, dout, stats, delta, dk, dv, **masks, **_query_span_args(mask, q.device),
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options,
     )  # fmt: skip
     dbias = grads[3]
@@ -268,7 +313,7 @@ def backward_into(
     ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if dbias is not None else stats
     block_m, block_n = blocks["dq"]
     kernels.attention_dq[(b * hq, _cdiv(nq, block_m))](
-        q, k, v, dout, stats, delta, dq, ds, *masks, scales,
+        q, k, v, dout, stats, delta, dq, ds, **masks,
         **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options, STORE_DS=dbias is not None,
     )  # fmt: skip
     if dbias is not None:
