@@ -15,21 +15,21 @@ MurmurHash3's finalizer, a bijection of 32-bit words)::
     row(bh, i) = mix(mix(mix(mix(seed) ^ offset) ^ bh) ^ i)       O(Nq) per head
     col(j)     = mix(mix(seed ^ 0x9E3779B9) ^ j)                  O(Nk)
     x          = row(bh, i) ^ col(j)                              per score, int32 from here
-    y          = (x ^ x * x) >> 1                                 mod 2^32, arithmetic shift
+    y          = (x + x * x) >> 1                                 mod 2^32, arithmetic shift
     keep       = y < T,   T = round((1 - p) 2^31) - 2^30
 
-``x ^ x * x`` is a T-function (bit i of x * x depends only on the bits of x
-below i, for i >= 1): bits 1..31 of it are an invertible function of bits
-1..31 of x for either value of bit 0, so y = those 31 bits is uniform
-whenever x is, and the keep rate is exactly (T + 2^30) / 2^31, i.e. 1 - p
-to within 2^-31.  Being non-linear (the square), it breaks the xor
-structure of row ^ col.  Per score it costs six integer ops (xor,
-multiply, xor, shift, and the compare done as ``(y - T) >> 31``, which
-gives -1 where kept and 0 where dropped: a bit mask that is and-ed into a
-float tile's bits, so a dropped entry becomes +0.0 with no comparison or
-select; y and T both lie in [-2^30, 2^30], so y - T cannot overflow).  The
-same steps in Triton are in `attngrad.kernels`; `keep_mask` gives the whole
-mask for tests.
+y is the triangular number x (x + 1) / 2 mod 2^31 (read as a signed 31-bit
+word): x -> x (x + 1) / 2 is a permutation of the integers mod 2^31, and x
+and x + 2^31 land 2^30 apart, so over 32-bit words every 31-bit value is hit
+exactly twice -- y is uniform whenever x is, and the keep rate is exactly
+(T + 2^30) / 2^31, i.e. 1 - p to within 2^-31.  Being non-linear (the
+square), it breaks the xor structure of row ^ col.  Per score it costs
+five integer ops in one buffer (xor, the fused x + x * x, shift, and the
+compare done as ``(y - T) >> 31``, which gives -1 where kept and 0 where
+dropped: a bit mask that is and-ed into a float tile's bits, so a dropped
+entry becomes +0.0 with no comparison or select; y and T both lie in
+[-2^30, 2^30], so y - T cannot overflow).  The same steps in Triton are in
+`attngrad.kernels`; `keep_mask` gives the whole mask for tests.
 
 Seed and offset are one draw from the generator of the tensors' device
 (``torch.manual_seed`` reproduces a call, ``torch.random.fork_rng`` isolates
@@ -137,9 +137,9 @@ class Dropout:
 
         All ones where kept, 0 where dropped, an integer as wide as ``dtype``
         (int32 for float32, int64 for float64) for `apply_`.  The row and
-        column words are hashed once here (O(N)); each tile costs the six
-        per-score ops, in a workspace reused from tile to tile (valid until
-        the next tile is asked for).
+        column words are hashed once here (O(N)); each tile costs the five
+        per-score ops, in one workspace reused from tile to tile (valid until
+        the next tile is asked for; `dropped` may write into it).
         """
         b, hq, nq = q.shape[:3]
         hkv, device = k.shape[1], q.device
@@ -153,30 +153,28 @@ class Dropout:
             shape = (*r.shape[:-1], c.shape[0])
             n = math.prod(shape)
             if not work or work[0].numel() < n:
-                work[:] = [torch.empty(n, dtype=torch.int32, device=device) for _ in range(2)]
-            x, y = (w[:n].view(shape) for w in work)
-            torch.bitwise_xor(r, c, out=x)
-            torch.mul(x, x, out=y).bitwise_xor_(x)
-            y.bitwise_right_shift_(1).sub_(self.threshold).bitwise_right_shift_(31)
-            return y if dtype != torch.float64 else y.to(torch.int64)
+                work[:] = [torch.empty(n, dtype=torch.int32, device=device)]
+            x = torch.bitwise_xor(r, c, out=work[0][:n].view(shape))
+            x.addcmul_(x, x).bitwise_right_shift_(1)  # x (x + 1) / 2 mod 2^31
+            x.sub_(self.threshold).bitwise_right_shift_(31)
+            return x if dtype != torch.float64 else x.to(torch.int64)
 
         return bits
 
     @staticmethod
-    def apply_(
-        t: torch.Tensor, bits: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """t * Z (dropped entries become +0.0), in place or into ``out``; float32 or float64.
+    def apply_(t: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """t * Z in place (dropped entries become +0.0) and return t; t float32 or float64.
 
         The 1 / (1 - p) factor is left to the caller, who can usually fold it
         into a smaller operand (dO, or O once at the end).
         """
-        integer = torch.int64 if t.dtype == torch.float64 else torch.int32
-        if out is None:
-            t.view(integer).bitwise_and_(bits)
-            return t
-        torch.bitwise_and(t.view(integer), bits, out=out.view(integer))
-        return out
+        t.view(bits.dtype).bitwise_and_(bits)
+        return t
+
+    @staticmethod
+    def dropped(t: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """t * Z written over ``bits`` (which it consumes), as a tensor of t's dtype; t is kept."""
+        return torch.bitwise_and(t.view(bits.dtype), bits, out=bits).view(t.dtype)
 
 
 def keep_mask(

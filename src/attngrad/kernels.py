@@ -179,9 +179,9 @@ def _mask_scores(
 def _kept(row, col, threshold):
     """Z: True where dropout keeps a score, from int32 row and column words that
     broadcast to the tile (`attngrad.dropout`): x = row ^ col,
-    y = (x ^ x * x) >> 1 (wrapping multiply, arithmetic shift), kept iff y < threshold."""
+    y = (x + x * x) >> 1 (wrapping, arithmetic shift), kept iff y < threshold."""
     x = row ^ col
-    return ((x ^ x * x) >> 1) < threshold
+    return ((x + x * x) >> 1) < threshold
 
 
 @triton.jit

@@ -211,7 +211,7 @@ def backward_chunks(
         do_c = take_rows(do5, rows).to(dtype)  # (B, Hkv, G*r, dv)
         bits = None if drop is None else drop(rows, cols)
         if dv is not None:
-            p_v = p_c if bits is None else Dropout.apply_(p_c, bits, torch.empty_like(p_c))
+            p_v = p_c if bits is None else Dropout.dropped(p_c, bits.clone())
             dv[:, :, cols] += ops.value_gradient(p_v, do_c)
         if not need_ds:
             continue

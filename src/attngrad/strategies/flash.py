@@ -184,7 +184,6 @@ def backward_into(
     k, v = k.to(dtype), v.to(dtype)
     work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
     work_ds = torch.empty_like(work_p)
-    work_pz = None if drop is None else torch.empty_like(work_p)  # P * Z
     work_slope = None if mask.softcap is None else torch.empty_like(work_p)
     work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
     work_dv = torch.empty(b * hkv * blocks[1] * dv_dim, dtype=dtype, device=q.device)
@@ -210,7 +209,7 @@ def backward_into(
                 _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
                 ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
             else:
-                pz = Dropout.apply_(p, drop(rows, keys), _scratch(work_pz, b, hkv, g * r, n))
+                pz = Dropout.dropped(p, drop(rows, keys))
                 _accumulate(dv_c, local, pz.transpose(-2, -1), dob)  # dV += (P * Z)^T dO
                 ds = dp.mul_(pz).addcmul_(p, delta_b, value=-1.0)  # P * (dP * Z - Delta)
             if dbias is not None:

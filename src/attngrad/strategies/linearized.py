@@ -152,6 +152,6 @@ def dropout_tiles(
     bits = dropout.tiles(q, k, dtype)
 
     def dropped(rows: slice, keys: slice, p: torch.Tensor) -> torch.Tensor:
-        return Dropout.apply_(p, bits(rows, keys), torch.empty_like(p)).mul_(dropout.scale)
+        return Dropout.dropped(p, bits(rows, keys).clone()).mul_(dropout.scale)
 
     return dropped
