@@ -14,8 +14,8 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attngrad
 from attngrad.band import Band
-from attngrad.tiling import schedule
 from attngrad.masks import Mask
+from attngrad.tiling import schedule
 from helpers import TENSOR_STRATEGIES
 
 

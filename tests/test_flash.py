@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.contract import Shapes
 from attngrad.band import Band
+from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.strategies.flash import backward_into, forward, tiles
 from attngrad.tiling import key_schedule, schedule

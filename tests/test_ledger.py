@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from attngrad import cli
-from attngrad.contract import Shapes
 from attngrad.api import attention
+from attngrad.contract import Shapes
 from attngrad.ledger import (
     ledger_row,
-    measure_saved_bytes,
     measure_peak_bytes,
+    measure_saved_bytes,
     predicted_saved_bytes,
     run_ledger,
     run_second_order_ledger,

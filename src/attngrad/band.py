@@ -83,7 +83,10 @@ class Band:
         at = local + ((length - len_q[seg]) if align == "bottom-right" else 0)  # its key position
         lo = at - left if left is not None else torch.zeros_like(at)
         hi = at + right + 1 if right is not None else length
-        lo, hi = start + lo.clamp(0, None).minimum(length), start + hi.clamp(0, None).minimum(length)
+        lo, hi = (
+            start + lo.clamp(0, None).minimum(length),
+            start + hi.clamp(0, None).minimum(length),
+        )
         dead = lo >= hi
         lo, hi = lo.masked_fill(dead, seq_k), hi.masked_fill(dead, 0)
         return Band(lo.to(device), hi.to(device), seq_k)
@@ -103,7 +106,7 @@ class Band:
     def covers(self, rows: slice, cols: slice) -> bool:
         """True when every row of ``rows`` attends every key of ``cols``."""
         lo, hi = (t[rows] for t in self._host)
-        return int(lo.max()) <= cols.start and int(hi.min()) >= cols.stop
+        return bool(int(lo.max()) <= cols.start and int(hi.min()) >= cols.stop)
 
     def drop(self, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
         """[r, c] bool, True where key j lies outside query i's interval."""

@@ -112,7 +112,7 @@ def _check_dropout(dropout_p: object) -> None:
             f"dropout_p must be a float in [0, 1], got {dropout_p!r:.80} of type "
             f"{type(dropout_p).__name__}. Pass 0.0 to disable dropout."
         )
-    if not 0.0 <= dropout_p <= 1.0:  # NaN fails too
+    if not 0.0 <= float(dropout_p) <= 1.0:  # NaN fails too
         raise ValueError(
             f"dropout_p must be in [0, 1], got {dropout_p!r}: the probability of dropping each "
             "attention weight. Use 0.0 to disable dropout (e.g. in eval mode)."

@@ -8,6 +8,7 @@ the value and suggesting a fix; nothing here modifies a tensor.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
@@ -36,12 +37,13 @@ def validate_softcap(softcap: object) -> float | None:
             f"softcap must be a positive float or None, got {softcap!r:.80} of type "
             f"{type(softcap).__name__}; e.g. softcap=50.0 (Gemma 2's attention cap)."
         )
-    if not (math.isfinite(softcap) and softcap > 0):
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0):
         raise ValueError(
             f"softcap must be finite and > 0, got {softcap!r}: scores become "
             "softcap * tanh(scores / softcap). Pass None for no cap."
         )
-    return float(softcap)
+    return cap
 
 
 def validate_align(align: object) -> str:
@@ -88,7 +90,7 @@ def _check_cu(name: str, cu: object, length: int, device: torch.device) -> tuple
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but query is on {device}; move it there.")
     values = tuple(int(x) for x in cu.tolist())
-    steps = [b - a for a, b in zip(values, values[1:], strict=False)]
+    steps = [b - a for a, b in itertools.pairwise(values)]
     if values[0] != 0 or min(steps) < 0 or values[-1] != length:
         shown = list(values) if len(values) <= 12 else [*values[:6], "...", *values[-3:]]
         raise ValueError(
@@ -110,7 +112,9 @@ def validate_segments(
         return None
     if cu_seqlens_q is None or cu_seqlens_k is None:
         given, missing = (
-            ("cu_seqlens_q", "cu_seqlens_k") if cu_seqlens_k is None else ("cu_seqlens_k", "cu_seqlens_q")
+            ("cu_seqlens_q", "cu_seqlens_k")
+            if cu_seqlens_k is None
+            else ("cu_seqlens_k", "cu_seqlens_q")
         )
         if shapes.seq_q != shapes.seq_k or cu_seqlens_q is None:
             raise ValueError(

@@ -118,9 +118,7 @@ class Mask:
         band = None
         if left is not None or right is not None or segments is not None:
             band = Band.of(shapes.seq_q, shapes.seq_k, left, right, align, segments, device)
-        return Mask(
-            bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout
-        )
+        return Mask(bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout)
 
     @staticmethod
     def none(heads_kv: int, seq_q: int, seq_k: int) -> Mask:

@@ -195,7 +195,7 @@ def second_order(
             s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
             if grad_bias is not None and s_hat is not None:
                 add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
-            if slope is not None and tanh is not None:
+            if slope is not None and tanh is not None and mask.softcap is not None:
                 # onto the raw scores: S-hat * slope + G_raw * dS * curvature, and dS_raw
                 if s_hat is not None:
                     s_hat.mul_(slope)
