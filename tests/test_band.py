@@ -144,3 +144,18 @@ def test_bad_segments_alignments_and_causal_bias_are_refused() -> None:
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):
             attngrad.attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
+def test_packed_bottom_right_gradgradcheck_and_forward_mode(strategy: str) -> None:
+    q, k, v = (x.detach()[:, :, :6].clone().requires_grad_() for x in _qkv(1, 2, 7, 7, d=3))
+    cu_q, cu_k = torch.tensor([0, 4, 6]), torch.tensor([0, 1, 6])
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attngrad.attention(
+            q, k, v, is_causal=True, align="bottom-right", window=(2, None),
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, strategy=strategy,
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(call, (q, k, v), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(call, (q, k, v))

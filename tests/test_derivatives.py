@@ -355,3 +355,39 @@ def test_return_lse_must_be_a_bool() -> None:
     q = torch.randn(1, 1, 3, 2)
     with pytest.raises(TypeError, match="return_lse must be True or False, got 'yes'"):
         attngrad.attention(q, q, q, return_lse="yes")  # type: ignore[call-overload]
+
+
+def test_triton_second_order_and_jvp_with_every_keyword_match_flash() -> None:
+    """Dropout, softcap, sinks, bottom-right alignment and packed segments at once."""
+    reason = unavailable_reason("triton", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 9, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    inputs = [q, k, v, sinks]
+
+    def fn(strategy: str):  # type: ignore[no-untyped-def]
+        def call(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
+        ) -> torch.Tensor:
+            return attngrad.attention(
+                q, k, v, enable_gqa=True, strategy=strategy, is_causal=True,
+                align="bottom-right", softcap=3.0, sinks=s, dropout_p=0.25,
+                generator=torch.Generator().manual_seed(9),
+                cu_seqlens_q=torch.tensor([0, 4, 9]), cu_seqlens_k=torch.tensor([0, 3, 12]),
+            )  # fmt: skip
+
+        return call
+
+    got = _second_order(fn("triton"), inputs, penalty=True)
+    want = _second_order(fn("flash"), inputs, penalty=True)
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+    primals = tuple(t.detach() for t in inputs)
+    tangents = tuple(torch.ones_like(t) for t in primals)
+    _close(
+        torch.func.jvp(fn("triton"), primals, tangents)[1],
+        torch.func.jvp(fn("flash"), primals, tangents)[1],
+    )
