@@ -8,6 +8,7 @@ attngrad ledger  [--seq-q N ...] [--sweep N ...] [--strategy NAME ...] [--order 
 attngrad explain [--strategy NAME ...] [--order 1|2]  the grad_fn graph and saved tensors per path
 attngrad bench   [--seq N ...] [--strategy NAME]   time against SDPA's MATH and FLASH backends
 attngrad bench --order 2 [--loss square|dot]     HVP (double backward) and jvp vs SDPA MATH
+attngrad bench --features [--device cpu|cuda]    dropout, packed, softcap, sinks: time ratios
 attngrad --version
 
 The commands compute rows (`attngrad.verify`, `attngrad.ledger`, `attngrad.explain`,
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 import attngrad
-from attngrad import bench, hvp, ledger, report
+from attngrad import bench, feature_bench, hvp, ledger, report
 from attngrad.cli_args import chosen_strategies, measure_device, positive_float, positive_int
 from attngrad.contract import DTYPES, Shapes
 from attngrad.explain import explain
@@ -39,6 +40,8 @@ from attngrad.verify import Case, CaseResult, default_cases, run_case
 __all__ = ["main"]
 
 _CAUSAL_MODES = {"both": [False, True], "no": [False], "yes": [True]}
+# bench's --seq default; `_bench_features` tells it from a --seq given by identity
+_BENCH_SEQS = [1024, 2048, 4096]
 
 # ------------------------------------------------------------------- shared steps
 
@@ -331,6 +334,11 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.features:
+        return _bench_features(args)
+    if args.device is not None:
+        print("attngrad bench: error: --device goes with --features only", file=sys.stderr)
+        return 2
     cpu = torch.device("cpu")
     strategies = chosen_strategies("bench", args.strategy, cpu, interpreted=False)
     if strategies is None:
@@ -408,6 +416,56 @@ def _bench_order2(args: argparse.Namespace, strategies: list[str]) -> int:
     return 0
 
 
+def _features_refusal(
+    args: argparse.Namespace, seqs: list[int], device: torch.device
+) -> str | None:
+    """Why ``bench --features`` cannot run as asked, or None."""
+    if args.order == 2 or args.baseline:
+        given = "--order 2" if args.order == 2 else "--baseline"
+        return f"--features compares each strategy with itself, without SDPA; drop {given}"
+    if "auto" in (args.strategy or ()):
+        return "--features times named strategies: pick flash, explicit, recompute or triton"
+    if "triton" in (args.strategy or ()) and device.type != "cuda":
+        return "--features times triton on CUDA only: add --device cuda, or pick flash"
+    try:
+        feature_bench.validate_seqs(seqs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _bench_features(args: argparse.Namespace) -> int:
+    """``bench --features``: each feature's forward+backward time over its baseline's."""
+    device = args.device or torch.device("cpu")
+    seqs = [feature_bench.TARGET_SEQ] if args.seq is _BENCH_SEQS else args.seq
+    refusal = _features_refusal(args, seqs, device)
+    if refusal is not None:
+        print(f"attngrad bench: error: {refusal}", file=sys.stderr)
+        return 2
+    asked = args.strategy or [feature_bench.TARGET_STRATEGY]
+    strategies = chosen_strategies("bench", asked, device, interpreted=False)
+    if strategies is None:
+        return 2
+    dtype = DTYPES[args.dtype]
+    machine = _machine(dtype, device, args.gemm_time)
+    with Progress(feature_bench.steps(seqs, args.repeats), "bench --features") as bar:
+        rows = feature_bench.run_features(
+            seqs,
+            strategies,
+            **_sizes(args, "batch", "heads", "head_dim"),
+            dtype=dtype,
+            repeats=args.repeats,
+            device=device,
+            step=bar.step,
+        )
+    print(report.features_table(rows, machine))
+    csv_path = _destination(args.csv, "results/bench_features.csv")
+    _write(csv_path, lambda path: report.write_csv(report.features_records(rows), path, machine))
+    plot_path = _destination(args.plot, "results/bench_features.png")
+    _write(plot_path, lambda path: report.features_plot(rows, path, machine))
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench",
@@ -424,9 +482,9 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--seq",
         type=positive_int,
         nargs="+",
-        default=[1024, 2048, 4096],
+        default=_BENCH_SEQS,
         metavar="N",
-        help="sequence lengths, Nq = Nk = N (default 1024 2048 4096)",
+        help="sequence lengths, Nq = Nk = N (default 1024 2048 4096; with --features 4096)",
     )
     p.add_argument(
         "--causal",
@@ -437,7 +495,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_strategy(
         p,
         (*STRATEGIES, "auto"),
-        "time only this strategy (repeatable; default every one that runs on CPU)",
+        "time only this strategy (repeatable; default every one that runs on CPU, with "
+        "--features flash)",
     )
     p.add_argument(
         "--baseline",
@@ -465,6 +524,22 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--no-peak", action="store_true", help="with --order 2, skip the HVP peak-memory runs"
+    )
+    fb = feature_bench
+    targets = ", ".join(f"{f.name} <= {f.target:g}x" for f in fb.FEATURES if f.target is not None)
+    p.add_argument(
+        "--features",
+        action="store_true",
+        help=f"forward+backward time with each of dropout_p={fb.DROPOUT_P}, {fb.SEGMENTS} "
+        f"packed causal segments (cu_seqlens), softcap={fb.SOFTCAP:g} and per-head sinks over "
+        "the same call without it, per strategy, all interleaved (attngrad.feature_bench); "
+        f"targets for {fb.TARGET_STRATEGY} at N={fb.TARGET_SEQ}: {targets}; CSV and plot "
+        "default to results/bench_features.csv and .png",
+    )
+    p.add_argument(
+        "--device",
+        type=measure_device,
+        help="with --features: cpu (default) or cuda, where triton runs too",
     )
     _add_machine_and_files(p, "results/bench", "")
     p.set_defaults(run=_bench)

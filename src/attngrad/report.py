@@ -1,8 +1,8 @@
 """What the commands show and write: text tables (`check_table`, `bench_table`,
-`ledger_table`, `explain_text`), CSV files (`write_csv` of the ``*_records``, with the
-`attngrad.machine.Machine` columns on every row) and PNG plots (``*_plot``).  The plots
-need matplotlib: without it they raise ModuleNotFoundError whose message says how to
-install it (`PLOT_INSTALL`), and write nothing.
+`features_table`, `ledger_table`, `explain_text`), CSV files (`write_csv` of the
+``*_records``, with the `attngrad.machine.Machine` columns on every row) and PNG plots
+(``*_plot``).  The plots need matplotlib: without it they raise ModuleNotFoundError
+whose message says how to install it (`PLOT_INSTALL`), and write nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from attngrad.bench import PASSES, BenchRow
 from attngrad.explain import PathReport, SavedTensor
+from attngrad.feature_bench import FEATURES, TARGET_SEQ, TARGET_STRATEGY, FeatureRow
 from attngrad.ledger import LedgerRow, SecondOrderRow
 from attngrad.machine import Machine
 from attngrad.verify import DERIVATIVE_TOLERANCE, GRADIENTS, CaseResult, format_error
@@ -32,6 +33,9 @@ __all__ = [
     "check_summary",
     "check_table",
     "explain_text",
+    "features_plot",
+    "features_records",
+    "features_table",
     "format_bytes",
     "ledger_plot",
     "ledger_records",
@@ -353,6 +357,105 @@ def bench_plot(rows: Sequence[BenchRow], path: str | os.PathLike[str], machine: 
         r = rows[0]
         fig.suptitle(
             f"attngrad bench: B={r.batch} H={r.heads} d={r.head_dim} {r.dtype}\n{machine.line()}"
+        )
+
+
+# -------------------------------------------------------------- bench --features
+
+
+def _target(x: float | None) -> str:
+    return "-" if x is None else f"<= {x:g}"
+
+
+def features_records(rows: Sequence[FeatureRow]) -> list[dict[str, object]]:
+    """CSV records: the shape, feature, its baseline variant, strategy, min and median ms
+    of both, the two ratios, the target ('' without one) and whether it was met."""
+    shape = ("batch", "heads", "seq", "head_dim", "dtype", "device", "repeats")
+    return [
+        {
+            **{name: getattr(r, name) for name in shape},
+            "feature": r.feature,
+            "baseline": r.baseline,
+            "strategy": r.strategy,
+            "min_ms": f"{r.low_s * 1e3:.6g}",
+            "median_ms": f"{r.median_s * 1e3:.6g}",
+            "baseline_min_ms": f"{r.base_low_s * 1e3:.6g}",
+            "baseline_median_ms": f"{r.base_median_s * 1e3:.6g}",
+            "ratio": f"{r.ratio:.6g}",
+            "median_ratio": f"{r.median_ratio:.6g}",
+            "target": "" if r.target is None else r.target,
+            "met": "" if r.met is None else r.met,
+        }
+        for r in rows
+    ]
+
+
+def features_table(rows: Sequence[FeatureRow], machine: Machine) -> str:
+    """The machine, what each feature is timed against and the targets, then one block
+    per N: per strategy and feature both fastest times, the ratio and that of the
+    medians, the target and a pass/FAIL mark."""
+    if not rows:
+        return machine.line() + "\n(no measurements)"
+    first = rows[0]
+    targets = ", ".join(f"{f.name} <= {f.target:g}" for f in FEATURES if f.target is not None)
+    out = [
+        machine.line(),
+        f"B={first.batch} H={first.heads} d={first.head_dim} {first.dtype} on {first.device}: "
+        "forward+backward (O, then dq, dk, dv) in one call; min and median of "
+        f"{first.repeats} rounds (after 1 warm-up), every strategy and variant interleaved",
+        "ratio = the feature's fastest round / its baseline's fastest round (below 1: "
+        "faster); (median) = the same of the medians",
+        *(f"  {f.name}: {f.about}" for f in FEATURES),
+        f"targets (on {TARGET_STRATEGY}, set for N={TARGET_SEQ}; smaller N pay more fixed "
+        f"cost per call): {targets}",
+    ]
+    header = ["feature", "strategy", "min ms", "baseline min ms", "ratio", "(median)", "target"]
+    header.append("verdict")
+    for n in dict.fromkeys(r.seq for r in rows):
+        cells = [
+            [r.feature, r.strategy, f"{r.low_s * 1e3:.2f}", f"{r.base_low_s * 1e3:.2f}",
+             f"{r.ratio:.3f}", f"{r.median_ratio:.3f}", _target(r.target), _VERDICT[r.met]]
+            for r in rows
+            if r.seq == n
+        ]  # fmt: skip
+        head, lines = _columns(header, cells, left=2)
+        out += ["", f"N={n}", head, *lines]
+    return "\n".join(out)
+
+
+def features_plot(
+    rows: Sequence[FeatureRow], path: str | os.PathLike[str], machine: Machine
+) -> None:
+    """A PNG, one panel per N: each feature's ratio as bars, one per strategy, with
+    ratio 1 dotted and each target as a dashed line over its feature."""
+    if not rows:
+        raise ValueError("features_plot needs at least one FeatureRow, got none")
+    seqs = list(dict.fromkeys(r.seq for r in rows))
+    strategies = list(dict.fromkeys(r.strategy for r in rows))
+    names = [f.name for f in FEATURES]
+    width = 0.8 / len(strategies)
+    with _figure(path, 1.2 + 1.6 * len(names) * len(seqs), 4.4) as fig:
+        axes = fig.subplots(1, len(seqs), squeeze=False, sharey=True)
+        for ax, n in zip(axes[0], seqs, strict=True):
+            for i, strategy in enumerate(strategies):
+                ratio = {r.feature: r.ratio for r in rows if (r.seq, r.strategy) == (n, strategy)}
+                x = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(names))]
+                bars = ax.bar(x, [ratio[f] for f in names], width, label=strategy)
+                ax.bar_label(bars, fmt="%.2f", fontsize="x-small")
+            goals = [(j, f.target) for j, f in enumerate(FEATURES) if f.target is not None]
+            ax.hlines([t for _, t in goals], [j - 0.45 for j, _ in goals],
+                      [j + 0.45 for j, _ in goals], colors="red", linestyles="--",
+                      label=f"target ({TARGET_STRATEGY})")  # fmt: skip
+            ax.axhline(1.0, color="grey", linestyle=":")
+            ax.set_xticks(range(len(names)), labels=names)
+            ax.set_title(f"N={n}")
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[0][0].set_ylabel("feature time / baseline time (min)")
+        axes[0][0].legend(fontsize="small")
+        r = rows[0]
+        fig.suptitle(
+            f"attngrad bench --features: forward+backward, B={r.batch} H={r.heads} "
+            f"d={r.head_dim} {r.dtype}\n{machine.line()}"
         )
 
 
