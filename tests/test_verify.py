@@ -14,15 +14,20 @@ import torch
 from attngrad.reference import reference_attention
 from attngrad.verify import (
     DERIVATIVE_TOLERANCE,
+    DROPOUT_SEED,
     SLOW_GRADGRADCHECK,
+    as_attention,
+    default_cases,
     derivative_errors,
     directions,
+    dropout_mask,
     judge_outputs,
     make_inputs,
     outputs_and_grads,
     relative_error,
     run_case,
     second_order,
+    strategy_fn,
 )
 from helpers import TENSOR_STRATEGIES, case
 
@@ -212,3 +217,119 @@ def test_relative_error_is_floored_at_one_and_names_bad_arguments():
         relative_error({"a": ref["a"]}, ref)
     with pytest.raises(ValueError, match="got\\['a'\\]: shape"):
         relative_error({"a": torch.zeros(3), "b": ref["b"]}, ref)
+
+
+# --- attention's options beyond SDPA: the grid's cases and the mistakes they catch ---------
+
+FEATURES = [c for c in default_cases() if c.id not in {d.id for d in default_cases()[:64]}]
+
+
+def test_the_grid_covers_every_option_in_float64_and_float32_and_once_in_bfloat16():
+    def has(dtype, **want):
+        return any(c.dtype == dtype and _has(c, want) for c in FEATURES)
+
+    tall = [c for c in FEATURES if c.shapes.seq_q > c.shapes.seq_k and c.align == "bottom-right"]
+    wide = [c for c in FEATURES if c.shapes.seq_q < c.shapes.seq_k and c.align == "bottom-right"]
+    empty_key = [c for c in FEATURES if c.segments is not None and 0 in c.segments[1]]
+    for dtype in (torch.float64, torch.float32):
+        assert has(dtype, dropout=0.2) and has(dtype, mask="float", softcap=1.5)
+        assert has(dtype, sinks="token", mask="bool")  # make_inputs' dead row
+        assert any(c.dtype == dtype and c.mask == "causal" for c in tall)
+        assert any(c.dtype == dtype and c.mask == "causal" for c in empty_key)
+    assert has(torch.float64, dropout=1.0) and has(torch.float64, sinks="head")
+    assert any(c.mask == "causal" for c in wide) and any(c.window is not None for c in wide)
+    assert [c.dtype for c in FEATURES if c.dtype not in (torch.float64, torch.float32)] == [
+        torch.bfloat16
+    ]
+    # ids tell the cases apart, even as text inside a table row: none is inside another
+    ids = [c.id for c in default_cases()]
+    assert [a for a in ids for b in ids if a in b and a != b] == [] and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("c", FEATURES, ids=lambda c: c.id)
+def test_every_option_case_is_judged_on_each_of_its_quantities(c):
+    result = run_case("explicit", c, gradcheck=False, derivatives=False)
+    names = {"out", "dq", "dk", "dv"}
+    names |= {"dmask"} if c.mask == "float" else set()
+    names |= {"dsinks"} if c.sinks != "none" else set()
+    assert set(result.ratios) == names
+    assert result.passed, result.message
+
+
+def _reference_with(change):
+    """The reference with its keywords changed by ``change``: a mistake a strategy could make."""
+    ref = as_attention(reference_attention)
+
+    def fn(q, k, v, attn_mask=None, **kwargs):
+        return ref(q, k, v, attn_mask, **change(kwargs))
+
+    return fn
+
+
+def _without(*names):
+    return lambda kw: {n: x for n, x in kw.items() if n not in names}
+
+
+def _with(**values):
+    return lambda kw: {**kw, **values}
+
+
+def _unscaled_dropout(q, k, v, attn_mask=None, dropout_p=0.0, generator=None, **kwargs):
+    # the right mask, but kept entries not scaled by 1 / (1 - p)
+    z = dropout_mask(q, k, dropout_p, generator)
+    return reference_attention(q, k, v, attn_mask, dropout_mask=z, **kwargs)
+
+
+def _feature(dtype, **fields):
+    """The grid's first option case in ``dtype`` with these fields."""
+    return next(c for c in FEATURES if c.dtype == dtype and _has(c, fields))
+
+
+def _has(c, fields):
+    return all(getattr(c, n) == w for n, w in fields.items())
+
+
+MISTAKES = [
+    ("softcap-ignored", _reference_with(_without("softcap")), dict(softcap=1.5)),
+    ("top-left-not-bottom-right", _reference_with(_with(align="top-left")), dict(mask="causal", align="bottom-right")),
+    ("window-top-left", _reference_with(_with(align="top-left")), dict(window=(8, 2))),
+    ("segments-ignored", _reference_with(_without("cu_seqlens_q", "cu_seqlens_k")), dict(mask="causal", segments=((10, 7, 16), (20, 0, 27)))),
+    ("other-dropout-mask", _reference_with(lambda kw: {**kw, "generator": torch.Generator().manual_seed(DROPOUT_SEED + 1)}), dict(dropout=0.2)),
+    ("dropout-unscaled", _unscaled_dropout, dict(dropout=0.2)),
+    ("sinks-as-zero-logits", _reference_with(lambda kw: {**kw, "sinks": kw["sinks"] * 0}), dict(sinks="token")),
+    ("sink-logits-scaled", _reference_with(lambda kw: {**kw, "sinks": kw["sinks"] * 0.5}), dict(sinks="head")),
+]  # fmt: skip
+
+
+def _matching(fields):
+    return [c for c in FEATURES if _has(c, fields)]
+
+
+@pytest.mark.parametrize(
+    ("fn", "c"),
+    [pytest.param(f, c, id=f"{n}-{c.id}") for n, f, w in MISTAKES for c in _matching(w)],
+)
+def test_harness_fails_a_mistake_in_an_option(fn, c):
+    result = run_case("broken", c, fn=fn, gradcheck=False, derivatives=False)
+    assert not result.rule_passed and "error" in result.message, result.message
+
+
+def test_every_strategy_draws_the_mask_the_reference_applies():
+    c = _feature(torch.float64, dropout=0.2)
+    inputs = make_inputs(c)
+    want = outputs_and_grads(as_attention(reference_attention), c, inputs, torch.float64)
+    z = dropout_mask(inputs["q"], inputs["k"], 0.2, torch.Generator().manual_seed(DROPOUT_SEED))
+    assert 0.7 < z.double().mean() < 0.9  # keeps about 1 - p
+    for strategy in TENSOR_STRATEGIES:
+        got = outputs_and_grads(strategy_fn(strategy), c, inputs, torch.float64)
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_gradcheck_of_a_dropout_case_draws_one_mask_per_call():
+    # gradcheck calls the function again and again: a generator made once would move on and
+    # draw another mask each time, so every call gets the case's keywords (and generator) anew
+    c = _feature(torch.float64, dropout=0.2)
+    result = run_case("explicit", c, gradcheck=True, derivatives=False)
+    assert result.gradcheck_passed is True
+    assert c.kwargs["generator"] is not c.kwargs["generator"]

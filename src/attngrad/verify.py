@@ -1,13 +1,18 @@
 r"""The conformance harness: judge an attention implementation against float64.
 
 For one `Case` and one strategy (or any SDPA-like function) it computes the
-output and every gradient (dq, dk, dv and, for a float mask, dmask), compares
-each with `attngrad.reference.reference_attention` run in float64, and judges
-the difference with one rule, the same for every dtype and every machine.
+output and every gradient (dq, dk, dv and, for a float mask, dmask, for
+sinks, dsinks), compares each with `attngrad.reference.reference_attention`
+run in float64, and judges the difference with one rule, the same for every
+dtype and every machine.  A case may add `attngrad.attention`'s options
+beyond SDPA's (softcap, sinks, bottom-right alignment, packed segments,
+dropout); a dropout case hands every call a generator seeded alike
+(`DROPOUT_SEED`), and the reference applies the keep mask attention draws
+from it (`dropout_mask`, `as_attention`), so all of them see one mask.
 
 The rule
 --------
-Element by element, for each compared quantity x (out, dq, dk, dv, dmask)::
+Element by element, for each compared quantity x (out, dq, dk, dv, dmask, dsinks)::
 
     |x_got - x_ref|  <=  2 max|x_plain - x_ref|
                          + u_c LAMBDA (sqrt(n) A_x + sqrt(d) C_x)
@@ -30,8 +35,13 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask)::
   replaces gamma_n by lambda sqrt(n) u, holding with probability at least
   1 - 2 exp(-lambda^2 / 2) per sum; ``LAMBDA`` = 6 puts that at 1 - 3e-8.
   No BLAS kernel, blocking or thread count enters the bound.
+* With dropout, P o Z / (1 - p) takes P's place on the paths to out and dv,
+  and dP is scaled alike; with a softcap, the slope 1 - tanh^2 <= 1 of the
+  cap multiplies the path from dS back to q and k; sinks join P's
+  normalisation, and dsinks is bounded by p_sink rowsum(P o |dO| |v|^T).
 * ``C_x`` (same function): what a perturbation of every score by at most
-  C_S = scale |q| |k|^T (+ |S| for a bias) does to x, to first order.  The
+  C_S = scale |q| |k|^T (+ |S| for a bias, + the cap's roundings) does to
+  x, to first order.  The
   d-term product behind each score rounds as above (LAMBDA sqrt(d) u_c), and
   q and k, rounded to the dtype, once each (2 u).  This is the term that
   large logits (|S| u no longer small) and huge biases make large, and only
@@ -42,8 +52,9 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask)::
   intermediate kept or multiplied in the dtype (the saved P or O, P or dS
   before a 16-bit product), the accumulators, the result itself:
   ``DTYPE_ROUNDINGS`` = 5.
-* ``n``: the longest sum along the computation, max(d, dv, Nk, G * Nq, and the
-  number of score entries each element of a broadcast float mask collects).
+* ``n``: the longest sum along the computation, max(d, dv, Nk, G * Nq, the
+  number of score entries each element of a broadcast float mask collects,
+  and the rows each per-head sink's gradient collects).
 * Underflow: A_x is joined by n * tiny * M (tiny: the compute dtype's smallest
   normal number, so u_c * tiny is the absolute error of one rounding into the
   subnormal range; M: the product of the operands' largest magnitudes, what
@@ -69,9 +80,9 @@ autograd through the float64 composite `attngrad.reference.reference_attention`:
 
 * ``second_order_error``: double backward.  With w = the case's dout and
   fixed random directions u (`directions`), g = grad(<O, w>, x,
-  create_graph=True) for x = (q, k, v[, mask], w), then
-  H = grad(sum_i <g_i, u_i>, x): a Hessian-vector product in q, k, v and the
-  mask, and J u in w (`second_order`).
+  create_graph=True) for x = (q, k, v[, mask][, sinks], w), then
+  H = grad(sum_i <g_i, u_i>, x): a Hessian-vector product in q, k, v, the
+  mask and the sinks, and J u in w (`second_order`).
 * ``jvp_error``: forward mode, ``torch.func.jvp`` of the output along the
   tangents u of q, k, v and a float mask (`output_tangent`).
 
@@ -95,32 +106,40 @@ most ``GRADGRADCHECK_ELEMENTS`` input elements, unless gradcheck is off
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import cast
 
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
 from attngrad.api import attention
 from attngrad.contract import Shapes
+from attngrad.dropout import Dropout, draw_seed, keep_mask
 from attngrad.ops import compute_dtype
 from attngrad.reference import magnitudes, plain_attention, reference_attention
 
 __all__ = [
     "DERIVATIVES",
     "DERIVATIVE_TOLERANCE",
+    "DROPOUT_SEED",
     "GRADGRADCHECK_ELEMENTS",
     "GRADIENTS",
     "LAMBDA",
     "MASK_KINDS",
+    "SINK_KINDS",
     "SLOW_GRADGRADCHECK",
     "Case",
     "CaseResult",
     "Verdict",
+    "as_attention",
+    "case_floors",
     "default_cases",
     "derivative_errors",
     "directions",
+    "dropout_mask",
     "judge",
     "judge_outputs",
     "make_inputs",
@@ -134,7 +153,9 @@ __all__ = [
 ]
 
 MASK_KINDS = ("none", "causal", "bool", "float")
-GRADIENTS = ("out", "dq", "dk", "dv", "dmask")
+# attention sinks: none, one logit per head ([Hq]) or one per query row ([*lead, Hq, Nq])
+SINK_KINDS = ("none", "head", "token")
+GRADIENTS = ("out", "dq", "dk", "dv", "dmask", "dsinks")
 LAMBDA = 6.0
 # single roundings to the dtype along one path to a result: v and dO as inputs, one
 # intermediate kept or multiplied in the dtype (saved P or O, P or dS before a 16-bit
@@ -149,6 +170,9 @@ GRADGRADCHECK_ELEMENTS = 100_000
 # strategies whose gradgradcheck `run_case` leaves out unless asked: on CPU tensors triton runs
 # in Triton's interpreter, where one takes ~15 s (the check's 16 float64 cases: 4 minutes)
 SLOW_GRADGRADCHECK = frozenset({"triton"})
+# the seed of the generator every dropout case hands attention (fresh at each call), so every
+# strategy, every pass of gradcheck and the reference see one keep mask
+DROPOUT_SEED = 0xD0
 
 Inputs = dict[str, torch.Tensor | None]
 AttentionFn = Callable[..., torch.Tensor]
@@ -161,8 +185,13 @@ class Case:
 
     ``mask`` is one of MASK_KINDS; ``mask_shape`` the shape of a bool/float
     mask (anything broadcastable to the scores [*lead, Hq, Nq, Nk]; None: the
-    case's default).  ``scale`` None is 1/sqrt(d); ``window`` as in
-    `attngrad.attention`.  ``enable_gqa`` None means "when Hq != Hkv".
+    case's default).  ``scale`` None is 1/sqrt(d); ``window``, ``softcap``
+    and ``align`` as in `attngrad.attention`.  ``enable_gqa`` None means
+    "when Hq != Hkv".  ``sinks``: one of SINK_KINDS (`make_inputs` draws
+    them).  ``segments``: packed sequences as (query lengths, key lengths),
+    e.g. ``((3, 2), (2, 4))`` for cu_seqlens_q = [0, 3, 5], cu_seqlens_k =
+    [0, 2, 6].  ``dropout``: dropout_p, drawn from a generator seeded with
+    `DROPOUT_SEED`.
     """
 
     shapes: Shapes
@@ -172,6 +201,11 @@ class Case:
     scale: float | None = None
     window: Window = None
     enable_gqa: bool | None = None
+    softcap: float | None = None
+    sinks: str = "none"
+    align: str = "top-left"
+    segments: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    dropout: float = 0.0
 
     @property
     def gqa(self) -> bool:
@@ -187,6 +221,11 @@ class Case:
         ``B`` lists the leading dims (``Bnone`` without any: the chapter's
         ``[B, N, d]`` layout, whose first dim plays the heads); ``H4:2`` is Hq:Hkv,
         ``N17x47`` Nq x Nk, ``d59:24`` d:dv.  Equal pairs are written once.
+        Attention's options beyond SDPA's come before the mask, so no id is
+        another's beginning: ``bottom-right``, ``cap1.5`` (softcap),
+        ``sink:head``, ``seg10+7+16x20+0+27`` (the query and key segments'
+        lengths), ``drop0.2`` (dropout_p); ``w8,2`` (window) and ``scale0.3``
+        come after it.
         """
         sh = self.shapes
         batch = "x".join(map(str, sh.lead)) or "none"
@@ -196,6 +235,7 @@ class Case:
             "N" + _pair(sh.seq_q, sh.seq_k, "x"),
             "d" + _pair(sh.head_dim, sh.value_dim, ":"),
             str(self.dtype).removeprefix("torch."),
+            *self._options(),
             self.mask + ("" if self.mask_shape is None else str(list(self.mask_shape))),
         ]
         if self.window is not None:
@@ -204,15 +244,94 @@ class Case:
             parts.append(f"scale{self.scale:g}")
         return "-".join(parts).replace(" ", "")
 
+    def _options(self) -> list[str]:
+        """The id's parts for the options beyond SDPA's (`id`)."""
+        parts = [] if self.align == "top-left" else [self.align]
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap:g}")
+        if self.sinks != "none":
+            parts.append(f"sink:{self.sinks}")
+        if self.segments is not None:
+            parts.append("seg" + "x".join("+".join(map(str, n)) for n in self.segments))
+        if self.dropout:
+            parts.append(f"drop{self.dropout:g}")
+        return parts
+
     @property
     def kwargs(self) -> dict[str, object]:
-        """The keyword arguments the case passes to an SDPA-like function."""
+        """The keyword arguments the case passes to an SDPA-like function (`attention`'s).
+
+        Only what the case sets beyond SDPA's is_causal and enable_gqa; a
+        dropout case gets a fresh ``generator`` seeded with `DROPOUT_SEED` at
+        each access.  The sinks are an input (`make_inputs`), not a keyword here.
+        """
         kw: dict[str, object] = {"is_causal": self.mask == "causal", "enable_gqa": self.gqa}
         if self.scale is not None:
             kw["scale"] = self.scale
         if self.window is not None:
             kw["window"] = self.window
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.align != "top-left":
+            kw["align"] = self.align
+        if self.segments is not None:
+            kw["cu_seqlens_q"], kw["cu_seqlens_k"] = (_cumulative(n) for n in self.segments)
+        if self.dropout:
+            kw["dropout_p"] = self.dropout
+            kw["generator"] = torch.Generator().manual_seed(DROPOUT_SEED)
         return kw
+
+
+def _cumulative(lengths: tuple[int, ...]) -> torch.Tensor:
+    """cu_seqlens [0, n0, n0 + n1, ...] (int64) of segment lengths."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+
+
+def dropout_mask(
+    query: torch.Tensor, key: torch.Tensor, dropout_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The keep mask Z `attention` draws from ``generator``: bool [*lead, Hq, Nq, Nk].
+
+    query: [*lead, Hq, Nq, d], key: [*lead, Hkv, Nk, d]; the same (seed,
+    offset) draw and hash as attention's (`attngrad.dropout`).
+    """
+    *lead, heads, seq_q, _ = query.shape
+    drop = Dropout(float(dropout_p), *draw_seed(query.device, generator))
+    z = keep_mask(drop, math.prod(lead), heads, seq_q, key.shape[-2], query.device)
+    return z.reshape(*lead, heads, seq_q, key.shape[-2])
+
+
+def _reference_keywords(
+    query: torch.Tensor, key: torch.Tensor, kwargs: Mapping[str, object]
+) -> dict[str, object]:
+    """`attention`'s keywords as the reference functions take them: ``generator`` becomes
+    the keep mask attention draws from it (``dropout_mask``)."""
+    kw = dict(kwargs)
+    generator = cast("torch.Generator | None", kw.pop("generator", None))
+    dropout_p = cast(float, kw.get("dropout_p", 0.0))
+    if dropout_p > 0:
+        kw["dropout_mask"] = dropout_mask(query, key, dropout_p, generator)
+    return kw
+
+
+def as_attention(reference: AttentionFn) -> AttentionFn:
+    """A function of `attngrad.reference` called like `attention`: with ``dropout_p`` it
+    applies the keep mask attention draws from ``generator`` (`dropout_mask`)."""
+
+    def fn(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        return reference(query, key, value, attn_mask, **_reference_keywords(query, key, kwargs))
+
+    return fn
+
+
+_REFERENCE = as_attention(reference_attention)
+_PLAIN = as_attention(plain_attention)
 
 
 def _pair(a: int, b: int, sep: str) -> str:
@@ -261,6 +380,8 @@ def terms(case: Case) -> int:
     if case.mask == "float":
         mask_elems = math.prod(case.mask_shape or _default_mask_shape(case))
         n = max(n, math.prod((*sh.lead, sh.heads_q, sh.seq_q, sh.seq_k)) // max(1, mask_elems))
+    if case.sinks == "head":  # each sink's gradient collects every row of its head
+        n = max(n, math.prod((*sh.lead, sh.seq_q)))
     return n
 
 
@@ -336,18 +457,23 @@ def judge_outputs(
     Computes the float64 reference, the plain run in the case's dtype and the
     magnitudes itself.
     """
-    ref = outputs_and_grads(reference_attention, case, inputs, torch.float64)
-    plain = outputs_and_grads(plain_attention, case, inputs, case.dtype)
+    ref = outputs_and_grads(_REFERENCE, case, inputs, torch.float64)
+    plain = outputs_and_grads(_PLAIN, case, inputs, case.dtype)
+    floors = case_floors(case, inputs)
+    return [judge(name, got[name], r, floors[name], _get(plain, name)) for name, r in ref.items()]
+
+
+def case_floors(case: Case, inputs: Inputs) -> dict[str, torch.Tensor]:
+    """The rule's floor (`rounding_floor`) of each quantity of the case, shaped like it."""
     q, k, v, dout = (_tensor(inputs, n) for n in ("q", "k", "v", "dout"))
     mags, sens = magnitudes(
-        q, k, v, dout, inputs["mask"], case.mask == "causal", case.scale, case.gqa, case.window,
-        unit_roundoff(case.dtype),
+        q, k, v, dout, inputs["mask"], unit_roundoff=unit_roundoff(case.dtype),
+        sinks=inputs.get("sinks"), **_reference_keywords(q, k, case.kwargs),  # type: ignore[arg-type]
     )  # fmt: skip
     n, operands, d = terms(case), operand_scale(case, inputs), case.shapes.head_dim
-    floors = {
-        name: rounding_floor(mags[name], sens[name], case.dtype, n, d, operands) for name in ref
+    return {
+        name: rounding_floor(mags[name], sens[name], case.dtype, n, d, operands) for name in mags
     }
-    return [judge(name, got[name], r, floors[name], _get(plain, name)) for name, r in ref.items()]
 
 
 def operand_scale(case: Case, inputs: Inputs) -> float:
@@ -422,9 +548,44 @@ def default_cases() -> list[Case]:
         Shapes((2, 2), 2, 1, 7, 1, 8, 8),
     ]
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-    return [
+    grid = [
         Case(layout, dtype, mask) for dtype in dtypes for mask in MASK_KINDS for layout in layouts
     ]
+    return grid + _feature_cases(layouts[0], layouts[1])
+
+
+def _feature_cases(square: Shapes, wide: Shapes) -> list[Case]:
+    """Attention beyond SDPA's options, each on its own, in float64 and float32, then all in bfloat16.
+
+    square: Nq = Nk; wide: GQA with Nq < Nk.  Dropout at p = 0.2 (and p = 1:
+    all zeros) checks that every strategy draws the reference's one mask.
+    Bottom-right alignment with Nq > Nk leaves the first Nq - Nk rows dead;
+    the packed cases have an empty key segment (its queries attend nothing).
+    """
+    tall = Shapes((2,), 2, 2, 29, 13, 16, 16)
+    packed = Shapes((1,), 2, 2, 33, 47, 16, 16)
+    f64, f32 = torch.float64, torch.float32
+    both = [
+        Case(square, mask="float", dropout=0.2),
+        Case(square, mask="float", softcap=1.5),
+        Case(square, mask="bool", sinks="token"),  # with make_inputs' dead row
+        Case(tall, mask="causal", align="bottom-right"),
+    ]
+    return [
+        *(replace(c, dtype=dtype) for dtype in (f64, f32) for c in both),
+        Case(wide, f64, "causal", dropout=1.0),
+        Case(wide, f64, sinks="head"),
+        Case(wide, f64, "causal", align="bottom-right"),
+        Case(wide, f64, window=(8, 2), align="bottom-right"),
+        Case(packed, f64, "causal", align="bottom-right", segments=((10, 7, 16), (20, 0, 27))),
+        # and an empty query segment: keys 9-15 are attended by no query
+        Case(replace(packed, seq_k=33), f32, "causal", segments=((12, 0, 9, 12), (9, 7, 0, 17))),
+        # everything at once: causal as the window (None, 0), beside a float mask
+        Case(
+            wide, torch.bfloat16, "float", window=(None, 0), align="bottom-right",
+            softcap=1.5, sinks="head", dropout=0.2,
+        ),
+    ]  # fmt: skip
 
 
 def _default_mask_shape(case: Case) -> tuple[int, ...]:
@@ -436,12 +597,14 @@ def _default_mask_shape(case: Case) -> tuple[int, ...]:
 
 
 def make_inputs(case: Case, seed: int = 0, dead_row: bool = True) -> Inputs:
-    """float64 q, k, v, mask and an upstream gradient dout for the case, from ``seed``.
+    """float64 q, k, v, mask, sinks and an upstream gradient dout for the case, from ``seed``.
 
     Every dtype sees the same numbers (cast later).  A bool mask keeps about
     70% of the scores; a float mask is standard normal.  ``dead_row``: query
     row 1 of a bool mask attends nothing (-inf everywhere in a float mask is
-    left to the tests that want it).
+    left to the tests that want it).  Sinks ([Hq] per head, [*lead, Hq, Nq]
+    per token; None without) are normal around log Nk, so a sink takes
+    about half of each row.
     """
     gen = torch.Generator().manual_seed(seed)
     sh = case.shapes
@@ -464,6 +627,9 @@ def make_inputs(case: Case, seed: int = 0, dead_row: bool = True) -> Inputs:
         inputs["mask"] = keep
     elif case.mask == "float":
         inputs["mask"] = randn(*shape)
+    sinks = {"none": None, "head": (sh.heads_q,), "token": (*sh.lead, sh.heads_q, sh.seq_q)}
+    sink_shape = sinks[case.sinks]
+    inputs["sinks"] = None if sink_shape is None else randn(*sink_shape) + math.log(sh.seq_k)
     return inputs
 
 
@@ -472,53 +638,60 @@ def outputs_and_grads(
 ) -> dict[str, torch.Tensor]:
     """Run ``fn`` SDPA-style on fresh leaves cast to ``dtype``: out and every gradient.
 
-    A float mask is a leaf too (its gradient is "dmask").  Results keep
-    ``fn``'s dtype and are detached.
+    A float mask and sinks are leaves too (their gradients are "dmask" and
+    "dsinks").  Results keep ``fn``'s dtype and are detached.
     """
-    leaves = {n: _tensor(inputs, n).detach().to(dtype).requires_grad_() for n in "qkv"}
-    mask = inputs["mask"]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.detach().to(dtype).requires_grad_()
-        leaves["mask"] = mask
-    out = fn(leaves["q"], leaves["k"], leaves["v"], mask, **case.kwargs)
+    leaves = _differentiable(inputs, dtype)
+    out = _call(fn, case, inputs, leaves)
     grads = torch.autograd.grad(out, list(leaves.values()), _tensor(inputs, "dout").to(dtype))
     return {"out": out.detach(), **{"d" + n: g for n, g in zip(leaves, grads, strict=True)}}
 
 
 def _gradcheck(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
-    args = [_tensor(inputs, n).clone().requires_grad_() for n in "qkv"]
-    mask = inputs["mask"]
-    if mask is not None and mask.dtype != torch.bool:
-        args.append(mask.clone().requires_grad_())
+    """``torch.autograd.gradcheck`` (fast mode) of ``fn`` at the case's float64 inputs.
+
+    Each call gets the case's keywords afresh, so a dropout case's generator
+    is re-made there and every call draws the same mask.
+    """
+    x = _differentiable(inputs)
+    names = list(x)
 
     def call(*a: torch.Tensor) -> torch.Tensor:
-        return fn(a[0], a[1], a[2], a[3] if len(a) > 3 else mask, **case.kwargs)
+        return _call(fn, case, inputs, dict(zip(names, a, strict=True)))
 
     try:
-        return bool(torch.autograd.gradcheck(call, tuple(args), fast_mode=True))
+        return bool(torch.autograd.gradcheck(call, tuple(x.values()), fast_mode=True))
     except GradcheckError:
         return False
 
 
-def _differentiable(inputs: Inputs) -> dict[str, torch.Tensor]:
-    """Fresh float64 leaves of what attention is differentiated in: q, k, v and a float mask."""
+def _differentiable(inputs: Inputs, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Fresh leaves in ``dtype`` of what attention is differentiated in: q, k, v, a float mask, sinks."""
     names = ["q", "k", "v"]
     mask = inputs["mask"]
     if mask is not None and mask.dtype != torch.bool:
         names.append("mask")
-    return {n: _tensor(inputs, n).detach().double().clone().requires_grad_() for n in names}
+    if inputs.get("sinks") is not None:
+        names.append("sinks")
+    return {n: _tensor(inputs, n).detach().to(dtype).clone().requires_grad_() for n in names}
 
 
 def _call(
     fn: AttentionFn, case: Case, inputs: Inputs, x: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """``fn`` SDPA-style on x's q, k, v and mask (a bool mask, not differentiable, from inputs)."""
+    """``fn`` SDPA-style on x's q, k, v, mask and sinks (a bool mask, not differentiable, from inputs).
+
+    The case's keywords are made afresh (a dropout case's generator with them).
+    """
     mask = x.get("mask", inputs["mask"])
-    return fn(x["q"], x["k"], x["v"], mask, **case.kwargs)
+    sinks = {"sinks": x["sinks"]} if "sinks" in x else {}
+    return fn(x["q"], x["k"], x["v"], mask, **sinks, **case.kwargs)
 
 
 def directions(inputs: Inputs, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Fixed random float64 directions u, one like each of q, k, v and a float mask, from ``seed``.
+    """Fixed random float64 directions u, one like each of q, k, v, a float mask and sinks.
+
+    Drawn from ``seed``.
 
     They are the cotangents of the first-order gradients in `second_order` and the
     tangents in `output_tangent`; standard normal, drawn apart from `make_inputs`'.
@@ -535,10 +708,10 @@ def second_order(
 ) -> dict[str, torch.Tensor]:
     """Double backward of ``fn`` in float64: H = grad(sum_i <g_i, u_i>, x), detached.
 
-    x = (q, k, v[, mask], dout) as float64 leaves, g = grad(<O, dout>, x minus dout,
-    create_graph=True), u: `directions` (q, k, v[, mask] shapes).  Keys "q", "k", "v",
-    ("mask") and "dout": H's part for each (the Hessian-vector product H_dout u in
-    q, k, v, mask; J u in dout), shaped like it.  A part autograd leaves
+    x = (q, k, v[, mask][, sinks], dout) as float64 leaves, g = grad(<O, dout>, x minus
+    dout, create_graph=True), u: `directions` (q, k, v[, mask][, sinks] shapes).  Keys "q",
+    "k", "v", ("mask"), ("sinks") and "dout": H's part for each (the Hessian-vector
+    product H_dout u in q, k, v, mask, sinks; J u in dout), shaped like it.  A part autograd leaves
     unconnected is zero.
     """
     x = _differentiable(inputs)
@@ -560,7 +733,7 @@ def output_tangent(
 ) -> torch.Tensor:
     """Forward mode of ``fn`` in float64: dO [*lead, Hq, Nq, dv] along tangents ``u``.
 
-    ``torch.func.jvp`` at (q, k, v[, mask]) from ``inputs`` with tangents u
+    ``torch.func.jvp`` at (q, k, v[, mask][, sinks]) from ``inputs`` with tangents u
     (`directions`); a bool mask is held fixed.
     """
     x = _differentiable(inputs)
@@ -612,7 +785,7 @@ def derivative_errors(
     errors: dict[str, float] = {}
     messages: list[str] = []
     for name, run in runs.items():
-        ref = run(reference_attention)
+        ref = run(_REFERENCE)
         try:
             errors[name] = relative_error(run(fn), ref)
         except Exception as exc:  # a derivative that cannot run fails the case, with its message
