@@ -19,18 +19,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
 from attngrad.contract import Shapes
-from attngrad.reference import magnitudes, reference_attention
+from attngrad.reference import reference_attention
 from attngrad.verify import (
     Case,
     Inputs,
     Verdict,
+    as_attention,
+    case_floors,
     judge,
     judge_outputs,
-    operand_scale,
     outputs_and_grads,
-    rounding_floor,
-    terms,
-    unit_roundoff,
 )
 
 # "triton" runs here in Triton's interpreter at about a second per call: the
@@ -82,8 +80,10 @@ def assert_rule(
         assert t.dtype == want, f"{case.id}: {name} is {t.dtype}, not {want}"
     full = dict(got)
     names = {"out", "dq", "dk", "dv"} | ({"dmask"} if case.mask == "float" else set())
+    names |= {"dsinks"} if case.sinks != "none" else set()
     if not names <= got.keys():  # judge what is there; the reference stands in for the rest
-        full = {**outputs_and_grads(reference_attention, case, inputs, torch.float64), **got}
+        reference = as_attention(reference_attention)
+        full = {**outputs_and_grads(reference, case, inputs, torch.float64), **got}
     verdicts = [v for v in judge_outputs(case, inputs, full) if v.name in got]
     assert {v.name for v in verdicts} == set(got), (sorted(got), case.id)
     failed = [str(v) for v in verdicts if not v.passed]
@@ -124,19 +124,8 @@ def assert_floor(
     computation with itself: `plain_attention` in float64 *is* SDPA MATH.
     ``want``: out and gradients in float64 (a subset of ``got``'s names or all).
     """
-    q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
-    assert q is not None and k is not None and v is not None and dout is not None
-    mags, sens = magnitudes(
-        q, k, v, dout, attn_mask=inputs["mask"], unit_roundoff=unit_roundoff(case.dtype),
-        **case.kwargs,  # type: ignore[arg-type]
-    )  # fmt: skip
-    n, operands = terms(case), operand_scale(case, inputs)
-    verdicts = []
-    for name, w in want.items():
-        floor = rounding_floor(
-            mags[name], sens[name], case.dtype, n, case.shapes.head_dim, operands
-        )
-        verdicts.append(judge(name, got[name], w, floor))
+    floors = case_floors(case, inputs)
+    verdicts = [judge(name, got[name], w, floors[name]) for name, w in want.items()]
     failed = [str(v) for v in verdicts if not v.passed]
     assert not failed, f"{case.id}: " + "; ".join(failed)
     return verdicts

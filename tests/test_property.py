@@ -1,14 +1,17 @@
 """Property test: random shapes, masks, windows, scales, dtypes and edge values hold the one rule.
 
 Each example draws every SDPA-legal broadcast of a bool or float mask, a
-sliding window with open sides (alone or with the mask), GQA layouts, a
-scale, a dtype, logits up to |S| ~ 1e4 and biases at the dtype's finfo.min,
+sliding window with open sides (alone or with the mask), either alignment,
+packed segments (empty ones too), a softcap, sinks per head or per token,
+dropout, GQA layouts, a scale, a dtype, logits up to |S| ~ 1e4 and biases at the dtype's finfo.min,
 at a huge positive value and at -1e9, and judges output and every gradient
 against the float64 reference with `attngrad.verify`'s rule.  No NaN, no
 tolerance of the test's own.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -21,6 +24,19 @@ from attngrad.verify import Case, judge_outputs, make_inputs, outputs_and_grads,
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 EDGES = ("none", "finfo-min-row", "finfo-min-some", "huge-one", "minus-1e9")
+
+
+@st.composite
+def segments(draw: st.DrawFn, seq_q: int, seq_k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Packed segments' lengths: the same number of query and key segments, empty ones too."""
+    count = draw(st.integers(1, 3))
+
+    def lengths(total: int) -> tuple[int, ...]:
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=count - 1, max_size=count - 1)))
+        bounds = [0, *cuts, total]
+        return tuple(b - a for a, b in itertools.pairwise(bounds))
+
+    return lengths(seq_q), lengths(seq_k)
 
 
 @st.composite
@@ -47,6 +63,11 @@ def examples(draw: st.DrawFn) -> tuple[Case, float, str, int]:
         window,
         # enable_gqa=True is also valid with equal head counts (groups == 1)
         groups > 1 or draw(st.booleans()),
+        softcap=draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 50.0]))),
+        sinks=draw(st.sampled_from(["none", "none", "head", "token"])),
+        align=draw(st.sampled_from(["top-left", "bottom-right"])),
+        segments=draw(st.one_of(st.none(), segments(seq_q, seq_k))),
+        dropout=draw(st.sampled_from([0.0, 0.0, 0.2, 0.6])),
     )
     # |S| up to spread^2 * sqrt(d) * a few: ~1e4 at spread 30 (16-bit: stay in range)
     spread = draw(st.sampled_from([1.0, 1.0, 10.0, 30.0] if dtype != torch.float16 else [1.0, 4.0]))

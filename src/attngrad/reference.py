@@ -433,9 +433,14 @@ class _Path:
 
 
 def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
-    """A: P, A_dS = P o (A_dP + A_Dlt), slope o A_dS and p_sink A_Dlt (`magnitudes`)."""
+    """A: P, A_dS = P o (A_dP + A_Dlt / (1 - p_sink)), slope o A_dS and p_sink A_Dlt (`magnitudes`)."""
     a_dlt = (f.p * a_dp).sum(-1)
-    a_ds = f.p * (a_dp + a_dlt.unsqueeze(-1))
+    # attngrad merges a sink after the keys' own softmax (`attngrad.sinks`): its Delta and the
+    # merge's lse gradient are each rowsum(P_keys o A_dP), P_keys = P / (1 - p_sink), and cancel
+    # to the sink-normalised Delta; a row that is all sink (P = 0) contributes nothing
+    keys = f.p.sum(-1)  # 1 - p_sink, without its cancellation when the sink takes the row
+    a_row = torch.where(keys > 0, a_dlt / keys.clamp(min=torch.finfo(keys.dtype).tiny), 0.0)
+    a_ds = f.p * (a_dp + a_row.unsqueeze(-1))
     return _Path(f.p, a_ds, f.slope * a_ds, f.p_sink * a_dlt)
 
 
@@ -444,7 +449,10 @@ def _sensitivity_path(f: _Scores, dp: torch.Tensor, softcap: float | None) -> _P
     p, c_s = f.p, f.c_s
     c_p = p * (c_s + (p * c_s).sum(-1, keepdim=True))
     delta = (p * dp).sum(-1, keepdim=True)
+    # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
+    # dropout removed, beside keys that underflow)
     c_ds = c_p * ((dp - delta).abs() + (p * dp.abs()).sum(-1, keepdim=True))
+    c_ds = c_ds + p * (c_p * dp.abs()).sum(-1, keepdim=True)
     c_dx = f.slope * c_ds
     if softcap is not None:  # the slope 1 - tanh^2 moves with T: by 2 |tanh| C_T / c
         bend = 2 * torch.tanh(f.x / softcap).abs() * f.c_cap / softcap
@@ -490,10 +498,15 @@ def magnitudes(
 
         A_out = (P o W) |v|             A_dv = (P o W)^T |dO|
         A_dP  = W o |dO| |v|^T          A_Dlt = rowsum(P o A_dP)
-        A_dS  = P o (A_dP + A_Dlt)      (dS = P o (dP - Delta))
+        A_dS  = P o (A_dP + A_Dlt / (1 - p_sink))    (dS = P o (dP - Delta))
         A_dq  = s (slope o A_dS) |k|    A_dk = s (slope o A_dS)^T |q|
         A_dmask = A_dS, summed over the dims the mask broadcasts
         A_dsinks = p_sink A_Dlt, summed over the rows each sink serves
+
+    (The 1 / (1 - p_sink) is attngrad's: it merges a sink after the keys'
+    own softmax, `attngrad.sinks`, so its Delta and the merge's lse gradient
+    are each formed at the keys' normalisation and cancel to the sink's; a
+    fused kernel that folds the sink into the row statistics would not need it.)
 
     C_x, what the rounding of the scores does to x: a perturbation of each
     score by at most C_S = C_T + min(|S|, |T| / u) (the bias add, which can
@@ -503,7 +516,7 @@ def magnitudes(
     sinks' logits are exact), and so, to first order,
 
         C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
-        C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|))
+        C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)
         C_dX  = slope o C_dS + 2 |tanh(X / c)| o C_T / c o |dS|   (the slope moves too)
         C_dq  = s C_dX |k|       C_dk = s C_dX^T |q|      C_dmask = C_dS, summed like the mask
         C_dsinks = p_sink (rowsum(P o C_S) |Dlt| + rowsum(C_P o |dP|)), summed like the sinks
