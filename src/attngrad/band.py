@@ -108,11 +108,18 @@ class Band:
         lo, hi = (t[rows] for t in self._host)
         return bool(int(lo.max()) <= cols.start and int(hi.min()) >= cols.stop)
 
-    def drop(self, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
-        """[r, c] bool, True where key j lies outside query i's interval."""
-        j = torch.arange(cols.start, cols.stop, device=device)
-        lo, hi = self.lo[rows].to(device).unsqueeze(1), self.hi[rows].to(device).unsqueeze(1)
-        return (j < lo) | (j >= hi)
+    def bias(self, rows: slice, cols: slice, like: torch.Tensor) -> torch.Tensor:
+        """[r, c] in ``like``'s dtype: 0 where key j lies inside query i's interval, else -inf.
+
+        Added to a tile of scores rather than masked_fill-ed into it: broadcast
+        over the batch and heads, an add runs about ten times faster on CPU.
+        """
+        j = torch.arange(cols.start, cols.stop, device=like.device)
+        lo = self.lo[rows].to(like.device).unsqueeze(1)
+        hi = self.hi[rows].to(like.device).unsqueeze(1)
+        outside = (j < lo) | (j >= hi)
+        zeros = torch.zeros(outside.shape, dtype=like.dtype, device=like.device)
+        return zeros.masked_fill_(outside, float("-inf"))
 
     def query_span(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first, stop): int64 [Nk], the rows first <= i < stop that attend key j.

@@ -184,7 +184,7 @@ class Mask:
         if self.band is not None and not self.band.covers(rows, cols):
             r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
             c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
-            s.masked_fill_(self.band.drop(slice(r0, r1), slice(c0, c1), s.device), float("-inf"))
+            s.add_(self.band.bias(slice(r0, r1), slice(c0, c1), s))  # finite + -inf = -inf
         return s
 
 
