@@ -213,19 +213,18 @@ def attention(
     >>> attention(q, q, q, is_causal=True).shape
     torch.Size([2, 8, 16, 64])
     """
-    if isinstance(attn_mask, CausalBias):
-        shapes = validate_attention(
-            query, key, value, None, dropout_p, is_causal, scale, enable_gqa
-        )
-        align = causal_bias_alignment(attn_mask, shapes, is_causal, validate_align(align))
-        attn_mask, is_causal = None, True
+    causal_bias = attn_mask if isinstance(attn_mask, CausalBias) else None
     shapes = validate_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
+        query, key, value, None if causal_bias is not None else attn_mask, dropout_p, is_causal, scale,
+        enable_gqa,
+    )  # fmt: skip
+    align = validate_align(align)
+    if causal_bias is not None:  # SDPA's causal masks: is_causal with their alignment
+        align = causal_bias_alignment(causal_bias, shapes, is_causal, align)
+        attn_mask, is_causal = None, True
     validate_strategy(strategy, STRATEGIES)
     check_flag("return_lse", return_lse)
     band = validate_window(window)
-    align = validate_align(align)
     cap = validate_softcap(softcap)
     segments = validate_segments(cu_seqlens_q, cu_seqlens_k, shapes, query.device)
     sink = validate_sinks(sinks, query, shapes)

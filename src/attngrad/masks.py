@@ -42,6 +42,7 @@ from attngrad.band import Band
 from attngrad.contract import Shapes
 from attngrad.dropout import Dropout
 from attngrad.heads import group_heads
+from attngrad.ops import cap_slope
 
 __all__ = ["Mask", "add_bias_gradient_", "tile"]
 
@@ -174,7 +175,7 @@ class Mask:
         if self.softcap is not None:
             t = s.div_(self.softcap).tanh_()
             if slope is not None:
-                torch.mul(t, t, out=slope).neg_().add_(1.0)
+                cap_slope(t, out=slope)
             t.mul_(self.softcap)
         if self.bias is not None:
             s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))

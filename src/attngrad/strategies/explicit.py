@@ -227,7 +227,7 @@ def backward_chunks(
             q_c = take_rows(q5, rows).to(dtype)
             if mask.softcap is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
                 t = ops.capped_tanh(q_c, k[:, :, cols], scale, mask.softcap)
-                ds.mul_(t.mul_(t).neg_().add_(1.0))
+                ds.mul_(ops.cap_slope(t))
             dq_c, dk_c = ops.query_key_gradients(ds, q_c, k[:, :, cols], scale)
             if dq is not None:
                 group_heads(dq, hkv)[:, :, :, rows] += dq_c.view(b, hkv, g, r, d)

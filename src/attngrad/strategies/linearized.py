@@ -14,8 +14,8 @@ second-order backward to the cotangents of (dq, dk, dbias), since
 <g_q, scale dS k> + <g_k, scale dS^T q> + <g_bias, dS> = <L(g), dS>.
 Tiles are [B, Hkv, G*r, c] (a GQA group's rows folded, as in
 `attngrad.heads`), in the compute dtype.  Both passes also need the
-softcap's tanh (`softcap_tanh`) and the dropped P * Z / (1 - p)
-(`dropout_tiles`) of a tile.
+softcap's tanh (`softcap_tanh`) and dropout's multiplier Z / (1 - p)
+(`dropout_multipliers`) of a tile.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from attngrad.masks import Mask
 from attngrad.ops import capped_tanh
 from attngrad.tiling import tile_sizes
 
-__all__ = ["Direction", "blocks_for", "dropout_tiles", "softcap_tanh"]
+__all__ = ["Direction", "blocks_for", "dropout_multipliers", "softcap_tanh"]
 
 
 def blocks_for(tiles: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
@@ -142,16 +142,21 @@ def softcap_tanh(
     return capped_tanh(q_rows, k[:, :, keys], scale, mask.softcap)
 
 
-def dropout_tiles(
+def dropout_multipliers(
     mask: Mask, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
-) -> Callable[[slice, slice, torch.Tensor], torch.Tensor] | None:
-    """(rows, keys, p) -> p * Z / (1 - p) as a new tile, or None without dropout."""
+) -> Callable[[slice, slice], torch.Tensor] | None:
+    """(rows, keys) -> M = Z / (1 - p) on the tile [B, Hkv, G*r, c], or None without dropout.
+
+    One hash per tile: the passes multiply every product that goes through
+    the dropped P by the same M.
+    """
     dropout = mask.dropout
     if dropout is None:
         return None
     bits = dropout.tiles(q, k, dtype)
 
-    def dropped(rows: slice, keys: slice, p: torch.Tensor) -> torch.Tensor:
-        return Dropout.dropped(p, bits(rows, keys).clone()).mul_(dropout.scale)
+    def multiplier(rows: slice, keys: slice) -> torch.Tensor:
+        z = bits(rows, keys)
+        return Dropout.apply_(torch.full(z.shape, dropout.scale, dtype=dtype, device=z.device), z)
 
-    return dropped
+    return multiplier

@@ -56,8 +56,13 @@ import torch
 
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask, add_bias_gradient_
-from attngrad.ops import compute_dtype
-from attngrad.strategies.linearized import Direction, blocks_for, dropout_tiles, softcap_tanh
+from attngrad.ops import cap_slope, compute_dtype
+from attngrad.strategies.linearized import (
+    Direction,
+    blocks_for,
+    dropout_multipliers,
+    softcap_tanh,
+)
 from attngrad.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
@@ -100,7 +105,7 @@ def second_order(
     blocks = blocks_for(tiles, q, k, v)
     direction = Direction.of(g_q, g_k, g_bias, mask, scale, dtype)
     p_tile = impl.probabilities(q, k, saved, mask, scale)
-    dropped = dropout_tiles(mask, q, k, dtype)
+    multipliers = dropout_multipliers(mask, q, k, dtype)
     q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
     k, v = k.to(dtype), v.to(dtype)
     gv = None if g_v is None else g_v.to(dtype)
@@ -119,19 +124,19 @@ def second_order(
         u_r = None if gv is None else zeros(b, hkv, g * n, dv_dim)
         for keys in key_tiles:
             p = p_tile(rows, keys)
+            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
             dp = torch.matmul(do_r, v[:, :, keys].transpose(-2, -1))
-            if dropped is not None:
-                dp = dropped(rows, keys, dp)  # dP = (dO v^T) * M
+            if m is not None:
+                dp.mul_(m)  # dP = (dO v^T) * M
             delta_r += _rowsum(p * dp)
             if not direction.zero:
                 t = softcap_tanh(mask, q_r, k, keys, scale)
-                slope = None if t is None else t.mul_(t).neg_().add_(1.0)
+                slope = None if t is None else cap_slope(t)
                 pg = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)
                 r_r += _rowsum(pg)
                 pgdp += _rowsum(pg.mul_(dp))
             if u_r is not None and gv is not None:
-                p_drop = p if dropped is None else dropped(rows, keys, p)
-                u_r += torch.matmul(p_drop, gv[:, :, keys])
+                u_r += torch.matmul(p if m is None else p * m, gv[:, :, keys])
         rho_r = pgdp.sub_(r_r * delta_r)  # rho' = rowsum(P G dP) - r Delta + rowsum(dO u)
         if u is not None and u_r is not None:
             rho_r += _rowsum(do_r * u_r)
@@ -157,13 +162,14 @@ def second_order(
             q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
             kc, vc = k[:, :, keys], v[:, :, keys]
             p = p_tile(rows, keys)
+            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
             y = torch.matmul(do_r, vc.transpose(-2, -1))
-            if dropped is not None:
-                y = dropped(rows, keys, y)  # dP = (dO v^T) * M
+            if m is not None:
+                y.mul_(m)  # dP = (dO v^T) * M
             y.sub_(take_rows(c_row, rows))  # Y = dP - c
             ds = p * y
             tanh = softcap_tanh(mask, q_r, k, keys, scale)
-            slope = None if tanh is None else 1.0 - tanh * tanh
+            slope = None if tanh is None else cap_slope(tanh)
             g_raw = None  # scale (g_q k^T + q g_k^T), the cap's curvature term needs it
             t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
             if not direction.zero:
@@ -174,8 +180,8 @@ def second_order(
                 h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
                 if grad_v is not None or grad_do is not None:
                     d_hat = p * h
-                    if dropped is not None:  # through dP = (dO v^T) * M
-                        d_hat = dropped(rows, keys, d_hat)
+                    if m is not None:  # through dP = (dO v^T) * M
+                        d_hat.mul_(m)
                     if grad_v is not None:
                         grad_v[:, :, keys] += torch.matmul(d_hat.transpose(-2, -1), do_r)
                     if grad_do is not None:
@@ -183,8 +189,8 @@ def second_order(
                 t = h.mul_(y)
             if gv is not None:
                 gvt = gv[:, :, keys].transpose(-2, -1)
-                if dropped is not None:  # through dV = (P * M)^T dO: M * (dO g_v^T)
-                    dog = dropped(rows, keys, torch.matmul(do_r, gvt))
+                if m is not None:  # through dV = (P * M)^T dO: M * (dO g_v^T)
+                    dog = torch.matmul(do_r, gvt).mul_(m)
                     t = dog if t is None else t.add_(dog)
                 elif t is None:
                     t = torch.matmul(do_r, gvt)

@@ -41,9 +41,14 @@ from torch.autograd.function import FunctionCtx
 
 from attngrad.heads import group_heads, take_rows
 from attngrad.masks import Mask
-from attngrad.ops import compute_dtype
+from attngrad.ops import cap_slope, compute_dtype
 from attngrad.strategies import batching
-from attngrad.strategies.linearized import Direction, blocks_for, dropout_tiles, softcap_tanh
+from attngrad.strategies.linearized import (
+    Direction,
+    blocks_for,
+    dropout_multipliers,
+    softcap_tanh,
+)
 from attngrad.tiling import schedule
 
 __all__ = ["OutputTangent", "output_tangent"]
@@ -73,7 +78,7 @@ def output_tangent(
     dtype = compute_dtype(q.dtype)
     direction = Direction.of(t_q, t_k, t_bias, mask, scale, dtype)
     p_tile = impl.probabilities(q, k, saved, mask, scale)
-    dropped = dropout_tiles(mask, q, k, dtype)
+    multipliers = dropout_multipliers(mask, q, k, dtype)
     q5, o5 = group_heads(q, hkv), group_heads(o, hkv)
     k, v = k.to(dtype), v.to(dtype)
     tv = None if t_v is None else t_v.to(dtype)
@@ -86,17 +91,15 @@ def output_tangent(
         mu_r = torch.zeros(b, hkv, g * n, 1, dtype=dtype, device=q.device)
         for keys in key_tiles:
             p = p_tile(rows, keys)
-            p_drop = p if dropped is None else dropped(rows, keys, p)  # P * Z / (1 - p)
+            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
             if not direction.zero:
                 t = softcap_tanh(mask, q_r, k, keys, scale)
-                slope = None if t is None else t.mul_(t).neg_().add_(1.0)
+                slope = None if t is None else cap_slope(t)
                 ps = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)  # P * S'
                 mu_r += ps.sum(dim=-1, keepdim=True)
-                if dropped is not None:
-                    ps = dropped(rows, keys, ps)
-                acc += torch.matmul(ps, v[:, :, keys])
+                acc += torch.matmul(ps if m is None else ps.mul_(m), v[:, :, keys])
             if tv is not None:
-                acc += torch.matmul(p_drop, tv[:, :, keys])
+                acc += torch.matmul(p if m is None else p * m, tv[:, :, keys])
         acc -= mu_r * take_rows(o5, rows).to(dtype)
         out[:, :, :, rows] = acc.view(b, hkv, g, n, dv_dim)
         mu[:, :, :, rows] = mu_r.view(b, hkv, g, n, 1)
