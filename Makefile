@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,dev,plot]'
+	$(BIN)/pip install --quiet -e '.[test,dev,plot,hf]'
 	touch $(STAMP)
 
 # TRITON_INTERPRET=1: the triton strategy's kernels run on CPU in Triton's interpreter
@@ -22,13 +22,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests benchmarks
-	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks examples
+	$(BIN)/ruff format src tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/benchmark_cpu.py

@@ -15,6 +15,7 @@ from attngrad.ops import (
     softmax_backward,
     value_gradient,
 )
+from attngrad.patch import patch_sdpa
 from attngrad.ring import ring_attention
 from attngrad.seed import CustomAttention
 from attngrad.strategies import STRATEGIES
@@ -23,6 +24,7 @@ __all__ = [
     "STRATEGIES",
     "CustomAttention",
     "attention",
+    "patch_sdpa",
     "probability_gradient",
     "query_key_gradients",
     "ring_attention",

@@ -8,6 +8,8 @@ from typing import Literal, overload
 import torch
 from torch.nn.attention.bias import CausalBias
 
+from attngrad import compiled
+from attngrad.amp import autocast_inputs, outside_autocast
 from attngrad.contract import (
     check_flag,
     validate_attention,
@@ -24,7 +26,7 @@ from attngrad.keywords import (
     validate_sinks,
     validate_softcap,
 )
-from attngrad.masks import Mask
+from attngrad.masks import Mask, causal_band, split_mask
 from attngrad.sinks import merge_sinks
 from attngrad.strategies import MODULES, STRATEGIES, TILED, base, resolve
 
@@ -209,10 +211,27 @@ def attention(
       gives zero rows, and the tiled strategies skip every tile outside
       the segments.  See `attngrad.band` for pictures.
 
+    In models:
+
+    * Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's
+      (floating-point tensors other than float64 go to the autocast dtype, so
+      float32 q, k and a bfloat16 v run in bfloat16) and the output has that
+      dtype; the strategies then run with autocast off, in their own
+      precisions (`attngrad.amp`).  Outside autocast, mixed dtypes are a
+      TypeError.
+    * Under ``torch.compile`` the call becomes two opaque ops, forward and
+      backward (`attngrad.compiled`): no graph break, ``fullgraph=True``
+      works, results equal eager's; first order only there, and dropout
+      draws from the default generator (``generator=`` is refused).
+    * `attngrad.patch_sdpa` routes code that calls SDPA itself to this
+      function; `attngrad.integrations.transformers.register` plugs it into
+      Hugging Face transformers models.
+
     >>> q = torch.randn(2, 8, 16, 64)
     >>> attention(q, q, q, is_causal=True).shape
     torch.Size([2, 8, 16, 64])
     """
+    query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
     causal_bias = attn_mask if isinstance(attn_mask, CausalBias) else None
     shapes = validate_attention(
         query, key, value, None if causal_bias is not None else attn_mask, dropout_p, is_causal, scale,
@@ -226,25 +245,41 @@ def attention(
     check_flag("return_lse", return_lse)
     band = validate_window(window)
     cap = validate_softcap(softcap)
-    segments = validate_segments(cu_seqlens_q, cu_seqlens_k, shapes, query.device)
+    compiling = torch.compiler.is_compiling()
+    # under torch.compile the segments' values are read when the op runs (`attngrad.compiled`)
+    segments = None
+    if not compiling:
+        segments = validate_segments(cu_seqlens_q, cu_seqlens_k, shapes, query.device)
     sink = validate_sinks(sinks, query, shapes)
     generator = validate_generator(generator, query.device)
-    banded = is_causal or band is not None or segments is not None
+    banded = is_causal or band is not None or cu_seqlens_q is not None
     tiling_given = block_q is not None or block_k is not None
     name = resolve(strategy, shapes, tiling_given, banded, query.device)
     block_q, block_k = validate_blocks(block_q, block_k, name)
     q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
     k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
     v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)
-    dropout = None
-    if dropout_p > 0:
-        dropout = Dropout(float(dropout_p), *draw_seed(query.device, generator))
-    mask = Mask.build(
-        attn_mask, is_causal, band, shapes, align, segments, cap, dropout, query.device
-    )
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
-    options = {"block_q": block_q, "block_k": block_k} if name in TILED else {}
-    o, lse = base.attention(MODULES[name], q, k, v, mask, s, **options)
+    with outside_autocast(q.device.type):
+        if compiling:
+            if generator is not None:
+                raise ValueError(
+                    "generator= is not supported under torch.compile; dropout there draws from "
+                    "the default generator (seed it with torch.manual_seed)."
+                )
+            o, lse = compiled.attention(
+                name, q, k, v, split_mask(attn_mask, shapes), (cu_seqlens_q, cu_seqlens_k),
+                causal_band(band, is_causal), align, cap, dropout_p, s, block_q, block_k,
+            )  # fmt: skip
+        else:
+            dropout = None
+            if dropout_p > 0:
+                dropout = Dropout(float(dropout_p), *draw_seed(query.device, generator))
+            mask = Mask.build(
+                attn_mask, is_causal, band, shapes, align, segments, cap, dropout, query.device
+            )
+            options = {"block_q": block_q, "block_k": block_k} if name in TILED else {}
+            o, lse = base.attention(MODULES[name], q, k, v, mask, s, **options)
     out = o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)
     lse = lse.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q)
     if sink is not None:

@@ -44,7 +44,7 @@ from attngrad.dropout import Dropout
 from attngrad.heads import group_heads
 from attngrad.ops import cap_slope
 
-__all__ = ["Mask", "add_bias_gradient_", "tile"]
+__all__ = ["Mask", "add_bias_gradient_", "causal_band", "split_mask", "tile"]
 
 _ALL = slice(None)
 
@@ -63,6 +63,26 @@ def _to_4d(attn_mask: torch.Tensor, shapes: Shapes) -> torch.Tensor:
     if all(n == 1 for n in lead):
         return m.reshape(1, *m.shape[-3:])
     return m.expand(*shapes.lead, *m.shape[-3:]).reshape(shapes.batch, *m.shape[-3:])
+
+
+def split_mask(
+    attn_mask: torch.Tensor | None, shapes: Shapes
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bias, keep) [Bm, Hm, Nqm, Nkm] views of ``attn_mask``: a float mask is a bias, a bool one keeps."""
+    if attn_mask is None:
+        return None, None
+    m = _to_4d(attn_mask, shapes)
+    return (None, m) if m.dtype == torch.bool else (m, None)
+
+
+def causal_band(
+    window: tuple[int | None, int | None] | None, is_causal: bool
+) -> tuple[int | None, int | None]:
+    """(left, right) of the band: the window's, with is_causal capping right at 0."""
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
 
 
 def tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
@@ -106,16 +126,8 @@ class Mask:
         device: torch.device | None = None,
     ) -> Mask:
         """From `attention`'s (already validated) arguments."""
-        bias = keep = None
-        if attn_mask is not None:
-            m = _to_4d(attn_mask, shapes)
-            if m.dtype == torch.bool:
-                keep = m
-            else:
-                bias = m
-        left, right = window if window is not None else (None, None)
-        if is_causal:
-            right = 0 if right is None else min(right, 0)
+        bias, keep = split_mask(attn_mask, shapes)
+        left, right = causal_band(window, is_causal)
         band = None
         if left is not None or right is not None or segments is not None:
             band = Band.of(shapes.seq_q, shapes.seq_k, left, right, align, segments, device)

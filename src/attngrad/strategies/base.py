@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.function import FunctionCtx
 
+from attngrad.amp import no_autocast
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.ops import compute_dtype, lse
@@ -122,6 +123,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx.impl, ctx.mask, ctx.scale, ctx.tiles = impl, mask.with_tensors(None, None), scale, tiles
 
     @staticmethod
+    @no_autocast
     def backward(
         ctx: FunctionCtx, dout: torch.Tensor | None, dlse: torch.Tensor | None, *_: object
     ) -> tuple[torch.Tensor | None, ...]:
@@ -141,6 +143,7 @@ class AttentionFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
     @staticmethod
+    @no_autocast
     def jvp(ctx: FunctionCtx, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, bias, keep, *saved = ctx.saved_tensors
         do, dlse = batching.apply(

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.function import FunctionCtx
 
+from attngrad.amp import no_autocast
 from attngrad.masks import Mask
 from attngrad.ops import compute_dtype
 from attngrad.strategies import batching
@@ -106,6 +107,7 @@ class AttentionGradients(torch.autograd.Function):
         ctx.options = (names, mask, scale, tiles, impl, need)
 
     @staticmethod
+    @no_autocast
     def backward(
         ctx: FunctionCtx, *cotangents: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -120,6 +122,7 @@ class AttentionGradients(torch.autograd.Function):
         return (*grads, *(None for _ in tensors[6:]), None, None, None, None, None, None)
 
     @staticmethod
+    @no_autocast
     def jvp(ctx: FunctionCtx, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         tensors = ctx.saved_tensors
         names, mask, scale, tiles, impl, need = ctx.options

@@ -1,0 +1,140 @@
+"""torch.compile: attention traces as two opaque ops (`attngrad.compiled`), with no graph break.
+
+``fullgraph=True`` raises on any graph break, so compiling at all is the
+check that there is none.  The ops run the eager strategy code, so with the
+same inputs and cotangent the compiled forward and backward equal eager's
+bit for bit, dropout included (the forward op draws the seed from the
+default generator, as eager `attention` does).  Most cases compile with the
+"aot_eager" backend (dynamo + AOTAutograd, the part that could break);
+one runs Inductor end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attngrad
+from helpers import TENSOR_STRATEGIES
+
+B, HQ, HKV, N, D = 2, 4, 2, 40, 8
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    # the parametrized cases compile the same code object: without a reset
+    # they would pile up recompiles and reach dynamo's recompile limit
+    torch._dynamo.reset()
+
+
+def _inputs(feature: str) -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
+    q = torch.randn(B, HQ, N, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, HKV, N, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, HKV, N, D, dtype=torch.float64, requires_grad=True)
+    kwargs: dict[str, object] = {"enable_gqa": True}
+    if feature == "dead rows":
+        keep = torch.rand(B, 1, N, N) > 0.4
+        keep[:, :, :3] = False  # three rows attend nothing
+        kwargs["attn_mask"] = keep
+    elif feature == "bias":
+        bias = torch.randn(B, 1, N, N, dtype=torch.float64)
+        bias[..., :2, :] = torch.finfo(torch.float64).min  # padding-style rows
+        kwargs["attn_mask"] = bias.requires_grad_()
+    elif feature == "causal":
+        kwargs["is_causal"] = True
+    elif feature == "window":
+        kwargs.update(window=(7, 0), align="bottom-right")
+    elif feature == "dropout":
+        kwargs.update(dropout_p=0.3, is_causal=True)
+    elif feature == "softcap+sinks":
+        kwargs.update(softcap=2.0, sinks=torch.randn(HQ, dtype=torch.float64, requires_grad=True))
+    elif feature == "packed":
+        kwargs.update(cu_seqlens_q=torch.tensor([0, 9, 9, 40]), is_causal=True)
+    return (q, k, v), kwargs
+
+
+def _run(fn, tensors, kwargs, dout):  # type: ignore[no-untyped-def]
+    torch.manual_seed(1234)
+    o = fn(*tensors, kwargs)
+    wrt = [
+        *tensors,
+        *(t for t in kwargs.values() if isinstance(t, torch.Tensor) and t.requires_grad),
+    ]
+    return o, torch.autograd.grad(o, wrt, dout)
+
+
+FEATURES = ("dead rows", "bias", "causal", "window", "dropout", "softcap+sinks", "packed")
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
+def test_fullgraph_matches_eager(strategy: str, feature: str) -> None:
+    tensors, kwargs = _inputs(feature)
+
+    def f(q, k, v, kw):  # type: ignore[no-untyped-def]
+        return attngrad.attention(q, k, v, strategy=strategy, **kw)
+
+    dout = torch.randn(B, HQ, N, D, dtype=torch.float64)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    o_c, g_c = _run(compiled, tensors, kwargs, dout)
+    o_e, g_e = _run(f, tensors, kwargs, dout)
+    assert not o_c.isnan().any()
+    assert torch.equal(o_c, o_e)
+    for a, b in zip(g_c, g_e, strict=True):
+        assert not a.isnan().any()
+        assert torch.equal(a, b)
+    if feature == "dead rows":
+        assert (o_c[:, :, :3] == 0).all()
+
+
+def test_inductor_end_to_end_matches_eager() -> None:
+    tensors, kwargs = _inputs("dropout")
+
+    def f(q, k, v, kw):  # type: ignore[no-untyped-def]
+        return attngrad.attention(q * 1.5, k, v, strategy="flash", **kw).tanh()
+
+    dout = torch.randn(B, HQ, N, D, dtype=torch.float64)
+    o_c, g_c = _run(torch.compile(f, fullgraph=True), tensors, kwargs, dout)
+    o_e, g_e = _run(f, tensors, kwargs, dout)
+    # Inductor fuses the elementwise ops around the attention op (its tanh and
+    # scaling may round differently by an ulp); the op's own output is eager's
+    torch.testing.assert_close(o_c, o_e, rtol=1e-13, atol=1e-13)
+    for a, b in zip(g_c, g_e, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_graph_holds_the_ops_and_no_sdpa() -> None:
+    (q, k, v), _ = _inputs("causal")
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda q, k, v: attngrad.attention(q, k, v, is_causal=True, enable_gqa=True),
+                      fullgraph=True, backend=backend)  # fmt: skip
+    f(q, k, v)
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("attngrad.forward" in t for t in targets), targets
+    assert not any("scaled_dot_product" in t for t in targets)
+
+
+def test_bad_segments_raise_when_the_op_runs() -> None:
+    (q, k, v), _ = _inputs("none")
+    f = torch.compile(
+        lambda q, k, v, cu: attngrad.attention(q, k, v, cu_seqlens_q=cu, enable_gqa=True),
+        fullgraph=True, backend="aot_eager",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        f(q, k, v, torch.tensor([1, 20, N]))
+
+
+def test_generator_is_refused_under_compile() -> None:
+    (q, k, v), _ = _inputs("none")
+    g = torch.Generator().manual_seed(0)
+
+    def f(q, k, v):  # type: ignore[no-untyped-def]
+        return attngrad.attention(q, k, v, dropout_p=0.1, generator=g, enable_gqa=True)
+
+    with pytest.raises(Exception, match=r"generator= is not supported under torch\.compile"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
