@@ -138,3 +138,48 @@ def test_generator_is_refused_under_compile() -> None:
 
     with pytest.raises(Exception, match=r"generator= is not supported under torch\.compile"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+
+
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
+def test_opcheck_fake_and_autograd_registration(strategy: str) -> None:
+    # torch.library.opcheck: the fake kernel's shapes, dtypes and strides match
+    # the real op's, and the autograd formula is registered and traceable
+    # q and k non-contiguous views, as a model's head split gives
+    q = torch.randn(B, N, HQ, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, N, HKV, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, HKV, N, D, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 1, N, N, dtype=torch.float64, requires_grad=True)
+    args = (q, k, v, bias, None, None, None, strategy, 0.3, None, 0, "top-left", None, 0.0,
+            None, None)  # fmt: skip
+    torch.library.opcheck(torch.ops.attngrad.forward.default, args)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_tiny_llama_compiles_without_a_break(padded: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    from attngrad.integrations.transformers import register
+
+    name = register("attngrad-compiled", strategy="flash")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).double()
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    if padded:
+        mask[0, :5] = 0  # left padding: a 4-D bool mask with dead rows reaches attngrad
+
+    def loss(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(ids, attention_mask=mask, use_cache=False).logits.square().mean()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")  # raises on a break
+    got = compiled(ids, mask)
+    g_got = torch.autograd.grad(got, list(model.parameters()))
+    expected = loss(ids, mask)
+    g_exp = torch.autograd.grad(expected, list(model.parameters()))
+    assert torch.equal(got, expected)
+    for a, b in zip(g_got, g_exp, strict=True):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

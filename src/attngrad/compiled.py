@@ -103,7 +103,8 @@ def _forward(
     mask = _mask(q, k, v, bias, keep, cu_q, cu_k, seed, left, right, align, softcap, dropout_p)
     shapes = Shapes.of(q, k, v)
     o, saved = impl.forward(q, k, v, mask, scale, impl.tiles(shapes, q.dtype, block_q, block_k))
-    return [o, lse(saved["stats"]), seed, *(saved[n] for n in _names(strategy, shapes))]
+    out = [o, lse(saved["stats"]), seed, *(saved[n] for n in _names(strategy, shapes))]
+    return [t.contiguous() for t in out]  # the layout the fake declares
 
 
 @_forward.register_fake  # type: ignore[misc]
@@ -160,7 +161,7 @@ def _backward(
         dout, dlse, q, k, v, bias, keep, kept, mask, scale,
         impl.tiles(shapes, q.dtype, block_q, block_k), impl, tuple(need),
     )  # fmt: skip
-    return [_NONE.to(q.device) if g is None else g for g in grads]
+    return [_NONE.to(q.device) if g is None else g.contiguous() for g in grads]
 
 
 @_backward.register_fake  # type: ignore[misc]
@@ -168,7 +169,7 @@ def _(dout, dlse, q, k, v, o, bias, keep, cu_q, cu_k, seed, saved, *args):  # ty
     need = args[-1]
     likes = (q, k, v, bias)
     return [
-        torch.empty_like(t) if t is not None and n else q.new_empty(0)
+        t.new_empty(t.shape) if t is not None and n else q.new_empty(0)  # contiguous
         for t, n in zip(likes, need, strict=True)
     ]
 
