@@ -97,3 +97,35 @@ def test_caller_tensors_are_not_modified() -> None:
         attngrad.attention(q, k, v, enable_gqa=True).float().sum().backward()
     for t, b in zip((q, k, v), before, strict=True):
         assert t.dtype == b.dtype and torch.equal(t.detach(), b)
+
+
+def test_llama_under_autocast_runs_as_sdpa_does() -> None:
+    # RoPE leaves q, k in float32 while v comes from a bfloat16 projection
+    transformers = pytest.importorskip("transformers")
+    from attngrad.integrations.transformers import register
+
+    name = register("attngrad-autocast", strategy="flash")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :4] = 0
+    live = mask.bool()
+    model.set_attn_implementation("sdpa")  # eager's float64 softmax is NaN on left padding
+    ref = model.double()(ids, attention_mask=mask).logits[live].detach()
+    model.float()
+    logits = {}
+    for impl in ("sdpa", name):
+        model.set_attn_implementation(impl)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(ids, attention_mask=mask).logits
+        out.float().sum().backward()
+        assert all(not p.grad.isnan().any() for p in model.parameters())
+        model.zero_grad()
+        logits[impl] = out[live].double()
+    err, err_sdpa = ((logits[i] - ref).abs().max() for i in (name, "sdpa"))
+    floor = torch.finfo(torch.bfloat16).eps * ref.abs().max()
+    assert err <= 2 * err_sdpa + floor, (err, err_sdpa)
