@@ -345,8 +345,10 @@ def train(args: argparse.Namespace, ring: Dist) -> list[float]:
     tokens_per_step = args.batch * args.seq
 
     where = f"ring of {ring.world} ({args.layout})" if args.ring else "single process"
+    # what runs: under --ring, auto is ring_attention's default block kernel (flash on CPU)
+    name = "flash" if args.ring and args.strategy == "auto" else args.strategy
     n_params = sum(p.numel() for p in params)
-    say(f"train_gpt: strategy={args.strategy} {where}, {n_params / 1e6:.2f}M params, "
+    say(f"train_gpt: strategy={name} {where}, {n_params / 1e6:.2f}M params, "
         f"{cfg.layers}x{cfg.d_model} ({cfg.heads} heads), batch {args.batch} x seq {args.seq}, "
         f"{torch.get_num_threads()} threads, {len(data)} bytes of {os.path.dirname(os.__file__)}")  # fmt: skip
 
@@ -387,7 +389,7 @@ def train(args: argparse.Namespace, ring: Dist) -> list[float]:
         if args.save:
             torch.save(model.state_dict(), args.save)
         if args.plot:
-            plot(losses, args.plot, f"train_gpt: {args.strategy}, {where}")
+            plot(losses, args.plot, f"train_gpt: {name}, {where}")
     return losses
 
 
