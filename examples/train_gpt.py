@@ -271,6 +271,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--losses", default=None, help="write the per-step losses here (JSON list)")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here")
     p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        default=[],
+        metavar="LABEL=PATH",
+        help="other runs' --losses files to draw in the same plot",
+    )
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
     if args.ring and args.strategy not in ("auto", *BLOCK_STRATEGIES):
@@ -289,7 +296,8 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def plot(losses: list[float], path: str, title: str) -> None:
+def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
+    """One loss curve per run: this one and any ``--compare`` runs, on the same axes."""
     try:
         import matplotlib
 
@@ -299,7 +307,11 @@ def plot(losses: list[float], path: str, title: str) -> None:
         print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(losses) + 1), losses, marker=".")
+    for i, (label, losses) in enumerate(curves.items()):
+        # later curves thinner and dashed, so identical curves stay visible
+        style = {"lw": 2.5, "alpha": 0.5} if i == 0 else {"lw": 1, "ls": "--"}
+        ax.plot(range(1, len(losses) + 1), losses, label=label, **style)
+    ax.legend()
     ax.set(xlabel="step", ylabel="loss (nats per byte)", title=title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -389,7 +401,12 @@ def train(args: argparse.Namespace, ring: Dist) -> list[float]:
         if args.save:
             torch.save(model.state_dict(), args.save)
         if args.plot:
-            plot(losses, args.plot, f"train_gpt: {name}, {where}")
+            curves = {f"{name}, {where}": losses}
+            for spec in args.compare:
+                label, _, file = spec.rpartition("=")
+                with open(file) as f:
+                    curves[label or file] = json.load(f)
+            plot(curves, args.plot, f"train_gpt: {args.steps} steps, seq {args.seq}")
     return losses
 
 
