@@ -129,3 +129,16 @@ def assert_floor(
     failed = [str(v) for v in verdicts if not v.passed]
     assert not failed, f"{case.id}: " + "; ".join(failed)
     return verdicts
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A random-init 2-layer Llama with GQA (4 query heads, 2 kv heads), vocabulary 64; skips
+    the test when transformers is not installed."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)

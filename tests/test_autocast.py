@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import attngrad
 from attngrad.reference import reference_attention
+from helpers import tiny_llama
 
 B, H, N, D = 2, 4, 24, 16
 
@@ -101,15 +102,10 @@ def test_caller_tensors_are_not_modified() -> None:
 
 def test_llama_under_autocast_runs_as_sdpa_does() -> None:
     # RoPE leaves q, k in float32 while v comes from a bfloat16 projection
-    transformers = pytest.importorskip("transformers")
+    model = tiny_llama()  # skips without transformers
     from attngrad.integrations.transformers import register
 
     name = register("attngrad-autocast", strategy="flash")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[0, :4] = 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attngrad
-from helpers import TENSOR_STRATEGIES
+from helpers import TENSOR_STRATEGIES, tiny_llama
 
 B, HQ, HKV, N, D = 2, 4, 2, 40, 8
 
@@ -156,15 +156,10 @@ def test_opcheck_fake_and_autograd_registration(strategy: str) -> None:
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_tiny_llama_compiles_without_a_break(padded: bool) -> None:
-    transformers = pytest.importorskip("transformers")
+    model = tiny_llama().double()  # skips without transformers
     from attngrad.integrations.transformers import register
 
     name = register("attngrad-compiled", strategy="flash")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).double()
     model.set_attn_implementation(name)
     ids = torch.randint(0, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)

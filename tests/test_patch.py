@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attngrad
+from helpers import tiny_llama
 
 ORIGINAL = F.scaled_dot_product_attention
 
@@ -106,12 +107,7 @@ def test_unknown_strategy_is_refused_before_patching() -> None:
 
 
 def test_transformers_sdpa_path_runs_attngrad() -> None:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).double().eval()
+    model = tiny_llama().double().eval()
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 64, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
