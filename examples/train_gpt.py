@@ -65,7 +65,8 @@ import attngrad
 from attngrad.ring import BLOCK_STRATEGIES, LAYOUTS, shard
 
 VOCAB = 256  # bytes
-STRATEGIES = ("sdpa", "auto", *attngrad.STRATEGIES)
+# the model runs on CPU: triton's kernels need a CUDA GPU
+STRATEGIES = ("sdpa", "auto", *(s for s in attngrad.STRATEGIES if s != "triton"))
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -245,12 +246,19 @@ def sum_grads_(params: list[nn.Parameter], ring: Dist) -> None:
 # -- training --------------------------------------------------------------------------
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="auto", choices=STRATEGIES,
                    help="attngrad strategy, or sdpa for torch's scaled_dot_product_attention "
                         "(with --ring: the per-block kernel, flash or triton; auto = flash on CPU)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=_positive, default=30)
     p.add_argument(
         "--seq", type=int, default=256, help="sequence length (the full one under --ring)"
     )
@@ -403,7 +411,7 @@ def train(args: argparse.Namespace, ring: Dist) -> list[float]:
         if args.plot:
             curves = {f"{name}, {where}": losses}
             for spec in args.compare:
-                label, _, file = spec.rpartition("=")
+                label, _, file = spec.partition("=") if "=" in spec else ("", "", spec)
                 with open(file) as f:
                     curves[label or file] = json.load(f)
             plot(curves, args.plot, f"train_gpt: {args.steps} steps, seq {args.seq}")

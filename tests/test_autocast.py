@@ -125,3 +125,14 @@ def test_llama_under_autocast_runs_as_sdpa_does() -> None:
     err, err_sdpa = ((logits[i] - ref).abs().max() for i in (name, "sdpa"))
     floor = torch.finfo(torch.bfloat16).eps * ref.abs().max()
     assert err <= 2 * err_sdpa + floor, (err, err_sdpa)
+
+
+def test_causal_bias_passes_autocast() -> None:
+    from torch.nn.attention.bias import causal_lower_right
+
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 6, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        o = attngrad.attention(q, k, k, attn_mask=causal_lower_right(4, 6))
+        o_sdpa = F.scaled_dot_product_attention(q, k, k, attn_mask=causal_lower_right(4, 6))
+    assert o.dtype == o_sdpa.dtype == torch.bfloat16

@@ -178,3 +178,43 @@ def test_tiny_llama_compiles_without_a_break(padded: bool) -> None:
     for a, b in zip(g_got, g_exp, strict=True):
         assert not a.isnan().any()
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
+def test_only_some_inputs_need_grad(strategy: str, dtype: torch.dtype) -> None:
+    # frozen keys (LoRA-style training): the ops return a fresh empty tensor per
+    # gradient not wanted, so no two outputs alias
+    q = torch.randn(B, HQ, N, D, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, HKV, N, D, dtype=dtype)
+    v = torch.randn(B, HKV, N, D, dtype=dtype)
+
+    def f(q, k, v):  # type: ignore[no-untyped-def]
+        return attngrad.attention(q, k, v, is_causal=True, enable_gqa=True, strategy=strategy)
+
+    (g_c,) = torch.autograd.grad(
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v).sum(), q
+    )
+    (g_e,) = torch.autograd.grad(f(q, k, v).sum(), q)
+    assert torch.equal(g_c, g_e)
+
+
+def test_opcheck_of_the_backward_op() -> None:
+    q = torch.randn(B, N, HQ, D, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(B, HKV, N, D, dtype=torch.bfloat16) for _ in range(2))
+    options = ("flash", 0.3, None, 0, "top-left", None, 0.2, None, None)
+    o, _, seed, *saved = torch.ops.attngrad.forward(q, k, v, None, None, None, None, *options)
+    dout = torch.randn_like(o)
+    for need in ([True, True, True, False], [True, False, False, False]):
+        args = (dout, None, q, k, v, o, None, None, None, None, seed, saved, *options, need)
+        torch.library.opcheck(torch.ops.attngrad.backward.default, args)
+
+
+def test_bad_segment_types_raise_while_tracing() -> None:
+    (q, k, v), _ = _inputs("none")
+    f = torch.compile(
+        lambda q, k, v: attngrad.attention(q, k, v, cu_seqlens_q=[0, N], enable_gqa=True),
+        fullgraph=True, backend="aot_eager",
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"cu_seqlens_q must be a 1-D integer torch\.Tensor"):
+        f(q, k, v)

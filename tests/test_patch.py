@@ -100,6 +100,11 @@ def test_as_a_decorator() -> None:
     assert F.scaled_dot_product_attention is ORIGINAL
 
 
+def test_unknown_strategy_is_refused_when_decorating() -> None:
+    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+        attngrad.patch_sdpa("fast")
+
+
 def test_unknown_strategy_is_refused_before_patching() -> None:
     with pytest.raises(ValueError, match="unknown strategy 'fast'"), attngrad.patch_sdpa("fast"):
         pass

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 __all__ = ["autocast_inputs", "no_autocast", "outside_autocast"]
 
@@ -38,7 +39,10 @@ def autocast_inputs(*tensors: Any) -> tuple[Any, ...]:
 
     def cast(t: Any) -> Any:
         eligible = (
-            isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            isinstance(t, torch.Tensor)
+            and not isinstance(t, CausalBias)  # a mask object: no values to cast
+            and t.is_floating_point()
+            and t.dtype != torch.float64
         )
         return t.to(dtype) if eligible else t
 

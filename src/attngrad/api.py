@@ -247,9 +247,9 @@ def attention(
     cap = validate_softcap(softcap)
     compiling = torch.compiler.is_compiling()
     # under torch.compile the segments' values are read when the op runs (`attngrad.compiled`)
-    segments = None
-    if not compiling:
-        segments = validate_segments(cu_seqlens_q, cu_seqlens_k, shapes, query.device)
+    segments = validate_segments(
+        cu_seqlens_q, cu_seqlens_k, shapes, query.device, read=not compiling
+    )
     sink = validate_sinks(sinks, query, shapes)
     generator = validate_generator(generator, query.device)
     banded = is_causal or band is not None or cu_seqlens_q is not None

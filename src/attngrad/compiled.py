@@ -14,14 +14,18 @@ Each is one node of the compiled graph (no graph break, ``fullgraph=True``
 works) with a fake implementation that gives shapes from the strategy's
 declaration (``saves``), and the forward's autograd formula is the backward
 op.  The same strategy code runs as in eager mode, so results are bit for bit
-eager's, dropout included: the forward op draws (seed, offset) from the
-default generator when it runs, as eager `attention` does, and returns them
-for the backward op.  The bias and keep tensors are views of ``attn_mask``
+eager's.  With dropout the forward op draws (seed, offset) from the default
+generator when it runs, as eager `attention` does, and returns them for the
+backward op: the same mask as eager when attention is the graph's only random
+op (Inductor seeds its own random ops from the same generator, which moves
+the draw).  The bias and keep tensors are views of ``attn_mask``
 made in the traced graph, so a float mask's gradient flows back through them.
 
 What the op path does not give: double backward and forward mode (eager
-attngrad has both; the compiled graph stops at first order), and an explicit
-``generator`` for dropout (the default generator is used).
+attngrad has both; the compiled graph stops at first order), an explicit
+``generator`` for dropout (the default generator is used), and CUDA-graph
+capture (``mode="reduce-overhead"``): the ops read the seed and the segments
+on the host.
 """
 
 from __future__ import annotations
@@ -39,8 +43,6 @@ from attngrad.strategies.gradients import first_order, saved_dict
 
 __all__ = ["attention"]
 
-_NONE = torch.empty(0)  # stands for "no tensor" in a list output
-
 
 def _mask(
     q: torch.Tensor,
@@ -57,7 +59,10 @@ def _mask(
     softcap: float | None,
     dropout_p: float,
 ) -> Mask:
-    """The call's `Mask`, rebuilt from the ops' arguments (host values read here, eagerly)."""
+    """The call's `Mask` for q [B, Hq, Nq, d], k, v, from the ops' arguments.
+
+    Host values (the segments, the seed) are read here, when the op runs.
+    """
     shapes = Shapes.of(q, k, v)
     segments = validate_segments(cu_q, cu_k, shapes, q.device)
     band = None
@@ -71,6 +76,7 @@ def _mask(
 
 
 def _names(strategy: str, shapes: Shapes) -> tuple[str, ...]:
+    """The strategy's saved tensors beyond O, in declaration order."""
     return tuple(n for n in MODULES[strategy].saves(shapes) if n != "o")
 
 
@@ -95,7 +101,15 @@ def _forward(
     block_q: int | None,
     block_k: int | None,
 ) -> list[torch.Tensor]:
-    """[O, lse, seed, *saved]: seed is int64 [2] (seed, offset) with dropout, else empty."""
+    """[O, lse, seed, *saved] of ``strategy``'s forward.
+
+    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; bias / keep:
+    [Bm, Hm, Nqm, Nkm] or None (`attngrad.masks.split_mask`); cu_q, cu_k: 1-D
+    cumulative segment lengths or None; left, right: the band (None: open).
+    Returns O [B, Hq, Nq, dv], lse [B, Hq, Nq] (compute dtype), seed int64 [2]
+    (seed, offset) with dropout else [0], then the strategy's saved tensors
+    (`saves` order, without "o"), all contiguous.
+    """
     impl = MODULES[strategy]
     seed = torch.empty(0, dtype=torch.int64)
     if dropout_p > 0:
@@ -150,7 +164,12 @@ def _backward(
     block_k: int | None,
     need: list[bool],
 ) -> list[torch.Tensor]:
-    """[dq, dk, dv, dbias] (empty where not needed) from the strategy's backward."""
+    """[dq, dk, dv, dbias] from the strategy's backward: shaped like q, k, v and bias
+    in their dtypes, contiguous, or [0] in q's dtype where ``need`` says no.
+
+    dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; o, seed, saved: the
+    forward op's outputs; the rest as `_forward` takes them.
+    """
     impl = MODULES[strategy]
     shapes = Shapes.of(q, k, v)
     mask = _mask(q, k, v, bias, keep, cu_q, cu_k, seed, left, right, align, softcap, dropout_p)
@@ -161,7 +180,8 @@ def _backward(
         dout, dlse, q, k, v, bias, keep, kept, mask, scale,
         impl.tiles(shapes, q.dtype, block_q, block_k), impl, tuple(need),
     )  # fmt: skip
-    return [_NONE.to(q.device) if g is None else g.contiguous() for g in grads]
+    # a fresh empty tensor per unneeded gradient: outputs may not alias each other
+    return [q.new_empty(0) if g is None else g.contiguous() for g in grads]
 
 
 @_backward.register_fake  # type: ignore[misc]

@@ -78,7 +78,11 @@ def causal_bias_alignment(bias: CausalBias, shapes: Shapes, is_causal: bool, ali
     return variant
 
 
-def _check_cu(name: str, cu: object, length: int, device: torch.device) -> tuple[int, ...]:
+def _check_cu(
+    name: str, cu: object, length: int, device: torch.device, read: bool = True
+) -> tuple[int, ...]:
+    """The cumulative lengths as ints; with ``read=False`` only the tensor's type, dtype,
+    shape and device are checked (no host read: under torch.compile) and () returned."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(cu).__name__}")
     if cu.ndim != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.numel() < 2:
@@ -89,6 +93,8 @@ def _check_cu(name: str, cu: object, length: int, device: torch.device) -> tuple
         )
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but query is on {device}; move it there.")
+    if not read:
+        return ()
     values = tuple(int(x) for x in cu.tolist())
     steps = [b - a for a, b in itertools.pairwise(values)]
     if values[0] != 0 or min(steps) < 0 or values[-1] != length:
@@ -101,12 +107,18 @@ def _check_cu(name: str, cu: object, length: int, device: torch.device) -> tuple
 
 
 def validate_segments(
-    cu_seqlens_q: object, cu_seqlens_k: object, shapes: Shapes, device: torch.device
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    shapes: Shapes,
+    device: torch.device,
+    read: bool = True,
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Packed segments (cu_seqlens_q, cu_seqlens_k) as tuples of ints, or None.
 
     ``cu_seqlens_k`` may be left out when Nq == Nk (self-attention: the same
-    segments); both need the same number of segments.
+    segments); both need the same number of segments.  ``read=False`` checks
+    only what needs no host read (type, dtype, shape, device, pairing) and
+    returns None: under torch.compile the values are read when the op runs.
     """
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return None
@@ -122,8 +134,10 @@ def validate_segments(
                 "and keys are the same packed sequences)."
             )
         cu_seqlens_k = cu_seqlens_q
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, shapes.seq_q, device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, shapes.seq_k, device)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, shapes.seq_q, device, read)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, shapes.seq_k, device, read)
+    if not read:
+        return None
     if len(cu_q) != len(cu_k):
         raise ValueError(
             f"cu_seqlens_q has {len(cu_q) - 1} segments but cu_seqlens_k has {len(cu_k) - 1}; "

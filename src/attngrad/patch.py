@@ -31,15 +31,20 @@ from attngrad.strategies import STRATEGIES
 __all__ = ["patch_sdpa"]
 
 
-@contextlib.contextmanager
-def patch_sdpa(strategy: str = "auto") -> Iterator[None]:
+def patch_sdpa(strategy: str = "auto") -> contextlib.AbstractContextManager[None]:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` to `attngrad.attention` inside.
 
-    strategy: one of `attngrad.STRATEGIES` or "auto", used by every patched call.
-    Also usable as a decorator (``@attngrad.patch_sdpa("flash")``).
+    strategy: one of `attngrad.STRATEGIES` or "auto", used by every patched call
+    (checked here, before anything is patched).  Also usable as a decorator
+    (``@attngrad.patch_sdpa("flash")``).  The patch is process-wide: other
+    threads calling SDPA inside the block run attngrad too.
     """
     validate_strategy(strategy, STRATEGIES)
+    return _patched(strategy)
 
+
+@contextlib.contextmanager
+def _patched(strategy: str) -> Iterator[None]:
     def scaled_dot_product_attention(
         query: torch.Tensor,
         key: torch.Tensor,
@@ -50,14 +55,12 @@ def patch_sdpa(strategy: str = "auto") -> Iterator[None]:
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
+        """SDPA's signature and shapes: [..., Hq, Nq, d], [..., Hkv, Nk, d], [..., Hkv, Nk, dv]."""
         return attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             strategy=strategy,
         )  # fmt: skip
 
-    scaled_dot_product_attention.__doc__ = (
-        f"attngrad.attention(..., strategy={strategy!r}) in SDPA's place."
-    )
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:

@@ -198,7 +198,7 @@ def register(name: str = "attngrad", strategy: str = "auto") -> str:
 def _check_name(name: object) -> None:
     hint = "e.g. register('attngrad') or register('attngrad-explicit', strategy='explicit')"
     if not isinstance(name, str):
-        raise ValueError(
+        raise TypeError(
             f"name must be a str, got {name!r:.80} of type {type(name).__name__}; {hint}."
         )
     lowered = name.lower()
@@ -233,7 +233,8 @@ def _check_name(name: object) -> None:
 def _check_strategy(strategy: object) -> None:
     choices = ("auto", *STRATEGIES)
     if not isinstance(strategy, str) or strategy not in choices:
-        raise ValueError(
+        error = TypeError if not isinstance(strategy, str) else ValueError
+        raise error(
             f"strategy={strategy!r:.80} is not an attngrad strategy; choose one of "
             f"{', '.join(repr(s) for s in choices)} (see attngrad.attention)."
         )
