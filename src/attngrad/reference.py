@@ -444,10 +444,28 @@ def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
     return _Path(f.p, a_ds, f.slope * a_ds, f.p_sink * a_dlt)
 
 
-def _sensitivity_path(f: _Scores, dp: torch.Tensor, softcap: float | None) -> _Path:
+def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Tensor:
+    """C_P: how far P can move, over u, when each score moves by at most u C_S.
+
+    P_j' / P_j = exp(d_j) / sum_i P_i exp(d_i) with |d_i| <= u C_S_i lies
+    within exp(+-u C_S_j) / sum_i P_i exp(-+u C_S_i), so |P_j' - P_j| <=
+    P_j (exp(u C_S_j) / sum_i P_i exp(-u C_S_i) - 1), and never more than 1.
+    To first order that is P o (C_S + rowsum(P o C_S)) u; the exact form
+    matters in a row's exponential tail when u C_S reaches a few units (16-bit
+    inputs at large logits: P = exp(-54) moved by exp(6)).
+    """
+    grow = torch.expm1(u * c_s)  # exp(u C_S) - 1, without cancellation when small
+    shrink = (p * torch.expm1(-u * c_s)).sum(-1, keepdim=True)  # sum P exp(-u C_S) - 1
+    ratio = (grow - shrink) / (1 + shrink).clamp(min=torch.finfo(p.dtype).tiny)
+    return torch.where(p > 0, (p * ratio).clamp(max=1.0), 0.0) / u
+
+
+def _sensitivity_path(
+    f: _Scores, dp: torch.Tensor, softcap: float | None, unit_roundoff: float
+) -> _Path:
     """C: C_P, C_dS, C_dX and C_dsink from the score perturbation C_S (`magnitudes`)."""
     p, c_s = f.p, f.c_s
-    c_p = p * (c_s + (p * c_s).sum(-1, keepdim=True))
+    c_p = _probability_move(p, c_s, unit_roundoff)
     delta = (p * dp).sum(-1, keepdim=True)
     # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
     # dropout removed, beside keys that underflow)
@@ -513,7 +531,8 @@ def magnitudes(
     lose at most what it added), C_T = slope o s |q| |k|^T (the product,
     through the cap) + slope o |X| + 2 |T| (the cap's three roundings, T = c
     tanh(X / c)), moves P by at most C_P = P o (C_S + rowsum(P o C_S)) (the
-    sinks' logits are exact), and so, to first order,
+    sinks' logits are exact; to first order: `_probability_move` keeps the
+    exponential, capped at 1, for 16-bit tails), and so, to first order,
 
         C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
         C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)
@@ -534,7 +553,7 @@ def magnitudes(
     w = _dropped(torch.ones_like(f.p), dropout_mask, dropout_p)
     dp = w * (do @ ve.transpose(-2, -1))
     a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
-    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap))
+    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, unit_roundoff))
     a, c = (_results(path, q, k, ke, ve, do, w, abs(s), mask, sigma) for path in paths)
     return a, c
 
