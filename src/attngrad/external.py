@@ -616,7 +616,7 @@ def table(result: Result) -> str:
     for c in result.cases:
         worst = "NaN" if any(math.isnan(e) for e in c.errors.values()) else "-"
         if c.ratios and worst == "-":
-            worst = f"{max(c.ratios.values()):.2f}"
+            worst = f"{max(c.ratios.values()):.3g}"
         rows.append([c.id, word[c.passed], worst, c.message if c.passed is not True else ""])
     lines = _columns(["case", "verdict", "worst err/bound", "what failed"], rows)
     lines.append("")
