@@ -193,3 +193,16 @@ def test_check_reports_the_higher_derivatives_of_float64_cases(tmp_path, capsys)
     assert f"wrote {csv_path}" in out
     with csv_path.open(encoding="utf-8") as f:
         assert len(f.read().splitlines()) == 1 + len(default_cases())
+
+
+def test_learn_and_verify_commands_are_wired(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from attngrad.cli import main
+
+    assert main(["exercise", str(tmp_path / "ex"), "--lang", "en"]) == 0
+    assert (tmp_path / "ex" / "attention_exercise.py").exists()
+    assert main(["exercise", str(tmp_path / "ex")]) == 1  # refuses to overwrite without --force
+    report = tmp_path / "verify.json"
+    spec = "torch.nn.functional:scaled_dot_product_attention"
+    assert main(["verify", spec, "--no-gradcheck", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["passed"] is True
+    assert main(["verify", "no_such_module_xyz:attention"]) == 2

@@ -9,6 +9,8 @@ attngrad explain [--strategy NAME ...] [--order 1|2]  the grad_fn graph and save
 attngrad bench   [--seq N ...] [--strategy NAME]   time against SDPA's MATH and FLASH backends
 attngrad bench --order 2 [--loss square|dot]     HVP (double backward) and jvp vs SDPA MATH
 attngrad bench --features [--device cpu|cuda]    dropout, packed, softcap, sinks: time ratios
+attngrad verify  MODULE:FUNCTION [--json PATH|-] [--seed N] [--no-gradcheck]
+                 judge any SDPA-signature function; exit 1 on a failure, 2 when it can't be loaded
 attngrad exercise DIR [--lang zh|en] [--force]   write the attention-backward exercise
 attngrad grade FILE [--json PATH] [--timeout S]  grade a solution; exit 0 when every stage passes
 attngrad --version
@@ -33,6 +35,7 @@ import attngrad
 from attngrad import bench, feature_bench, hvp, ledger, report
 from attngrad.cli_args import chosen_strategies, measure_device, positive_float, positive_int
 from attngrad.cli_learn import add_exercise, add_grade
+from attngrad.cli_verify import add_verify
 from attngrad.contract import DTYPES, Shapes
 from attngrad.explain import explain
 from attngrad.machine import Machine, probe
@@ -600,7 +603,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"attngrad {attngrad.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_check, _add_ledger, _add_explain, _add_bench, add_exercise, add_grade):
+    for add in (
+        _add_check,
+        _add_ledger,
+        _add_explain,
+        _add_bench,
+        add_verify,
+        add_exercise,
+        add_grade,
+    ):
         add(sub)
     return parser
 
