@@ -24,7 +24,6 @@ that file.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -33,7 +32,13 @@ import torch
 
 import attngrad
 from attngrad import bench, feature_bench, hvp, ledger, report
-from attngrad.cli_args import chosen_strategies, measure_device, positive_float, positive_int
+from attngrad.cli_args import (
+    chosen_strategies,
+    measure_device,
+    positive_float,
+    positive_int,
+    write_json,
+)
 from attngrad.cli_learn import add_exercise, add_grade
 from attngrad.cli_verify import add_verify
 from attngrad.contract import DTYPES, Shapes
@@ -114,13 +119,7 @@ def _check(args: argparse.Namespace) -> int:
             "passed": not failed,
             "results": [r.as_dict() for r in results],
         }
-        text = json.dumps(payload, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text)
-            print(f"wrote {args.json}", file=out)
+        write_json(payload, args.json, out)
     if args.csv:
         report.write_csv(report.check_records(results), args.csv)
         print(f"wrote {args.csv}", file=out)

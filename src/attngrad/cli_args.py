@@ -8,9 +8,10 @@ that exists but cannot run here is refused after parsing, also with exit 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 import torch
 
@@ -83,3 +84,14 @@ def chosen_strategies(
             reason = unavailable_reason(s, device) or "Triton interpreter: too slow here."
             print(f"{s}: skipped. {reason}", file=sys.stderr)
     return list(chosen)
+
+
+def write_json(payload: object, path: str, out: TextIO) -> None:
+    """``payload`` as indented JSON to ``path``, or to stdout when it is "-" (notes go to ``out``)."""
+    text = json.dumps(payload, indent=2)
+    if path == "-":
+        print(text)
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {path}", file=out)

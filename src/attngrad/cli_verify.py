@@ -10,13 +10,13 @@ failure, 2 when the function cannot be loaded.  Wired into the ``attngrad`` comm
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 import attngrad
 from attngrad import external
+from attngrad.cli_args import write_json
 from attngrad.progress import Progress
 
 __all__ = ["add_verify", "run_verify"]
@@ -44,13 +44,7 @@ def run_verify(args: argparse.Namespace) -> int:
             "seed": args.seed,
             **result.as_dict(),
         }
-        text = json.dumps(payload, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text)
-            print(f"wrote {args.json}", file=out)
+        write_json(payload, args.json, out)
     return 0 if result.passed else 1
 
 
