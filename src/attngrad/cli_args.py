@@ -88,10 +88,10 @@ def chosen_strategies(
 
 def write_json(payload: object, path: str, out: TextIO) -> None:
     """``payload`` as indented JSON to ``path``, or to stdout when it is "-" (notes go to ``out``)."""
-    text = json.dumps(payload, indent=2)
+    text = json.dumps(payload, indent=2, ensure_ascii=False)
     if path == "-":
         print(text)
         return
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:  # utf-8: the grader's hints and Chinese text
         f.write(text)
     print(f"wrote {path}", file=out)

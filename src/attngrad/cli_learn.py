@@ -7,10 +7,9 @@ attngrad grade FILE [--json PATH] [--timeout S]      grade a solution; exit 0 wh
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from attngrad.cli_args import positive_float
+from attngrad.cli_args import positive_float, write_json
 from attngrad.exercise import LANGS, SKELETON, write_exercise
 from attngrad.grade import grade
 
@@ -53,9 +52,7 @@ def run_grade(args: argparse.Namespace) -> int:
         return 2
     print(report.table())
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.as_dict(), f, indent=2, ensure_ascii=False)
-        print(f"wrote {args.json}")
+        write_json(report.as_dict(), args.json, sys.stdout)
     return 0 if report.passed else 1
 
 

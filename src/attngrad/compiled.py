@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from attngrad.band import Band
 from attngrad.contract import Shapes
 from attngrad.dropout import Dropout, draw_seed
 from attngrad.keywords import validate_segments
@@ -65,14 +64,15 @@ def _mask(
     """
     shapes = Shapes.of(q, k, v)
     segments = validate_segments(cu_q, cu_k, shapes, q.device)
-    band = None
-    if left is not None or right is not None or segments is not None:
-        band = Band.of(shapes.seq_q, shapes.seq_k, left, right, align, segments, q.device)
     dropout = None
     if dropout_p > 0:
         word, offset = (int(x) for x in seed.tolist())
         dropout = Dropout(dropout_p, word, offset)
-    return Mask(bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout)
+    # (left, right) already hold is_causal (`causal_band`), so the band is built as a window
+    mask = Mask.build(
+        None, False, (left, right), shapes, align, segments, softcap, dropout, q.device
+    )
+    return mask.with_tensors(bias, keep)
 
 
 def _names(strategy: str, shapes: Shapes) -> tuple[str, ...]:
