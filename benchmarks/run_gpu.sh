@@ -3,11 +3,15 @@
 #
 #     benchmarks/run_gpu.sh OUTDIR
 #
-# Writes into OUTDIR: versions.txt, nvidia-smi.txt, tests.log and tests.xml (JUnit) of
-# tests/test_triton_gpu.py, then targets.log/.csv (benchmark_gpu.py at the issue's target
-# shape, N = 8192, d = 128 and 64) and benchmark_gpu.log/.csv (the sweep over N and d).
-# Each step has its own time limit so that the whole run stays under 8 minutes; a step cut
-# short keeps the rows it measured.  The exit status is that of the tests.
+# Writes into OUTDIR: versions.txt, nvidia-smi.txt; kernels.log and kernels.json (the compile
+# report, `attngrad kernels --quick`, for this GPU's architecture: its registers, spills and
+# shared memory are what the next step checks against the driver); tests.log and tests.xml
+# (JUnit) of tests/test_triton_gpu.py (the 2x rule on compiled kernels, TF32, and the compile
+# report against torch.cuda's properties and the loaded kernels); then targets.log/.csv
+# (benchmark_gpu.py at the target shape, N = 8192, d = 128 and 64) and benchmark_gpu.log/.csv
+# (the sweep over N and d).  Each step has its own time limit so that the whole run stays
+# under 10 minutes; a step cut short keeps what it wrote.  The exit status is that of the
+# tests, else that of the report.
 #
 # The first of .venv/bin/python, python3, python whose torch sees a CUDA GPU runs it all
 # (it needs triton and pytest too: pip install -e '.[gpu,test]').
@@ -36,6 +40,12 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     2>&1 | tee "$out/versions.txt"
 
+arch=$("$py" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'sm_{major}{minor}')")
+export ATTNGRAD_CACHE_DIR="$out/cache"  # the tests' cross-check reuses the report's binaries
+timeout 120 "$py" -m attngrad kernels --target "$arch" --quick --json "$out/kernels.json" \
+    2>&1 | tee "$out/kernels.log"
+kernels=${PIPESTATUS[0]}
+
 timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
     --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
@@ -46,4 +56,6 @@ timeout 90 "$py" benchmarks/benchmark_gpu.py --seq 8192 --head-dim 128 64 \
 timeout 170 "$py" benchmarks/benchmark_gpu.py --csv "$out/benchmark_gpu.csv" 2>&1 \
     | tee "$out/benchmark_gpu.log"
 
-exit "$tests"
+rm -rf "$out/cache"
+[ "$tests" -ne 0 ] && exit "$tests"
+exit "$kernels"

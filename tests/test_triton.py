@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import attngrad
+from attngrad import kernel_configs
 from attngrad.band import Band
 from attngrad.contract import Shapes
 from attngrad.dropout import Dropout, draw_seed, keep_mask
@@ -365,12 +366,58 @@ def test_block_sizes_must_be_powers_of_two_from_16_to_256(value):
         attngrad.attention(q, q, q, strategy="triton", block_q=value)
 
 
+def _recorded(dtype=torch.float32, nq=20, nk=5, d=16, arch=90, **tiles):
+    """{kernel name: recorded launch} of one forward and backward, as chosen for sm_<arch>."""
+    q = torch.randn(1, 2, nq, d, dtype=dtype)
+    k = v = torch.randn(1, 2, nk, d, dtype=dtype)
+    mask = attngrad.masks.Mask.none(2, nq, nk)
+    blocks = triton_strategy.tiles(Shapes.of(q, k, v), dtype, tiles.get("bq"), tiles.get("bk"))
+    with triton_strategy.dry_run(arch) as launches:
+        o, saved = triton_strategy.forward(q, k, v, mask, 0.25, blocks)
+        grads = [torch.zeros_like(t) for t in (q, k, v)] + [None]
+        triton_strategy.backward_into(grads, o, None, q, k, v, saved, mask, 0.25, blocks)
+    return {launch.kernel.__name__: launch for launch in launches}
+
+
+def _blocks(launch):
+    return launch.args["BLOCK_M"], launch.args["BLOCK_N"]
+
+
 def test_default_blocks_fit_the_sequence():
-    blocks = triton_strategy.choose_blocks(20, 5, 128, None, None)
-    assert blocks["forward"] == (32, 16) and blocks["dkdv"] == (32, 16)
-    assert triton_strategy.choose_blocks(4096, 4096, 128, 64, None)["dq"] == (64, 32)
-    # wider head rows take narrower tiles: float64 at d = 256 is 2 KiB a row
-    assert triton_strategy.choose_blocks(4096, 4096, 2048, None, None)["forward"] == (32, 16)
+    short = _recorded(nq=20, nk=5)
+    for name in ("forward", "dkdv", "dq"):
+        config = kernel_configs.choose(name, "fma32", 16, 90)
+        # never past the sequences padded to powers of two >= 16: 32 rows, 16 keys
+        want = (min(config.block_m, 32), min(config.block_n, 16))
+        assert _blocks(short["attention_" + name]) == want
+    long = _recorded(nq=4096, nk=4096, bq=64)
+    # a given block_q sets every kernel's rows; the keys stay the table's
+    config = kernel_configs.choose("dq", "fma32", 16, 90)
+    assert _blocks(long["attention_dq"]) == (64, config.block_n)
+    assert long["attention_dq"].args["num_warps"] == config.num_warps
+
+
+def test_dry_run_records_every_launch_in_order_without_running():
+    launches = _recorded(nq=300, nk=200)
+    assert list(launches) == ["attention_forward", "attention_delta", "attention_dkdv", "attention_dq"]
+    fwd = launches["attention_forward"]
+    assert fwd.grid == (2, -(-300 // fwd.args["BLOCK_M"]))
+    assert fwd.args["PRECISION"] == "ieee"
+
+
+def test_tf32_follows_pytorchs_matmul_flag_for_float32_only():
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        for setting, want in (("tf32", "tf32"), ("ieee", "ieee")):
+            matmul.fp32_precision = setting
+            assert triton_strategy.tf32_enabled() == (want == "tf32")
+            assert _recorded(nq=64, nk=64)["attention_dq"].args["PRECISION"] == want
+            # the other dtypes' dots never change precision
+            assert _recorded(torch.float16, nq=64, nk=64)["attention_dq"].args["PRECISION"] == "ieee"
+    finally:
+        matmul.fp32_precision = before
+    assert not triton_strategy.tf32_enabled()  # off by default, as in PyTorch
 
 
 def test_auto_picks_triton_on_cuda_only():

@@ -133,3 +133,54 @@ def test_band_softcap_and_dropout_agree_with_flash_in_float64():
         torch.testing.assert_close(
             got, want, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.fixture
+def tf32_matmuls():
+    """PyTorch's float32 matmuls on CUDA in TF32 for the test, as a user sets it."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    yield
+    matmul.fp32_precision = before
+
+
+def test_tf32_dots_obey_the_rule_against_pytorch_in_tf32(tf32_matmuls):
+    # the plain float32 run the rule compares with is PyTorch's own, on the GPU with TF32 on
+    c = _case(2, 4, 2, 600, 600, 128, 128, "float", False, torch.float32)
+    inputs = _on_cuda(c)
+    tf32 = _judge(c, inputs=inputs)
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    ieee = outputs_and_grads(strategy_fn("triton"), c, inputs, c.dtype)
+    # TF32 keeps 10 mantissa bits: its output cannot equal the IEEE dots' bit for bit
+    assert not torch.equal(tf32["out"], ieee["out"])
+
+
+@pytest.mark.parametrize(("dtype", "precision"), [("float16", "ieee"), ("float32", "tf32")])
+def test_compile_report_matches_the_kernels_this_gpu_built(dtype, precision):
+    # what `attngrad kernels` predicts without a GPU (registers, local memory, shared bytes)
+    # is what the driver reports for the kernels built here, and the target's shared-memory
+    # limit is this GPU's
+    from attngrad import kernel_report
+    from attngrad.cross_compile import bind, compile_bound, default_cache_dir
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = 10 * major + minor
+    limit = torch.cuda.get_device_properties(CUDA).shared_memory_per_block_optin
+    target = kernel_report.TARGETS.get(f"sm_{arch}")
+    if target is not None:
+        assert target.shared_limit == limit
+    variant = kernel_report.Variant(dtype, precision, 128, "all", 4)
+    for name, args, fn in kernel_report.launches(variant, arch):
+        predicted = compile_bound(bind(fn, args, arch), default_cache_dir())
+        # the recorded arguments carry the precision: PRECISION="tf32" for the tf32 variant
+        on_gpu = fn.warmup(**{n: _to_cuda(a) for n, a in args.items()}, grid=(1,))
+        on_gpu._init_handles()
+        assert predicted.registers == on_gpu.n_regs, name
+        # the driver's n_spills is the local memory (the stack frame) in 4-byte words
+        assert predicted.stack_bytes // 4 == on_gpu.n_spills, name
+        assert predicted.shared_bytes == on_gpu.metadata.shared <= limit, name
+
+
+def _to_cuda(a):
+    return a.to(CUDA) if isinstance(a, torch.Tensor) else a

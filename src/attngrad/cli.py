@@ -13,6 +13,9 @@ attngrad verify  MODULE:FUNCTION [--json PATH|-] [--seed N] [--no-gradcheck]
                  judge any SDPA-signature function; exit 1 on a failure, 2 when it can't be loaded
 attngrad exercise DIR [--lang zh|en] [--force]   write the attention-backward exercise
 attngrad grade FILE [--json PATH] [--timeout S]  grade a solution; exit 0 when every stage passes
+attngrad kernels --target sm_90|sm_80 [--json PATH|-] [--quick]
+                 compile every triton kernel configuration for the GPU, without one: registers,
+                 spills, shared memory; exit 1 on a spill or overrun, 2 when it can't compile here
 attngrad --version
 
 The commands compute rows (`attngrad.verify`, `attngrad.ledger`, `attngrad.explain`,
@@ -39,6 +42,7 @@ from attngrad.cli_args import (
     positive_int,
     write_json,
 )
+from attngrad.cli_kernels import add_kernels
 from attngrad.cli_learn import add_exercise, add_grade
 from attngrad.cli_verify import add_verify
 from attngrad.contract import DTYPES, Shapes
@@ -610,6 +614,7 @@ def _parser() -> argparse.ArgumentParser:
         add_verify,
         add_exercise,
         add_grade,
+        add_kernels,
     ):
         add(sub)
     return parser

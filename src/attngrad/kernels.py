@@ -44,6 +44,16 @@ strategy draws.  Forward sums l over the undropped P and O over P * Z,
 scaled by 1 / (1 - p); backward uses dV = (P Z / (1 - p))^T dO and
 dP = (dO v^T) Z / (1 - p), Delta = rowsum(dO * O) as without dropout.
 
+Registers.  What the compile report (`attngrad.kernel_report`) found and
+these kernels do about it: a tile's elements are addressed from a 64-bit
+pointer to its corner by 32-bit offsets (`_tile_at`; 64-bit per element only
+under WIDE_TILES, for masks or dS whose rows are so long that a tile spans
+2**31 elements), and the dots over the head dim run in slices of CHUNK
+columns read again from memory when they run on FMA units (float32 without
+TF32, float64: `_dot_rows`), since an FMA dot keeps its operands' whole rows
+in each thread's registers.  Tiles, warps and stages per GPU come from
+`attngrad.kernel_configs`.
+
 Import this module only after deciding on TRITON_INTERPRET: Triton reads it
 when the kernels are decorated.
 """
@@ -74,18 +84,73 @@ def _dot(a, b, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _load_tile(Ptr, head, offs_r, n, offs_c, width):
-    """Rows offs_r of head ``head`` of a contiguous [heads, n, width] tensor; zero past n, width."""
-    at = (head * n + offs_r[:, None]) * width + offs_c[None, :]
-    return tl.load(Ptr + at, mask=(offs_r[:, None] < n) & (offs_c[None, :] < width), other=0.0)
+def _tile_at(head, r0, offs_r, n, c0, offs_c, width, WIDE: tl.constexpr):
+    """(corner, offsets): element (r0, c0) of head ``head`` of a contiguous [heads, n, width]
+    tensor, 64-bit (head is int64), and the tile's elements rows offs_r, columns offs_c
+    from it, 32-bit unless WIDE (a tile that may span 2**31 elements): a 64-bit offset
+    per element would cost registers the tiles need."""
+    corner = (head * n + r0) * width + c0
+    if WIDE:
+        dr = (offs_r - r0).to(tl.int64)
+        dc = (offs_c - c0).to(tl.int64)
+    else:
+        dr = (offs_r - r0).to(tl.int32)
+        dc = (offs_c - c0).to(tl.int32)
+    return corner, dr[:, None] * width + dc[None, :]
 
 
 @triton.jit
-def _store_tile(Ptr, head, offs_r, n, offs_c, width, value):
-    """Store ``value`` into rows offs_r of head ``head`` (the layout of `_load_tile`)."""
-    at = (head * n + offs_r[:, None]) * width + offs_c[None, :]
-    tl.store(Ptr + at, value.to(Ptr.dtype.element_ty),
-             mask=(offs_r[:, None] < n) & (offs_c[None, :] < width))  # fmt: skip
+def _load_tile(Ptr, head, r0, offs_r, n, offs_c, width):
+    """Rows offs_r (from r0) of head ``head`` of a contiguous [heads, n, width] tensor (width
+    a head dim, <= 256); zero past n, width."""
+    corner, at = _tile_at(head, r0, offs_r, n, 0, offs_c, width, False)
+    mask = (offs_r[:, None] < n) & (offs_c[None, :] < width)
+    return tl.load(Ptr + corner + at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(Ptr, head, r0, offs_r, n, c0, offs_c, width, value, WIDE: tl.constexpr):
+    """Store ``value`` into rows offs_r (from r0), columns offs_c (from c0) of head ``head``
+    (the layout of `_load_tile`; any width when WIDE)."""
+    corner, at = _tile_at(head, r0, offs_r, n, c0, offs_c, width, WIDE)
+    mask = (offs_r[:, None] < n) & (offs_c[None, :] < width)
+    tl.store(Ptr + corner + at, value.to(Ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_or_none(Ptr, head, r0, offs_r, n, offs_c, width, WHOLE: tl.constexpr):
+    """`_load_tile` when WHOLE, else nothing (0.0): `_dot_rows` then reads the tile in slices."""
+    if WHOLE:  # noqa: SIM108 - a constexpr if: only one branch is compiled
+        tile = _load_tile(Ptr, head, r0, offs_r, n, offs_c, width)
+    else:
+        tile = 0.0
+    return tile
+
+
+@triton.jit
+def _dot_rows(
+    A, a_head, a0, offs_a, na, a,
+    B, b_head, b0, offs_b, nb, b,
+    width,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """a @ b^T over the head dim: rows offs_a of A's head a_head times rows offs_b of B's.
+
+    CHUNK >= BLOCK_W: the loaded tiles a, b (`_tile_or_none`).  Otherwise the
+    product is summed over slices of CHUNK columns read from memory: an FMA
+    dot (float32 without TF32, float64) keeps the whole width of its operands'
+    rows in each thread's registers, which spills at d = 128."""
+    if CHUNK >= BLOCK_W:
+        out = _dot(a, tl.trans(b), ACC, UPCAST, PRECISION)
+    else:
+        out = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+        for c0 in range(0, BLOCK_W, CHUNK):
+            offs_c = c0 + tl.arange(0, CHUNK)
+            a_c = _load_tile(A, a_head, a0, offs_a, na, offs_c, width)
+            b_c = _load_tile(B, b_head, b0, offs_b, nb, offs_c, width)
+            out += _dot(a_c, tl.trans(b_c), ACC, UPCAST, PRECISION)
+    return out
 
 
 @triton.jit
@@ -142,6 +207,8 @@ def _mask_scores(
     s,
     qi,
     kj,
+    i0,
+    j0,
     lo,
     hi,
     b,
@@ -158,19 +225,31 @@ def _mask_scores(
     sen,
     HAS_BIAS: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    WIDE_TILES: tl.constexpr,
 ):
     """Scores s with the bias added and -inf wherever query qi may not see key
     kj: outside its interval lo <= kj < hi (`_spans`: bounds and band) or the
-    keep mask.  qi, kj, lo, hi broadcast against s; mask offsets in int64 (a
-    mask may hold 2**31 elements)."""
-    qi = qi.to(tl.int64)
-    kj = kj.to(tl.int64)
+    keep mask.  qi, kj, lo, hi broadcast against s; (i0, j0) is the tile's
+    first query and key.  The mask is read through a 64-bit pointer to score
+    (i0, j0), then 32-bit offsets inside the tile (a mask may hold 2**31
+    elements; a 64-bit offset per score costs registers), or 64-bit ones when
+    WIDE_TILES (strides so long that a tile spans 2**31 elements)."""
     valid = (kj >= lo) & (kj < hi)
+    if WIDE_TILES:
+        di = (qi - i0).to(tl.int64)
+        dj = (kj - j0).to(tl.int64)
+    else:  # below BLOCK_M, BLOCK_N: exact in int32 whatever the index dtype
+        di = (qi - i0).to(tl.int32)
+        dj = (kj - j0).to(tl.int32)
+    i0 = tl.cast(i0, tl.int64)  # a loop index: a plain int in the interpreter
+    j0 = tl.cast(j0, tl.int64)
     if HAS_KEEP:
-        keep = tl.load(Keep + b * seb + h * seh + qi * sem + kj * sen, mask=valid, other=0)
+        corner = Keep + b * seb + h * seh + i0 * sem + j0 * sen
+        keep = tl.load(corner + (di * sem + dj * sen), mask=valid, other=0)
         valid = valid & (keep != 0)
     if HAS_BIAS:
-        bias = tl.load(Bias + b * sbb + h * sbh + qi * sbm + kj * sbn, mask=valid, other=0.0)
+        corner = Bias + b * sbb + h * sbh + i0 * sbm + j0 * sbn
+        bias = tl.load(corner + (di * sbm + dj * sbn), mask=valid, other=0.0)
         s = s + bias.to(s.dtype)
     return tl.where(valid, s, float("-inf"))
 
@@ -205,10 +284,10 @@ def attention_forward(
     Scales,
     heads_q, groups, nq, nk, d, dv, threshold,
     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BAND: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, WIDE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
@@ -217,7 +296,7 @@ def attention_forward(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
+    q = _tile_or_none(Q, bh, m0, offs_m, nq, offs_d, d, CHUNK >= BLOCK_D)
     lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
     if HAS_DROPOUT:
         row_words = tl.load(RowWords + bh * nq + offs_m, mask=offs_m < nq, other=0)
@@ -226,12 +305,14 @@ def attention_forward(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
     for n0 in range(tl.min(lo), tl.max(hi), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
-        v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
-        s, _ = _capped(_dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale, cap, HAS_SOFTCAP)
-        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], lo[:, None], hi[:, None], b, h,
-                         Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
-                         HAS_BIAS, HAS_KEEP)  # fmt: skip
+        k = _tile_or_none(K, bhk, n0, offs_n, nk, offs_d, d, CHUNK >= BLOCK_D)
+        v = _load_tile(V, bhk, n0, offs_n, nk, offs_dv, dv)
+        s = _dot_rows(Q, bh, m0, offs_m, nq, q, K, bhk, n0, offs_n, nk, k, d,
+                      BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION)  # fmt: skip
+        s, _ = _capped(s * scale, cap, HAS_SOFTCAP)
+        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], m0, n0, lo[:, None], hi[:, None],
+                         b, h, Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+                         HAS_BIAS, HAS_KEEP, WIDE_TILES)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no key yet keeps m = -inf: shift it by 0 so exp2(-inf) = 0, not NaN
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -249,7 +330,7 @@ def attention_forward(
         o = o * keep_scale
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     log_l = tl.where(dead, float("inf"), tl.log(tl.where(dead, 1.0, l_i)))
-    _store_tile(Out, bh, offs_m, nq, offs_dv, dv, o)
+    _store_tile(Out, bh, m0, offs_m, nq, 0, offs_dv, dv, o, False)
     tl.store(Stats + (bh * nq + offs_m) * 2, shift, mask=offs_m < nq)
     tl.store(Stats + (bh * nq + offs_m) * 2 + 1, log_l, mask=offs_m < nq)
 
@@ -261,10 +342,11 @@ def attention_delta(
 ):  # fmt: skip
     """Delta = rowsum(O * dO): [B*Hq, Nq] in ACC."""
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = tl.program_id(1) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o = _load_tile(Out, bh, offs_m, nq, offs_dv, dv).to(ACC)
-    do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv).to(ACC)
+    o = _load_tile(Out, bh, m0, offs_m, nq, offs_dv, dv).to(ACC)
+    do = _load_tile(DO, bh, m0, offs_m, nq, offs_dv, dv).to(ACC)
     tl.store(Delta + bh * nq + offs_m, tl.sum(o * do, 1), mask=offs_m < nq)
 
 
@@ -287,10 +369,10 @@ def attention_dkdv(
     Scales,
     heads_q, groups, nq, nk, d, dv, threshold,
     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BAND: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, WIDE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """dK = scale * sum_g dS_g^T q_g and dV = sum_g P~_g^T dO_g for one key block,
     working in the transposed orientation (keys along rows); query rows
@@ -303,8 +385,8 @@ def attention_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
-    v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
+    k = _tile_or_none(K, bhk, n0, offs_n, nk, offs_d, d, CHUNK >= BLOCK_D)
+    v = _tile_or_none(V, bhk, n0, offs_n, nk, offs_dv, dv, CHUNK >= BLOCK_DV)
     if HAS_DROPOUT:
         col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
@@ -315,17 +397,20 @@ def attention_dkdv(
         bh = b * heads_q + h
         for m0 in range(tl.min(first), tl.max(stop), BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
-            do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
+            q = _load_tile(Q, bh, m0, offs_m, nq, offs_d, d)
+            do = _load_tile(DO, bh, m0, offs_m, nq, offs_dv, dv)
             m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
             lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
-            s_t = _dot(k, tl.trans(q), ACC, UPCAST, PRECISION) * scale  # [BLOCK_N, BLOCK_M]
-            s_t, slope_t = _capped(s_t, cap, HAS_SOFTCAP)
-            s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], lo[None, :], hi[None, :],
-                               b, h, Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
-                               HAS_BIAS, HAS_KEEP)  # fmt: skip
+            s_t = _dot_rows(K, bhk, n0, offs_n, nk, k, Q, bh, m0, offs_m, nq, q, d,
+                            BLOCK_N, BLOCK_M, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION)  # fmt: skip
+            s_t, slope_t = _capped(s_t * scale, cap, HAS_SOFTCAP)  # [BLOCK_N, BLOCK_M]
+            s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], m0, n0,
+                               lo[None, :], hi[None, :], b, h, Bias, Keep,
+                               sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+                               HAS_BIAS, HAS_KEEP, WIDE_TILES)  # fmt: skip
             p_t = tl.exp2((s_t - m[None, :]) * log2e + neg_log2_l[None, :])
-            dp_t = _dot(v, tl.trans(do), ACC, UPCAST, PRECISION)
+            dp_t = _dot_rows(V, bhk, n0, offs_n, nk, v, DO, bh, m0, offs_m, nq, do, dv,
+                             BLOCK_N, BLOCK_M, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION)  # fmt: skip
             if HAS_DROPOUT:
                 row_words = tl.load(RowWords + bh * nq + offs_m, mask=offs_m < nq, other=0)
                 kept = _kept(row_words[None, :], col_words[:, None], threshold)
@@ -338,8 +423,8 @@ def attention_dkdv(
             if HAS_SOFTCAP:
                 ds_t = ds_t * slope_t
             dk += _dot(ds_t.to(q.dtype), q, ACC, UPCAST, PRECISION)
-    _store_tile(DK, bhk, offs_n, nk, offs_d, d, dk * scale)
-    _store_tile(DV, bhk, offs_n, nk, offs_dv, dv, dv_acc)
+    _store_tile(DK, bhk, n0, offs_n, nk, 0, offs_d, d, dk * scale, False)
+    _store_tile(DV, bhk, n0, offs_n, nk, 0, offs_dv, dv, dv_acc, False)
 
 
 @triton.jit
@@ -349,10 +434,10 @@ def attention_dq(
     Scales,
     heads_q, groups, nq, nk, d, dv, threshold,
     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BAND: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, WIDE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
     STORE_DS: tl.constexpr,
 ):  # fmt: skip
     """dQ = scale * dS_raw k for one query block; with STORE_DS also dS (the gradient
@@ -364,8 +449,8 @@ def attention_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q, bh, offs_m, nq, offs_d, d)
-    do = _load_tile(DO, bh, offs_m, nq, offs_dv, dv)
+    q = _tile_or_none(Q, bh, m0, offs_m, nq, offs_d, d, CHUNK >= BLOCK_D)
+    do = _tile_or_none(DO, bh, m0, offs_m, nq, offs_dv, dv, CHUNK >= BLOCK_DV)
     m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
     lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
     if HAS_DROPOUT:
@@ -373,25 +458,28 @@ def attention_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for n0 in range(tl.min(lo), tl.max(hi), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, bhk, offs_n, nk, offs_d, d)
-        v = _load_tile(V, bhk, offs_n, nk, offs_dv, dv)
-        s, slope = _capped(_dot(q, tl.trans(k), ACC, UPCAST, PRECISION) * scale, cap, HAS_SOFTCAP)
-        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], lo[:, None], hi[:, None], b, h,
-                         Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
-                         HAS_BIAS, HAS_KEEP)  # fmt: skip
+        k = _load_tile(K, bhk, n0, offs_n, nk, offs_d, d)
+        v = _tile_or_none(V, bhk, n0, offs_n, nk, offs_dv, dv, CHUNK >= BLOCK_DV)
+        s = _dot_rows(Q, bh, m0, offs_m, nq, q, K, bhk, n0, offs_n, nk, k, d,
+                      BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION)  # fmt: skip
+        s, slope = _capped(s * scale, cap, HAS_SOFTCAP)
+        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], m0, n0, lo[:, None], hi[:, None],
+                         b, h, Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
+                         HAS_BIAS, HAS_KEEP, WIDE_TILES)  # fmt: skip
         p = tl.exp2((s - m[:, None]) * log2e + neg_log2_l[:, None])
-        dp = _dot(do, tl.trans(v), ACC, UPCAST, PRECISION)
+        dp = _dot_rows(DO, bh, m0, offs_m, nq, do, V, bhk, n0, offs_n, nk, v, dv,
+                       BLOCK_M, BLOCK_N, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION)  # fmt: skip
         if HAS_DROPOUT:
             col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
             kept = _kept(row_words[:, None], col_words[None, :], threshold)
             dp = tl.where(kept, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if STORE_DS:
-            _store_tile(DS, bh, offs_m, nq, offs_n, nk, ds)
+            _store_tile(DS, bh, m0, offs_m, nq, n0, offs_n, nk, ds, WIDE_TILES)
         if HAS_SOFTCAP:
             ds = ds * slope
         dq += _dot(ds.to(k.dtype), k, ACC, UPCAST, PRECISION)
-    _store_tile(DQ, bh, offs_m, nq, offs_d, d, dq * scale)
+    _store_tile(DQ, bh, m0, offs_m, nq, 0, offs_d, d, dq * scale, False)
 
 
 INTERPRETED: bool = type(attention_forward).__name__ == "InterpretedFunction"

@@ -22,10 +22,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from attngrad import kernel_configs
 from attngrad.contract import Shapes
 from attngrad.masks import Mask
 from attngrad.ops import LOG2E, compute_dtype
@@ -36,13 +42,16 @@ __all__ = [
     "KEEPS_MASK",
     "MAX_HEAD_DIM",
     "Function",
+    "Launch",
+    "Tiles",
     "TritonAttention",
     "backward_into",
     "check_head_dims",
-    "choose_blocks",
+    "dry_run",
     "forward",
     "probabilities",
     "saves",
+    "tf32_enabled",
     "tiles",
     "unavailable_reason",
 ]
@@ -52,6 +61,7 @@ saves = flash.saves  # the same O and stats as flash
 probabilities = recompute.probabilities  # P rebuilt from them, for forward mode and second order
 
 MAX_HEAD_DIM = 256
+MAX_BLOCK = 256  # the largest tile side: the table's, or a caller's (`attngrad.contract` checks)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -103,41 +113,139 @@ def _cdiv(n: int, block: int) -> int:
     return max(1, -(-n // block))
 
 
-# (rows, keys) per tile of each kernel, by the bytes of one head row (d * element size):
-# wide row tiles for forward and dQ, wide key tiles for dK/dV, narrower as rows grow so
-# that a kernel's q/k/v/dO tiles, double-buffered, fit in ~200 KiB of shared memory.
-_TILES = (
-    (256, {"forward": (128, 64), "dkdv": (32, 128), "dq": (128, 32)}),  # 16-bit d <= 128
-    (512, {"forward": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}),  # 16-bit d <= 256
-    (2048, {"forward": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}),  # float64 d <= 256
-)
+@dataclass(frozen=True)
+class Tiles:
+    """The call's tile choice (`tiles`): the caller's block sizes (None: the table's)."""
+
+    block_q: int | None
+    block_k: int | None
 
 
-def choose_blocks(
-    seq_q: int, seq_k: int, row_bytes: int, block_q: int | None, block_k: int | None
-) -> dict[str, tuple[int, int]]:
-    """(rows, keys) per tile for each kernel: "forward", "dkdv", "dq".
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as `dry_run` records it: the JIT function, its grid and arguments."""
 
-    ``row_bytes``: d (the larger of the two head dims) times the element size.
-    Defaults follow the usual shapes of these kernels on recent NVIDIA GPUs
-    (not yet measured here); a given ``block_q`` / ``block_k`` sets every
-    kernel's.  Never beyond the padded sequence lengths.
+    kernel: object
+    grid: tuple[int, ...]
+    args: dict[str, object]
+
+
+_DRY_RUN: ContextVar[tuple[int, list[Launch]] | None] = ContextVar("dry_run", default=None)
+
+
+@contextmanager
+def dry_run(arch: int) -> Iterator[list[Launch]]:
+    """Inside, `forward` and `backward_into` record their launches, as chosen for sm_<arch>.
+
+    Nothing runs: the tensors the launchers allocate stay unwritten.  This is
+    how `attngrad.kernel_report` learns what would be compiled for a GPU it
+    does not have; CPU tensors will do.
     """
-    defaults = next((tiles for limit, tiles in _TILES if row_bytes <= limit), _TILES[-1][1])
-    cap_q, cap_k = _pow2(seq_q), _pow2(seq_k)
+    launches: list[Launch] = []
+    token = _DRY_RUN.set((arch, launches))
+    try:
+        yield launches
+    finally:
+        _DRY_RUN.reset(token)
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], **args: object) -> None:
+    recording = _DRY_RUN.get()
+    if recording is None:
+        kernel[grid](**args)
+    else:
+        recording[1].append(Launch(kernel, grid, args))
+
+
+def _arch(device: torch.device) -> int | None:
+    """sm_<arch> the launches are for: the dry run's, the CUDA device's, None in the interpreter."""
+    recording = _DRY_RUN.get()
+    if recording is not None:
+        return recording[0]
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return None
+
+
+def tf32_enabled() -> bool:
+    """Whether PyTorch lets float32 matmuls on CUDA use TF32, as the user set it.
+
+    ``torch.backends.cuda.matmul.allow_tf32 = True``, the newer
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (or the global
+    ``torch.backends.fp32_precision``) and ``torch.set_float32_matmul_precision("high")``
+    all read back through fp32_precision; off by default, as in PyTorch.
+    """
+    precision = torch.backends.cuda.matmul.fp32_precision
+    if precision == "none":
+        precision = torch.backends.fp32_precision
+    return bool(precision == "tf32")
+
+
+def _config(
+    kernel: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    seq: tuple[int, int],
+    mask: Mask,
+    tiles: Tiles,
+    arch: int | None,
+) -> tuple[dict[str, int], dict[str, object]]:
+    """(BLOCK_M, BLOCK_N, CHUNK by name; the launch options) of ``kernel`` for a call of ``dtype``.
+
+    The table's choice for sm_<arch> (`attngrad.kernel_configs`; the sm_90
+    table's 16-bit tiles in the interpreter, where fewer, larger tiles run
+    faster) and the mask's tier (a softcap or dropout is heavy), the caller's
+    block sizes over it, never beyond the padded sequence lengths seq =
+    (Nq, Nk).  CHUNK: the head-dim slices of the dots over d (`kernels._dot_rows`):
+    the table's, else `FMA_CHUNK` where the dots run on FMA units (float32
+    without TF32, float64) and whole (MAX_HEAD_DIM) on tensor cores.  The
+    launch options, on a GPU only: num_warps, num_stages, and FMA contraction
+    on (Triton's default so far, said aloud).
+    """
+    heavy = mask.softcap is not None or mask.dropout is not None
+    tf32 = _tf32(dtype, arch)
+    size = torch.finfo(dtype).bits // 8
+    kind = kernel_configs.dot_kind(size if arch is not None else 2, tf32)
+    config = kernel_configs.choose(kernel, kind, head_dim, arch or 90, heavy)
+    fma = dtype == torch.float64 or (dtype == torch.float32 and not tf32)
+    tile = {
+        "BLOCK_M": min(tiles.block_q or config.block_m, _pow2(seq[0])),
+        "BLOCK_N": min(tiles.block_k or config.block_n, _pow2(seq[1])),
+        "CHUNK": config.chunk or (FMA_CHUNK if fma else MAX_HEAD_DIM),
+    }
+    if arch is None:
+        return tile, {}
+    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return tile, {**launch, "enable_fp_fusion": True}
+
+
+def _tf32(dtype: torch.dtype, arch: int | None) -> bool:
+    """Whether the dots of a float32 call run in TF32: on a GPU, when `tf32_enabled`."""
+    return dtype == torch.float32 and arch is not None and tf32_enabled()
+
+
+FMA_CHUNK = 32  # head-dim columns per slice of an FMA dot (`attngrad.kernels._dot_rows`)
+
+
+def _dots(dtype: torch.dtype, arch: int | None) -> dict[str, object]:
+    """The kernels' ACC, UPCAST, PRECISION for inputs of ``dtype`` (see `attngrad.kernels._dot`).
+
+    ACC: float64 for float64, else float32; PRECISION: "tf32" for float32 on a
+    GPU when `tf32_enabled`, else "ieee"; UPCAST: bfloat16 in the interpreter.
+    """
+    tl = _kernels().tl
     return {
-        name: (min(block_q or bq, cap_q), min(block_k or bk, cap_k))
-        for name, (bq, bk) in defaults.items()
+        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+        "UPCAST": arch is None and dtype == torch.bfloat16,
+        "PRECISION": "tf32" if _tf32(dtype, arch) else "ieee",
     }
 
 
-def tiles(
-    shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
-) -> dict[str, tuple[int, int]]:
-    """`choose_blocks` for the call's sizes; ValueError for head dims the kernels do not take."""
+def tiles(shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> Tiles:
+    """The caller's block sizes, kept for the launchers; ValueError for head dims the kernels do not take."""
     check_head_dims(shapes.head_dim, shapes.value_dim)
-    row_bytes = max(shapes.head_dim, shapes.value_dim) * torch.finfo(dtype).bits // 8
-    return choose_blocks(shapes.seq_q, shapes.seq_k, row_bytes, block_q, block_k)
+    return Tiles(block_q, block_k)
 
 
 def _mask_args(
@@ -163,12 +271,19 @@ def _mask_args(
 
 
 def _tensor_args(mask: Mask, shape: tuple[int, int, int, int]) -> dict[str, object]:
-    """Bias and Keep with their strides broadcast to the scores' shape (sbb..sbn, seb..sen)."""
-    args: dict[str, object] = {}
+    """Bias and Keep with their strides broadcast to the scores' shape (sbb..sbn, seb..sen).
+
+    WIDE_TILES when a tile of 256 x 256 scores could span 2**31 elements of
+    either, or of dS [B*Hq, Nq, Nk] (so the kernels' 32-bit offsets inside a
+    tile would overflow).
+    """
+    args: dict[str, object] = {"WIDE_TILES": MAX_BLOCK * shape[3] >= 2**31}
     for name, prefix, t in (("Bias", "sb", mask.bias), ("Keep", "se", mask.keep)):
         strides = (0, 0, 0, 0) if t is None else t.expand(shape).stride()
         args[name] = t
         args.update({prefix + dim: n for dim, n in zip("bhmn", strides, strict=True)})
+        if MAX_BLOCK * (abs(strides[2]) + abs(strides[3])) >= 2**31:
+            args["WIDE_TILES"] = True
     return args
 
 
@@ -209,21 +324,6 @@ def _scales(scale: float, mask: Mask, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor([scale, LOG2E, cap, keep_scale], dtype=like.dtype, device=like.device)
 
 
-def _launch_options(dtype: torch.dtype, head_dim: int) -> dict[str, object]:
-    tl = _kernels().tl
-    interpreted = _kernels().INTERPRETED
-    options: dict[str, object] = {
-        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
-        "UPCAST": interpreted and dtype == torch.bfloat16,
-        "PRECISION": "ieee",
-    }
-    if not interpreted:
-        row_bytes = head_dim * torch.finfo(dtype).bits // 8
-        options["num_warps"] = 4 if head_dim <= 64 else 8
-        options["num_stages"] = 3 if row_bytes <= 256 else (2 if row_bytes <= 512 else 1)
-    return options
-
-
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
     """The kernels' sizes by name, from q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [.., dv]."""
     hq, nq, d = q.shape[1:]
@@ -246,7 +346,7 @@ def forward(
     v: torch.Tensor,
     mask: Mask,
     scale: float,
-    blocks: dict[str, tuple[int, int]],
+    tiles: Tiles,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
 
@@ -255,15 +355,16 @@ def forward(
     """
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, hq, nq, _ = q.shape
+    nk = k.shape[2]
     o = q.new_empty(b, hq, nq, v.shape[-1])
     stats = torch.empty(b, hq, nq, 2, dtype=compute_dtype(q.dtype), device=q.device)
-    block_m, block_n = blocks["forward"]
-    grid = (b * hq, _cdiv(nq, block_m))
-    shape = (b, hq, nq, k.shape[2])
-    _kernels().attention_forward[grid](
-        q, k, v, o, stats, **_mask_args(mask, shape, q.device), Scales=_scales(scale, mask, stats),
-        **_problem(q, k, v), BLOCK_M=block_m, BLOCK_N=block_n,
-        **_launch_options(q.dtype, max(q.shape[-1], v.shape[-1])),
+    head_dim, arch = max(q.shape[-1], v.shape[-1]), _arch(q.device)
+    tile, launch = _config("forward", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
+    _launch(
+        _kernels().attention_forward, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
+        Q=q, K=k, V=v, Out=o, Stats=stats, **_mask_args(mask, (b, hq, nq, nk), q.device),
+        Scales=_scales(scale, mask, stats), **_problem(q, k, v),
+        **tile, **_dots(q.dtype, arch), **launch,
     )  # fmt: skip
     return o, {"o": o, "stats": stats}
 
@@ -278,7 +379,7 @@ def backward_into(
     saved: dict[str, torch.Tensor],
     mask: Mask,
     scale: float,
-    blocks: dict[str, tuple[int, int]],
+    tiles: Tiles,
 ) -> None:
     """Add dq, dk, dv and dbias into ``grads`` (see `attngrad.strategies.base`).
 
@@ -291,30 +392,35 @@ def backward_into(
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     dout = dout.contiguous()
-    problem, options = _problem(q, k, v), _launch_options(q.dtype, max(d, dv_dim))
+    problem, head_dim, arch = _problem(q, k, v), max(d, dv_dim), _arch(q.device)
     shape = (b, hq, nq, nk)
     masks = {**_mask_args(mask, shape, q.device), "Scales": _scales(scale, mask, stats)}
     delta = stats.new_empty(b, hq, nq)
-    block_m = min(64, _pow2(nq))  # rows x dv elements of O and dO in registers
-    kernels.attention_delta[(b * hq, _cdiv(nq, block_m))](
-        o, dout, delta, nq, dv_dim,
-        BLOCK_M=block_m, BLOCK_DV=problem["BLOCK_DV"], ACC=options["ACC"],
+    dots = _dots(q.dtype, arch)
+    tile, launch = _config("delta", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
+    _launch(
+        kernels.attention_delta, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
+        Out=o, DO=dout, Delta=delta, nq=nq, dv=dv_dim,
+        BLOCK_M=tile["BLOCK_M"], BLOCK_DV=problem["BLOCK_DV"], ACC=dots["ACC"], **launch,
     )  # fmt: skip
     if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
         delta -= dlse.to(delta.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    block_m, block_n = blocks["dkdv"]
-    kernels.attention_dkdv[(b * hkv, _cdiv(nk, block_n))](
-        q, k, v, dout, stats, delta, dk, dv, **masks, **_query_span_args(mask, q.device),
-        **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options,
+    tile, launch = _config("dkdv", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
+    _launch(
+        kernels.attention_dkdv, (b * hkv, _cdiv(nk, tile["BLOCK_N"])),
+        Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DK=dk, DV=dv, **masks,
+        **_query_span_args(mask, q.device), **problem,
+        **tile, **dots, **launch,
     )  # fmt: skip
     dbias = grads[3]
     # dS at the scores' shape, only for a bias gradient; skipped tiles stay zero
     ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if dbias is not None else stats
-    block_m, block_n = blocks["dq"]
-    kernels.attention_dq[(b * hq, _cdiv(nq, block_m))](
-        q, k, v, dout, stats, delta, dq, ds, **masks,
-        **problem, BLOCK_M=block_m, BLOCK_N=block_n, **options, STORE_DS=dbias is not None,
+    tile, launch = _config("dq", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
+    _launch(
+        kernels.attention_dq, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
+        Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DQ=dq, DS=ds, **masks, **problem,
+        **tile, **dots, **launch, STORE_DS=dbias is not None,
     )  # fmt: skip
     if dbias is not None:
         dbias += ds.sum_to_size(dbias.shape)
