@@ -399,7 +399,12 @@ def test_default_blocks_fit_the_sequence():
 
 def test_dry_run_records_every_launch_in_order_without_running():
     launches = _recorded(nq=300, nk=200)
-    assert list(launches) == ["attention_forward", "attention_delta", "attention_dkdv", "attention_dq"]
+    assert list(launches) == [
+        "attention_forward",
+        "attention_delta",
+        "attention_dkdv",
+        "attention_dq",
+    ]
     fwd = launches["attention_forward"]
     assert fwd.grid == (2, -(-300 // fwd.args["BLOCK_M"]))
     assert fwd.args["PRECISION"] == "ieee"
@@ -414,7 +419,9 @@ def test_tf32_follows_pytorchs_matmul_flag_for_float32_only():
             assert triton_strategy.tf32_enabled() == (want == "tf32")
             assert _recorded(nq=64, nk=64)["attention_dq"].args["PRECISION"] == want
             # the other dtypes' dots never change precision
-            assert _recorded(torch.float16, nq=64, nk=64)["attention_dq"].args["PRECISION"] == "ieee"
+            assert (
+                _recorded(torch.float16, nq=64, nk=64)["attention_dq"].args["PRECISION"] == "ieee"
+            )
     finally:
         matmul.fp32_precision = before
     assert not triton_strategy.tf32_enabled()  # off by default, as in PyTorch
