@@ -174,9 +174,13 @@ def tf32_enabled() -> bool:
     ``torch.backends.cuda.matmul.allow_tf32 = True``, the newer
     ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (or the global
     ``torch.backends.fp32_precision``) and ``torch.set_float32_matmul_precision("high")``
-    all read back through fp32_precision; off by default, as in PyTorch.
+    all read back through fp32_precision (PyTorch 2.9 and later; before it,
+    ``allow_tf32`` is the one switch); off by default, as in PyTorch.
     """
-    precision = torch.backends.cuda.matmul.fp32_precision
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
     if precision == "none":
         precision = torch.backends.fp32_precision
     return bool(precision == "tf32")
