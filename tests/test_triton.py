@@ -10,6 +10,7 @@ matrix (plain torch ops, autograd for the gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -490,3 +491,22 @@ def test_ledger_leaves_out_the_interpreters_peak():
     layout = Case(Shapes((1,), 2, 2, 16, 16, 16, 16), torch.float32)
     row = ledger_row("triton", layout)
     assert row.peak is None and row.peak_beyond_io is None
+
+
+def test_dots_over_the_head_dim_in_slices_equal_whole_ones(monkeypatch):
+    # on a GPU, FMA dots (float32, float64) and some wide tensor-core ones take the head dim in
+    # slices read again from memory (kernels._dot_rows); the interpreter runs whole dots unless
+    # the table says otherwise, so force slices here: d = 40 and dv = 72 pad to 64 and 128
+    choose = kernel_configs.choose
+
+    def sliced(*args, **kwargs):
+        config = choose(*args, **kwargs)
+        return dataclasses.replace(config, chunk=16)
+
+    c = case((1,), 4, 2, 37, 29, 40, 72, "float", (4, 37, 29), window=(None, 0))  # 3 and 5 slices
+    inputs = make_inputs(c)
+    whole = outputs_and_grads(_triton(), c, inputs, c.dtype)
+    monkeypatch.setattr(kernel_configs, "choose", sliced)
+    got = outputs_and_grads(_triton(), c, inputs, c.dtype)
+    for name, want in whole.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-13, msg=name)

@@ -216,7 +216,8 @@ def _config(
     tile = {
         "BLOCK_M": min(tiles.block_q or config.block_m, _pow2(seq[0])),
         "BLOCK_N": min(tiles.block_k or config.block_n, _pow2(seq[1])),
-        "CHUNK": config.chunk or (FMA_CHUNK if fma else MAX_HEAD_DIM),
+        # the interpreter's dots are numpy's whatever the width: no slices unless the table's
+        "CHUNK": config.chunk or (FMA_CHUNK if fma and arch is not None else MAX_HEAD_DIM),
     }
     if arch is None:
         return tile, {}
