@@ -495,18 +495,24 @@ def test_ledger_leaves_out_the_interpreters_peak():
 
 def test_dots_over_the_head_dim_in_slices_equal_whole_ones(monkeypatch):
     # on a GPU, FMA dots (float32, float64) and some wide tensor-core ones take the head dim in
-    # slices read again from memory (kernels._dot_rows); the interpreter runs whole dots unless
-    # the table says otherwise, so force slices here: d = 40 and dv = 72 pad to 64 and 128
-    choose = kernel_configs.choose
-
-    def sliced(*args, **kwargs):
-        config = choose(*args, **kwargs)
-        return dataclasses.replace(config, chunk=16)
-
-    c = case((1,), 4, 2, 37, 29, 40, 72, "float", (4, 37, 29), window=(None, 0))  # 3 and 5 slices
+    # slices read again from memory (kernels._dot_rows); the interpreter runs whole dots, so
+    # force slices of 16 here: d = 40 and dv = 72 pad to 64 and 128, 4 and 8 slices
+    c = case((1,), 4, 2, 37, 29, 40, 72, "float", (4, 37, 29), window=(None, 0))
     inputs = make_inputs(c)
     whole = outputs_and_grads(_triton(), c, inputs, c.dtype)
-    monkeypatch.setattr(kernel_configs, "choose", sliced)
+    sliced = {
+        name: dataclasses.replace(config, chunk=16)
+        for name, config in triton_strategy._INTERPRETER.items()
+    }
+    monkeypatch.setattr(triton_strategy, "_INTERPRETER", sliced)
+    chunks, launch = [], triton_strategy._launch
+
+    def spy(kernel, grid, **args):
+        chunks.append(args.get("CHUNK"))
+        launch(kernel, grid, **args)
+
+    monkeypatch.setattr(triton_strategy, "_launch", spy)
     got = outputs_and_grads(_triton(), c, inputs, c.dtype)
+    assert chunks.count(16) == 3  # forward, dK/dV and dQ really ran in slices
     for name, want in whole.items():
         torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-13, msg=name)

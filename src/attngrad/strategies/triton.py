@@ -197,9 +197,8 @@ def _config(
 ) -> tuple[dict[str, int], dict[str, object]]:
     """(BLOCK_M, BLOCK_N, CHUNK by name; the launch options) of ``kernel`` for a call of ``dtype``.
 
-    The table's choice for sm_<arch> (`attngrad.kernel_configs`; the sm_90
-    table's 16-bit tiles in the interpreter, where fewer, larger tiles run
-    faster) and the mask's tier (a softcap or dropout is heavy), the caller's
+    The table's choice for sm_<arch> (`attngrad.kernel_configs`; in the
+    interpreter `_INTERPRETER`'s large tiles) and the mask's tier (a softcap or dropout is heavy), the caller's
     block sizes over it, never beyond the padded sequence lengths seq =
     (Nq, Nk).  CHUNK: the head-dim slices of the dots over d (`kernels._dot_rows`):
     the table's, else `FMA_CHUNK` where the dots run on FMA units (float32
@@ -209,9 +208,11 @@ def _config(
     """
     heavy = mask.softcap is not None or mask.dropout is not None
     tf32 = _tf32(dtype, arch)
-    size = torch.finfo(dtype).bits // 8
-    kind = kernel_configs.dot_kind(size if arch is not None else 2, tf32)
-    config = kernel_configs.choose(kernel, kind, head_dim, arch or 90, heavy)
+    kind = kernel_configs.dot_kind(torch.finfo(dtype).bits // 8, tf32)
+    if arch is None:
+        config = _INTERPRETER[kernel]
+    else:
+        config = kernel_configs.choose(kernel, kind, head_dim, arch, heavy)
     fma = dtype == torch.float64 or (dtype == torch.float32 and not tf32)
     tile = {
         "BLOCK_M": min(tiles.block_q or config.block_m, _pow2(seq[0])),
@@ -223,6 +224,16 @@ def _config(
         return tile, {}
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return tile, {**launch, "enable_fp_fusion": True}
+
+
+# The interpreter's tiles: large, so that few run (its cost is per tile operation, and the
+# GPU's register limits do not apply); tests that need many tiles pass block sizes.
+_INTERPRETER = {
+    "forward": kernel_configs.Config(128, 64, 4, 1),
+    "delta": kernel_configs.Config(64, 0, 4, 1),
+    "dkdv": kernel_configs.Config(32, 128, 4, 1),
+    "dq": kernel_configs.Config(128, 32, 4, 1),
+}
 
 
 def _tf32(dtype: torch.dtype, arch: int | None) -> bool:
