@@ -344,9 +344,7 @@ def summary(rows: list[Row]) -> list[Row]:
         v = row.variant
         heavy = v.mask in _HEAVY_MODES
         key = (row.kernel, v.dtype, v.precision, v.head_dim, heavy)
-        r = row.resources
-        rank = (r.spill_stores, r.registers, r.shared_bytes)
-        if key not in worst or rank > _rank(worst[key]):
+        if key not in worst or _rank(row) > _rank(worst[key]):
             mode = "heavy modes" if heavy else "light modes"
             worst[key] = dataclasses.replace(
                 row, variant=dataclasses.replace(v, mask=mode, groups=1)

@@ -208,10 +208,10 @@ def _config(
     """
     heavy = mask.softcap is not None or mask.dropout is not None
     tf32 = _tf32(dtype, arch)
-    kind = kernel_configs.dot_kind(torch.finfo(dtype).bits // 8, tf32)
     if arch is None:
         config = _INTERPRETER[kernel]
     else:
+        kind = kernel_configs.dot_kind(torch.finfo(dtype).bits // 8, tf32)
         config = kernel_configs.choose(kernel, kind, head_dim, arch, heavy)
     fma = dtype == torch.float64 or (dtype == torch.float32 and not tf32)
     tile = {
