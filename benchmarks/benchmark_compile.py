@@ -7,9 +7,9 @@ Each contender is forward+backward of the same model (pre-norm blocks: causal
 self-attention through `attngrad.attention(..., strategy=s)`, or torch's SDPA as
 the baseline, then an MLP), eager and under ``torch.compile`` (Inductor,
 ``fullgraph=True``: attngrad's attention is one op of the graph,
-`attngrad.compiled`, and Inductor fuses the projections, norms and MLP around
+`attngrad.integrations.torch_compile`, and Inductor fuses the projections, norms and MLP around
 it).  All contenders run once per round, rounds repeat
-(`attngrad.timing.interleaved`), after one warm-up round that also compiles.
+(`attngrad.tools.timing.interleaved`), after one warm-up round that also compiles.
 Printed: the median step time, compiled/eager per strategy, and each over eager
 SDPA, all from the same run.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attngrad
-from attngrad.timing import interleaved, medians
+from attngrad.tools.timing import interleaved, medians
 
 STRATEGIES = ("sdpa", "explicit", "recompute", "flash")
 

@@ -5,7 +5,7 @@
 
 Both run in this one process, interleaved round by round; the median ratio
 explicit / SDPA-MATH is printed (target: <= 0.9), under a line naming the
-machine (`attngrad.machine`), whose columns every CSV row carries too.
+machine (`attngrad.tools.machine`), whose columns every CSV row carries too.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.machine import probe
-from attngrad.report import write_csv
-from attngrad.timing import interleaved, medians
+from attngrad.cli.report import write_csv
+from attngrad.tools.machine import probe
+from attngrad.tools.timing import interleaved, medians
 
 
 def forward_backward(fn, q, k, v, dout, **kwargs):

@@ -5,12 +5,12 @@
                                             [--csv results/benchmark_features.csv]
                                             [--plot results/benchmark_features.png]
 
-The measurement of ``attngrad bench --features`` (`attngrad.feature_bench`): per
+The measurement of ``attngrad bench --features`` (`attngrad.tools.bench_features`): per
 strategy, forward+backward (O, then dq, dk, dv) of attention with dropout_p=0.1, with 8
 causal packed segments of N/8, with softcap=50 and with per-head sinks, each over the
 same call without the feature (the packed one over one causal sequence of N), every
 call interleaved round by round, ratios of the fastest rounds.  B=1, H=8, d=64, float32
-by default, under the machine line (`attngrad.machine.probe`), whose columns every CSV
+by default, under the machine line (`attngrad.tools.machine.probe`), whose columns every CSV
 row carries too.
 
 The two targets, for flash at N=4096: dropout <= 1.15x, packed <= 0.25x.  Exit 1 when
@@ -24,9 +24,9 @@ import sys
 
 import torch
 
-from attngrad import feature_bench
-from attngrad.machine import probe
-from attngrad.report import features_plot, features_records, features_table, write_csv
+from attngrad.cli.report import features_plot, features_records, features_table, write_csv
+from attngrad.tools import bench_features as feature_bench
+from attngrad.tools.machine import probe
 
 
 def _note(text: str) -> None:

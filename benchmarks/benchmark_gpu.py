@@ -11,9 +11,9 @@ EFFICIENT_ATTENTION and CUDNN_ATTENTION that this machine has, with
 a shape (a backend without it, a kernel that does not compile) is left out of
 that shape.  Each row goes to the CSV as soon as it is measured, so a run cut
 short keeps what it measured.  FLOPs follow
-`attngrad.bench.flops` (forward 4*B*H*N*N*d, half when causal; backward 2.5x).
+`attngrad.tools.bench_step.flops` (forward 4*B*H*N*N*d, half when causal; backward 2.5x).
 The GPU's bfloat16 matmul rate is measured first, in the same run, and printed
-with the GPU's name and the host's threads (`attngrad.machine.Machine`), which
+with the GPU's name and the host's threads (`attngrad.tools.machine.Machine`), which
 every CSV row carries too.  Ratios are triton's speed over each backend's
 (above 1: triton faster).
 """
@@ -31,8 +31,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.bench import PASSES, flops
-from attngrad.machine import Machine, processor_name
+from attngrad.tools.bench_step import PASSES, flops
+from attngrad.tools.machine import Machine, processor_name
 
 BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,

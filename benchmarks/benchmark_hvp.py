@@ -5,12 +5,12 @@
                                        [--target-seq 16384] [--csv results/benchmark_hvp.csv]
                                        [--plot results/benchmark_hvp.png]
 
-What is timed (`attngrad.hvp`): a Hessian-vector product by double backward, L =
+What is timed (`attngrad.tools.bench_hvp`): a Hessian-vector product by double backward, L =
 sum(O**2)/2 by default (``--loss dot``: <O, dO> for a fixed dO), g = grad(L, (q, k, v),
 create_graph=True), hvp = grad(<g, w>, (q, k, v)), with its peak memory; and
 torch.func.jvp of attention against its forward alone.  B=1, H=8, d=64, float32 by
 default; every contender interleaved round by round, under the machine line
-(`attngrad.machine.probe`), whose columns every CSV row carries too.
+(`attngrad.tools.machine.probe`), whose columns every CSV row carries too.
 
 Then the peak of one HVP at B=1, H=1, N=``--target-seq`` for flash and sdpa-math
 (sdpa-math only when its peak, scaled from the sweep by H·N², fits in memory), and
@@ -25,9 +25,9 @@ import sys
 
 import torch
 
-from attngrad import hvp
-from attngrad.machine import probe
-from attngrad.report import format_bytes, write_csv
+from attngrad.cli.report import format_bytes, write_csv
+from attngrad.tools import bench_hvp as hvp
+from attngrad.tools.machine import probe
 
 CAUSAL = {"no": [False], "yes": [True], "both": [False, True]}
 TIME_TARGET = (2048, 1.0)  # N, flash / sdpa-math

@@ -12,10 +12,10 @@ the slowest rank's (each round ends at a barrier).
 
 Peak memory is what forward+backward allocates beyond its inputs (q, k, v and
 dO, already there), measured like `attngrad ledger` does on CPU (the
-profiler's allocation events, `attngrad.ledger.measure_peak_bytes`): the ring
+profiler's allocation events, `attngrad.tools.ledger.measure_peak_bytes`): the ring
 per rank, the single process for the whole sequence.  "+ inputs" adds the
 input bytes each holds (its shard, or the whole sequence).  Rank 0 names its
-machine (`attngrad.machine`, on the single process's threads) above the table
+machine (`attngrad.tools.machine`, on the single process's threads) above the table
 and in every CSV row.
 """
 
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 import attngrad
-from attngrad.ledger import measure_peak_bytes
-from attngrad.machine import Machine, probe
-from attngrad.report import write_csv
+from attngrad.cli.report import write_csv
 from attngrad.ring import LAYOUTS, ring_attention, shard
-from attngrad.timing import interleaved, medians
+from attngrad.tools.ledger import measure_peak_bytes
+from attngrad.tools.machine import Machine, probe
+from attngrad.tools.timing import interleaved, medians
 from benchmark_cpu import forward_backward
 
 MIB = 2**20

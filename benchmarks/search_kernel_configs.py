@@ -2,7 +2,7 @@
 
     python benchmarks/search_kernel_configs.py [--targets sm_80 sm_90] [--mode masks] [--jobs N]
 
-For every slot of `attngrad.kernel_configs` (target, dot kind, padded head dim,
+For every slot of `attngrad.strategies.triton.configs` (target, dot kind, padded head dim,
 kernel), the candidates of `CANDIDATES` are compiled in one parallel batch, in
 ``--mode`` (default "masks": bias with its gradient, keep mask and band at once;
 "all" adds softcap and dropout, for the heavy tier), with GQA and without, and
@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from attngrad import cross_compile, kernel_report
-from attngrad.cross_compile import Bound, Resources
-from attngrad.kernel_configs import KINDS, Config
-from attngrad.kernel_report import SHARED_FRACTION, TARGETS, Target, Variant
-from attngrad.progress import Progress
+from attngrad.core.progress import Progress
+from attngrad.strategies.triton import ptxas as cross_compile
+from attngrad.strategies.triton.configs import KINDS, Config
+from attngrad.strategies.triton.ptxas import Bound, Resources
+from attngrad.tools import kernel_report
+from attngrad.tools.kernel_report import SHARED_FRACTION, TARGETS, Target, Variant
 
 # (block_m, block_n, warps) per dot kind, preferred first: the query-block kernels
 # (forward, dQ) want wide row tiles, dK/dV wide key tiles (block_n).  Tensor-core dots

@@ -1,6 +1,6 @@
 """Shared helpers of the test suite: a short `Case` builder and the one error rule.
 
-Inputs, outputs and gradients and the judge all come from `attngrad.verify`;
+Inputs, outputs and gradients and the judge all come from `attngrad.conformance.check`;
 this module only adds what the tests need on top: ``case(...)`` (a
 `verify.Case` from positional sizes), ``assert_rule`` (every verdict of
 `verify.judge_outputs` passes, the verdicts in the message) and the lists of
@@ -18,9 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.contract import Shapes
-from attngrad.reference import reference_attention
-from attngrad.verify import (
+from attngrad.conformance.check import (
     Case,
     Inputs,
     Verdict,
@@ -30,6 +28,8 @@ from attngrad.verify import (
     judge_outputs,
     outputs_and_grads,
 )
+from attngrad.conformance.reference import reference_attention
+from attngrad.core.contract import Shapes
 
 # "triton" runs here in Triton's interpreter at about a second per call: the
 # large grids (gradcheck, SDPA agreement, windows, properties, the ledger) run

@@ -1,5 +1,5 @@
 """`attngrad.attention` on every strategy: gradcheck, the error rule of
-`attngrad.verify` against the float64 reference in every dtype, dead rows, partial requires_grad,
+`attngrad.conformance.check` against the float64 reference in every dtype, dead rows, partial requires_grad,
 dtypes, what the explicit strategy saves, dropout and causal alignment.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.verify import make_inputs, outputs_and_grads, run_case, strategy_fn
+from attngrad.conformance.check import make_inputs, outputs_and_grads, run_case, strategy_fn
 from helpers import TENSOR_STRATEGIES, assert_rule, case, dtype_name
 
 STRATEGIES = attngrad.STRATEGIES

@@ -1,6 +1,6 @@
 """attngrad: scaled-dot-product attention with hand-written backward passes.
 
-The same gradient formulas (see `attngrad.ops`) run along several execution
+The same gradient formulas (see `attngrad.core.ops`) run along several execution
 strategies; each is checked against a float64 reference.
 
 >>> import torch, attngrad
@@ -9,15 +9,15 @@ strategies; each is checked against a float64 reference.
 """
 
 from attngrad.api import attention
-from attngrad.ops import (
+from attngrad.core.ops import (
     probability_gradient,
     query_key_gradients,
     softmax_backward,
     value_gradient,
 )
-from attngrad.patch import patch_sdpa
+from attngrad.integrations.patch import patch_sdpa
+from attngrad.learn.chapter import CustomAttention
 from attngrad.ring import ring_attention
-from attngrad.seed import CustomAttention
 from attngrad.strategies import STRATEGIES
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from attngrad.cli import main
+from attngrad.cli.app import main
 
 sys.exit(main())

@@ -8,17 +8,16 @@ from typing import Literal, overload
 import torch
 from torch.nn.attention.bias import CausalBias
 
-from attngrad import compiled
-from attngrad.amp import autocast_inputs, outside_autocast
-from attngrad.contract import (
+from attngrad.core.amp import autocast_inputs, outside_autocast
+from attngrad.core.contract import (
     check_flag,
     validate_attention,
     validate_blocks,
     validate_strategy,
     validate_window,
 )
-from attngrad.dropout import Dropout, draw_seed
-from attngrad.keywords import (
+from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.core.keywords import (
     causal_bias_alignment,
     validate_align,
     validate_generator,
@@ -26,8 +25,9 @@ from attngrad.keywords import (
     validate_sinks,
     validate_softcap,
 )
-from attngrad.masks import Mask, causal_band, split_mask
-from attngrad.sinks import merge_sinks
+from attngrad.core.masks import Mask, causal_band, split_mask
+from attngrad.core.sinks import merge_sinks
+from attngrad.integrations import torch_compile as compiled
 from attngrad.strategies import MODULES, STRATEGIES, TILED, base, resolve
 
 __all__ = ["attention"]
@@ -189,7 +189,7 @@ def attention(
     * ``dropout_p``: SDPA's attention dropout, on P after the softmax: each
       entry kept with probability 1 - p and scaled by 1 / (1 - p) (p = 1
       gives zeros).  The mask is a hash of (seed, offset, batch * head,
-      query position, key position) (`attngrad.dropout`), never stored: every
+      query position, key position) (`attngrad.core.dropout`), never stored: every
       strategy draws the same mask bit for bit and backward regenerates it.
       Seed and offset are one draw from ``generator`` (default: the
       device's default generator, so ``torch.manual_seed`` reproduces a call).
@@ -209,7 +209,7 @@ def attention(
       when Nq = Nk).  Query segment s attends key segment s only; causal,
       window and alignment apply inside each pair, an empty key segment
       gives zero rows, and the tiled strategies skip every tile outside
-      the segments.  See `attngrad.band` for pictures.
+      the segments.  See `attngrad.core.band` for pictures.
 
     In models:
 
@@ -217,10 +217,10 @@ def attention(
       (floating-point tensors other than float64 go to the autocast dtype, so
       float32 q, k and a bfloat16 v run in bfloat16) and the output has that
       dtype; the strategies then run with autocast off, in their own
-      precisions (`attngrad.amp`).  Outside autocast, mixed dtypes are a
+      precisions (`attngrad.core.amp`).  Outside autocast, mixed dtypes are a
       TypeError.
     * Under ``torch.compile`` the call becomes two opaque ops, forward and
-      backward (`attngrad.compiled`): no graph break, ``fullgraph=True``
+      backward (`attngrad.integrations.torch_compile`): no graph break, ``fullgraph=True``
       works, results equal eager's; first order only there, and dropout
       draws from the default generator (``generator=`` is refused).
     * `attngrad.patch_sdpa` routes code that calls SDPA itself to this
@@ -246,7 +246,7 @@ def attention(
     band = validate_window(window)
     cap = validate_softcap(softcap)
     compiling = torch.compiler.is_compiling()
-    # under torch.compile the segments' values are read when the op runs (`attngrad.compiled`)
+    # under torch.compile the segments' values are read when the op runs (`attngrad.integrations.torch_compile`)
     segments = validate_segments(
         cu_seqlens_q, cu_seqlens_k, shapes, query.device, read=not compiling
     )

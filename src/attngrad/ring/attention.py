@@ -4,7 +4,7 @@ Rank r holds q, k, v of its shard (N/P positions).  At step s = 0..P-1 it
 holds the k/v shard of rank r - s (mod P), computes its queries against it
 with the block kernel (flash's tiled forward by default) while sending that
 shard on to rank r + 1 and receiving the next from rank r - 1, and merges the
-partial result through its row statistics (m, log l) (see `attngrad.ops`):
+partial result through its row statistics (m, log l) (see `attngrad.core.ops`):
 
     m = max(m_a, m_b)    w_a = l_a exp(m_a - m)    w_b = l_b exp(m_b - m)
     l = w_a + w_b        O = (O_a w_a + O_b w_b) / l     (weights / l <= 1: no overflow)
@@ -25,7 +25,7 @@ rank saves only its own q, k, v, O and statistics: O(N/P) memory per rank.
 Dropout and sinks come out as in single-process `attngrad.attention`:
 
 * dropout's mask Z is a hash of (seed, offset, b * Hq + h, global query
-  position, global key position) (`attngrad.dropout`).  Every rank draws
+  position, global key position) (`attngrad.core.dropout`).  Every rank draws
   (seed, offset) from its generator, as `attention` does, and all take rank
   0's draw (one broadcast); each block's mask is shifted to the block's
   global origin (`attngrad.ring.layout`), so the block kernel draws exactly
@@ -35,7 +35,7 @@ Dropout and sinks come out as in single-process `attngrad.attention`:
   hashes the call's head index, which a group's slice of the heads would
   renumber.
 * a sink joins each row's denominator once, so it is merged after the ring,
-  into the final (O, lse) (`attngrad.sinks.merge_sinks`), and its gradient
+  into the final (O, lse) (`attngrad.core.sinks.merge_sinks`), and its gradient
   comes from autograd through that merge: dlse reaches the ring's backward.
 """
 
@@ -51,17 +51,17 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
-from attngrad.contract import Shapes, check_flag, validate_attention
-from attngrad.dropout import Dropout, draw_seed
-from attngrad.keywords import validate_generator, validate_sinks
-from attngrad.masks import Mask
-from attngrad.ops import compute_dtype, log_normalizer, lse
+from attngrad.core.contract import Shapes, check_flag, validate_attention
+from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.core.keywords import validate_generator, validate_sinks
+from attngrad.core.masks import Mask
+from attngrad.core.ops import compute_dtype, log_normalizer, lse
+from attngrad.core.sinks import merge_sinks
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
-from attngrad.sinks import merge_sinks
 from attngrad.strategies import MODULES, unavailable_reason
-from attngrad.strategies import triton as triton_strategy
+from attngrad.strategies.triton import strategy as triton_strategy
 
 __all__ = ["BLOCK_STRATEGIES", "block_strategy", "merge_partial_", "ring_attention"]
 

@@ -1,6 +1,6 @@
 """Input checks of `ring_attention`: on this rank's shard, then across the ring.
 
-Like `attngrad.contract`: ValueError/TypeError naming the argument, its value
+Like `attngrad.core.contract`: ValueError/TypeError naming the argument, its value
 and a fix.  The cross-rank check is one small all_gather of what every rank
 must agree on; all ranks see the same table and raise the same error.
 """
@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from attngrad.contract import DTYPES, Shapes
+from attngrad.core.contract import DTYPES, Shapes
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, validate_layout
 

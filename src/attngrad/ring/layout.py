@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attngrad.band import Band
-from attngrad.dropout import Dropout
-from attngrad.masks import Mask
+from attngrad.core.band import Band
+from attngrad.core.dropout import Dropout
+from attngrad.core.masks import Mask
 
 __all__ = ["LAYOUTS", "Block", "chunks_of", "shard", "step_blocks", "unshard", "validate_layout"]
 

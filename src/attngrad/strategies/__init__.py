@@ -4,7 +4,7 @@ Each strategy module implements the interface of `attngrad.strategies.base`
 (tile choice, forward returning O and what it saves, a backward that adds
 into given accumulators, a declaration of what it saves, a reason when it
 cannot run here) over the canonical layout q: [B, Hq, Nq, d],
-k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv] and a `attngrad.masks.Mask`.
+k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv] and a `attngrad.core.masks.Mask`.
 `MODULES` maps each name to its module; only "triton" ever has a reason not
 to run.
 """
@@ -15,8 +15,9 @@ from types import ModuleType
 
 import torch
 
-from attngrad.contract import Shapes
-from attngrad.strategies import explicit, flash, recompute, triton
+from attngrad.core.contract import Shapes
+from attngrad.strategies import explicit, flash, recompute
+from attngrad.strategies.triton import strategy as triton
 
 __all__ = [
     "MODULES",

@@ -1,7 +1,7 @@
 """The interface every strategy module implements, and the one autograd.Function over it.
 
 Over the canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d],
-v: [B, Hkv, Nk, dv] and a `attngrad.masks.Mask`, a strategy module ``m`` has:
+v: [B, Hkv, Nk, dv] and a `attngrad.core.masks.Mask`, a strategy module ``m`` has:
 
     m.unavailable_reason(device) -> str | None        why it cannot run here, or None
     m.tiles(shapes, dtype, block_q, block_k) -> tiles  its tile choice (raises on bad sizes)
@@ -17,8 +17,8 @@ v: [B, Hkv, Nk, dv] and a `attngrad.masks.Mask`, a strategy module ``m`` has:
     m.probabilities(q, k, saved, mask, scale) -> p_tile
         p_tile(rows, cols) -> P's tile [B, Hkv, G*r, c] in the compute dtype (read
         only): the saved P, or rebuilt from the statistics.  Forward mode
-        (`attngrad.strategies.tangent`) and the second-order backward
-        (`attngrad.strategies.second_order`) walk tiles of it.
+        (`attngrad.autograd.tangent`) and the second-order backward
+        (`attngrad.autograd.second_order`) walk tiles of it.
     m.saves(shapes) -> {name: (shape, kind)}           the declaration of ``saved``:
         kind "input" is stored in the input dtype, "stats" in the compute dtype
     m.KEEPS_MASK                                       whether backward reads the mask again
@@ -26,7 +26,7 @@ v: [B, Hkv, Nk, dv] and a `attngrad.masks.Mask`, a strategy module ``m`` has:
 
 `AttentionFunction` saves q, k, v, the strategy's ``saved`` and (when
 ``KEEPS_MASK``) the caller's mask; its backward is
-`attngrad.strategies.gradients.AttentionGradients`, itself differentiable,
+`attngrad.autograd.gradients.AttentionGradients`, itself differentiable,
 so every strategy has double backward, forward mode and vmap.  Each strategy
 names a subclass of its own so the autograd graph says which path ran
 (``FlashAttentionBackward``).  `saved_bytes` turns a declaration into bytes:
@@ -42,12 +42,12 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.function import FunctionCtx
 
-from attngrad.amp import no_autocast
-from attngrad.contract import Shapes
-from attngrad.masks import Mask
-from attngrad.ops import compute_dtype, lse
-from attngrad.strategies import batching, tangent
-from attngrad.strategies.gradients import AttentionGradients
+from attngrad.autograd import batching, tangent
+from attngrad.autograd.gradients import AttentionGradients
+from attngrad.core.amp import no_autocast
+from attngrad.core.contract import Shapes
+from attngrad.core.masks import Mask
+from attngrad.core.ops import compute_dtype, lse
 
 __all__ = ["AttentionFunction", "Grads", "attention", "saved_bytes"]
 
@@ -83,8 +83,8 @@ class AttentionFunction(torch.autograd.Function):
     ``keep`` are ``mask.tensors`` passed as arguments so that autograd routes
     the bias gradient ([Bm, Hm, Nqm, Nkm], like the bias); ``impl`` is the
     strategy module.  Backward is `AttentionGradients` (itself differentiable:
-    double backward), forward mode is `attngrad.strategies.tangent`, and
-    vmap folds the vmapped dim into the batch (`attngrad.strategies.batching`).
+    double backward), forward mode is `attngrad.autograd.tangent`, and
+    vmap folds the vmapped dim into the batch (`attngrad.autograd.batching`).
     """
 
     MASKS = (3, 4)  # bias, keep

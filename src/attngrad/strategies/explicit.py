@@ -1,11 +1,11 @@
 """Strategy "explicit": forward saves q, k, v and the whole probability matrix P.
 
-Backward is the four local ops of `attngrad.ops` on the saved P:
+Backward is the four local ops of `attngrad.core.ops` on the saved P:
 dV = P^T dO, dP = dO v^T, dS = P * (dP - rowsum(P * dP)), dq/dk = scale * dS k / dS^T q.
 Saved (`saves`): P, b * B*Hq*Nq*Nk bytes, beside q, k, v.
 
 With dropout P is saved undropped and each chunk's Z is regenerated from
-its hash (`attngrad.dropout`); with a softcap, backward rebuilds the cap's
+its hash (`attngrad.core.dropout`); with a softcap, backward rebuilds the cap's
 slope from q k^T.
 
 Both passes walk P in chunks of query rows (the strategy's tiles): a chunk of
@@ -14,7 +14,7 @@ matmuls run at their cache-resident rate instead of streaming [Nq, Nk]
 matrices through memory.  P itself is written once and read once.  A chunk
 spans only the keys its causal/window band allows; the rest of P is zero and
 never computed.  A chunk holds whole rows, so a row that attends nothing
-shows as a row of -inf scores and `attngrad.ops.softmax_` gives it P = 0.
+shows as a row of -inf scores and `attngrad.core.ops.softmax_` gives it P = 0.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from attngrad import ops
-from attngrad.contract import Shapes
-from attngrad.dropout import Dropout
-from attngrad.heads import group_heads, take_rows
-from attngrad.masks import Mask, add_bias_gradient_
+from attngrad.core import ops
+from attngrad.core.contract import Shapes
+from attngrad.core.dropout import Dropout
+from attngrad.core.heads import group_heads, take_rows
+from attngrad.core.masks import Mask, add_bias_gradient_
 from attngrad.strategies.base import AttentionFunction, Grads
 
 __all__ = [

@@ -3,7 +3,7 @@
 Forward walks key tiles for each block of query rows, keeping a running row
 max ``m_i``, running sum ``l_i`` and a rescaled accumulator ``acc``, and never
 holds more than one [block_q, block_k] score tile per (batch, head); it writes
-O and the row statistics stats = (m, log l) (see `attngrad.ops`).  Backward walks the same tiles key
+O and the row statistics stats = (m, log l) (see `attngrad.core.ops`).  Backward walks the same tiles key
 block by key block (dK and dV of a block accumulate in place inside the
 matmuls), recomputes each P tile from the statistics and uses
 Delta = rowsum(dO * O) in place of rowsum(P * dP):
@@ -32,14 +32,14 @@ import math
 
 import torch
 
-from attngrad.contract import Shapes
-from attngrad.dropout import Dropout
-from attngrad.heads import group_heads, take_rows
-from attngrad.masks import Mask, add_bias_gradient_
-from attngrad.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
+from attngrad.core.contract import Shapes
+from attngrad.core.dropout import Dropout
+from attngrad.core.heads import group_heads, take_rows
+from attngrad.core.masks import Mask, add_bias_gradient_
+from attngrad.core.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
+from attngrad.core.tiling import key_schedule, schedule, tile_sizes
 from attngrad.strategies.base import AttentionFunction, Grads
 from attngrad.strategies.recompute import probabilities
-from attngrad.tiling import key_schedule, schedule, tile_sizes
 
 __all__ = [
     "KEEPS_MASK",
@@ -66,7 +66,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 def tiles(
     shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
 ) -> tuple[int, int]:
-    """`attngrad.tiling.tile_sizes`: the given sizes or the measured defaults."""
+    """`attngrad.core.tiling.tile_sizes`: the given sizes or the measured defaults."""
     return tile_sizes(shapes, block_q, block_k)
 
 

@@ -5,7 +5,7 @@ of query rows at a time, in the chunks explicit's backward walks, and runs
 explicit's backward ops on each chunk as it is rebuilt: the whole P is never
 held, so the rebuilt chunk is still in cache when the backward matmuls read it.
 Saved (`saves`): stats = (m, log l), 2 * l * B*Hq*Nq bytes (l = 4, or 8 for
-float64; see `attngrad.ops` for why not lse alone), beside q, k, v and the
+float64; see `attngrad.core.ops` for why not lse alone), beside q, k, v and the
 caller's mask.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from attngrad import ops
-from attngrad.contract import Shapes
-from attngrad.heads import group_heads
-from attngrad.masks import Mask
+from attngrad.core import ops
+from attngrad.core.contract import Shapes
+from attngrad.core.heads import group_heads
+from attngrad.core.masks import Mask
 from attngrad.strategies import explicit
 from attngrad.strategies.base import AttentionFunction, Grads
 

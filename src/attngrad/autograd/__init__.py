@@ -1,0 +1,1 @@
+"""The derivatives every strategy shares: first-order gradients as a Function, second order, tangents, vmap."""

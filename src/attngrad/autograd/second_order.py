@@ -1,0 +1,238 @@
+r"""The backward of the backward: second derivatives of attention, tile by tile.
+
+First order (per batch and head; s = scale, dlse the cotangent of lse)::
+
+    dV = P^T dO      dP = dO v^T      Delta = rowsum(P * dP)
+    dS = P * Y,  Y = dP - Delta + dlse
+    dq = s dS k      dk = s dS^T q      dbias = dS
+
+Differentiating <g_q, dq> + <g_k, dk> + <g_v, dV> + <g_bias, dbias> for the
+cotangents g of the four gradients (`attngrad.autograd.linearized`):
+G = L(g) = s (g_q k^T + q g_k^T) + g_bias carries the first three through
+dS, so the scalar is <G, P * Y> + <g_v, P^T dO> plus the direct terms
+s dS g_k (for q) and s dS^T g_q (for k).  Then, with P-hat the cotangent of
+P and D-hat that of dP::
+
+    r     = rowsum(P * G)                       (the cotangent of dlse)
+    D-hat = P * (G - r)
+    P-hat = G * Y - r dP + dO g_v^T
+    S-hat = P * (P-hat - rowsum(P * P-hat))     (softmax's backward of P-hat)
+
+    grad q    = s (S-hat k + dS g_k)        grad k = s (S-hat^T q + dS^T g_q)
+    grad v    = D-hat^T dO                  grad bias = S-hat
+    grad dO   = P g_v + D-hat v             grad dlse = r
+
+With c = Delta - dlse (so Y = dP - c) and H = G - r, P-hat = H * Y - r c +
+dO g_v^T, and since each live row of P sums to 1 the row constant drops out
+of S-hat::
+
+    D-hat = P * H        S-hat = P * (H * Y + dO g_v^T - rho')
+    rho'  = rowsum(P * H * Y) + rowsum(dO * u) = rowsum(P G dP) - r Delta + rowsum(dO * u)
+
+Every term is a tile's elementwise product or a matmul with q, k, v, dO
+rows, except the row sums Delta, r and rho' and the rows u = P g_v: a first
+pass over each block of query rows accumulates them (O(Nq) floats, and
+Nq x dv for u), a second pass walks key blocks as flash's backward does
+and accumulates the gradients.  No tensor beyond one [block_q, block_k]
+tile per (batch, head) is formed; P comes from the strategy's
+``probabilities`` (the saved P, or rebuilt from the row statistics).
+A row that attends nothing has P = 0 and so contributes nothing.
+
+Dropout (O = (P * M) v, M = Z / (1 - p), Z regenerated per tile) puts M on
+each path through v: dP = (dO v^T) * M (so Y, Delta and D-hat's products
+with v and dO take it), u = (P * M) g_v, and P-hat's g_v term is
+M * (dO g_v^T).  A softcap (scores c tanh(S_raw / c), slope
+sigma' = 1 - tanh^2, curvature sigma'' = -2 tanh sigma' / c) makes
+G = sigma' * G_raw + g_bias with G_raw = s (g_q k^T + q g_k^T), and the
+raw scores' cotangent S-hat * sigma' + G_raw * dS * sigma''; the direct
+terms take dS_raw = dS * sigma', while grad bias stays S-hat.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from attngrad.autograd.linearized import (
+    Direction,
+    blocks_for,
+    dropout_multipliers,
+    softcap_tanh,
+)
+from attngrad.core.heads import group_heads, take_rows
+from attngrad.core.masks import Mask, add_bias_gradient_
+from attngrad.core.ops import cap_slope, compute_dtype
+from attngrad.core.tiling import key_schedule, schedule
+
+__all__ = ["second_order"]
+
+Cotangents = tuple[
+    torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]
+
+
+def _rowsum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dim=-1, keepdim=True)
+
+
+def second_order(
+    impl: ModuleType,
+    cotangents: Cotangents,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    mask: Mask,
+    scale: float,
+    tiles: object,
+    need: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of <g, (dq, dk, dv, dbias)> w.r.t. (dout, dlse, q, k, v, bias).
+
+    cotangents g = (g_q, g_k, g_v, g_bias): like q, k, v and the bias, None
+    for zero.  dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: the
+    strategy's saved tensors.  ``need``: which of the six to return (the
+    rest come back None).  Results are in the compute dtype.
+    """
+    g_q, g_k, g_v, g_bias = cotangents
+    b, hq, nq, d = q.shape
+    hkv, dv_dim = k.shape[1], v.shape[-1]
+    g = hq // hkv
+    dtype = compute_dtype(q.dtype)
+    blocks = blocks_for(tiles, q, k, v)
+    direction = Direction.of(g_q, g_k, g_bias, mask, scale, dtype)
+    p_tile = impl.probabilities(q, k, saved, mask, scale)
+    multipliers = dropout_multipliers(mask, q, k, dtype)
+    q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
+    k, v = k.to(dtype), v.to(dtype)
+    gv = None if g_v is None else g_v.to(dtype)
+    dlse5 = None if dlse is None else group_heads(dlse.to(dtype).unsqueeze(-1), hkv)
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=q.device)
+
+    # pass 1, by query rows: c = Delta - dlse, r, rho' and u = P g_v
+    c_row, r_sum, rho = zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1)
+    u = None if gv is None else zeros(b, hkv, g, nq, dv_dim)
+    for rows, key_tiles in schedule(mask, blocks):
+        n = rows.stop - rows.start
+        q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
+        delta_r, r_r, pgdp = (zeros(b, hkv, g * n, 1) for _ in range(3))
+        u_r = None if gv is None else zeros(b, hkv, g * n, dv_dim)
+        for keys in key_tiles:
+            p = p_tile(rows, keys)
+            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
+            dp = torch.matmul(do_r, v[:, :, keys].transpose(-2, -1))
+            if m is not None:
+                dp.mul_(m)  # dP = (dO v^T) * M
+            delta_r += _rowsum(p * dp)
+            if not direction.zero:
+                t = softcap_tanh(mask, q_r, k, keys, scale)
+                slope = None if t is None else cap_slope(t)
+                pg = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)
+                r_r += _rowsum(pg)
+                pgdp += _rowsum(pg.mul_(dp))
+            if u_r is not None and gv is not None:
+                u_r += torch.matmul(p if m is None else p * m, gv[:, :, keys])
+        rho_r = pgdp.sub_(r_r * delta_r)  # rho' = rowsum(P G dP) - r Delta + rowsum(dO u)
+        if u is not None and u_r is not None:
+            rho_r += _rowsum(do_r * u_r)
+            u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)
+        if dlse5 is not None:
+            delta_r -= take_rows(dlse5, rows)
+        for full, part in ((c_row, delta_r), (r_sum, r_r), (rho, rho_r)):
+            full[:, :, :, rows] = part.view(b, hkv, g, n, 1)
+
+    # pass 2, by key blocks: the gradients
+    need_dout, need_dlse, need_q, need_k, need_v, need_bias = need
+    grad_q = zeros(b, hkv, g, nq, d) if need_q else None
+    grad_k = zeros(*k.shape) if need_k else None
+    grad_v = zeros(*v.shape) if need_v else None
+    grad_do = zeros(b, hkv, g, nq, dv_dim) if need_dout else None
+    grad_bias = None
+    if need_bias and mask.bias is not None:
+        grad_bias = zeros(*mask.bias.shape)
+    a_q, a_k = direction.a_q, direction.a_k  # scale * g_q, scale * g_k
+    for _, pairs in key_schedule(mask, blocks):
+        for rows, keys in pairs:
+            n, c = rows.stop - rows.start, keys.stop - keys.start
+            q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
+            kc, vc = k[:, :, keys], v[:, :, keys]
+            p = p_tile(rows, keys)
+            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
+            y = torch.matmul(do_r, vc.transpose(-2, -1))
+            if m is not None:
+                y.mul_(m)  # dP = (dO v^T) * M
+            y.sub_(take_rows(c_row, rows))  # Y = dP - c
+            ds = p * y
+            tanh = softcap_tanh(mask, q_r, k, keys, scale)
+            slope = None if tanh is None else cap_slope(tanh)
+            g_raw = None  # scale (g_q k^T + q g_k^T), the cap's curvature term needs it
+            t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
+            if not direction.zero:
+                g_raw = direction.raw_tile(q_r, k, rows, keys)
+                g_tile = direction.finish_(
+                    g_raw.clone() if slope is not None else g_raw, rows, keys, g, slope
+                )
+                h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
+                if grad_v is not None or grad_do is not None:
+                    d_hat = p * h
+                    if m is not None:  # through dP = (dO v^T) * M
+                        d_hat.mul_(m)
+                    if grad_v is not None:
+                        grad_v[:, :, keys] += torch.matmul(d_hat.transpose(-2, -1), do_r)
+                    if grad_do is not None:
+                        grad_do[:, :, :, rows] += torch.matmul(d_hat, vc).view(b, hkv, g, n, -1)
+                t = h.mul_(y)
+            if gv is not None:
+                gvt = gv[:, :, keys].transpose(-2, -1)
+                if m is not None:  # through dV = (P * M)^T dO: M * (dO g_v^T)
+                    dog = torch.matmul(do_r, gvt).mul_(m)
+                    t = dog if t is None else t.add_(dog)
+                elif t is None:
+                    t = torch.matmul(do_r, gvt)
+                else:  # added inside the matmul
+                    t.view(-1, g * n, c).baddbmm_(
+                        do_r.reshape(-1, g * n, dv_dim), gvt.reshape(-1, dv_dim, c)
+                    )
+            s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
+            if grad_bias is not None and s_hat is not None:
+                add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
+            if slope is not None and tanh is not None and mask.softcap is not None:
+                # onto the raw scores: S-hat * slope + G_raw * dS * curvature, and dS_raw
+                if s_hat is not None:
+                    s_hat.mul_(slope)
+                    if g_raw is not None:
+                        s_hat.addcmul_(g_raw * ds, tanh * slope, value=-2.0 / mask.softcap)
+                elif g_raw is not None:
+                    s_hat = (g_raw * ds).mul_(tanh * slope).mul_(-2.0 / mask.softcap)
+                ds.mul_(slope)
+            if grad_q is not None:
+                part = (
+                    torch.zeros_like(q_r) if s_hat is None else torch.matmul(s_hat, kc).mul_(scale)
+                )
+                if a_k is not None:
+                    part += torch.matmul(ds, a_k[:, :, keys])
+                grad_q[:, :, :, rows] += part.view(b, hkv, g, n, d)
+            if grad_k is not None:
+                part = (
+                    torch.zeros_like(kc)
+                    if s_hat is None
+                    else torch.matmul(s_hat.transpose(-2, -1), q_r).mul_(scale)
+                )
+                if a_q is not None:
+                    part += torch.matmul(ds.transpose(-2, -1), take_rows(a_q, rows))
+                grad_k[:, :, keys] += part
+    if grad_do is not None and u is not None:
+        grad_do += u
+    return (
+        None if grad_do is None else grad_do.view(b, hq, nq, dv_dim),
+        r_sum.view(b, hq, nq) if need_dlse else None,
+        None if grad_q is None else grad_q.view(b, hq, nq, d),
+        grad_k,
+        grad_v,
+        grad_bias,
+    )

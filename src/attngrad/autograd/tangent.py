@@ -1,0 +1,142 @@
+r"""Forward mode: the tangent of O and lse, tile by tile, O(N) extra memory.
+
+With tangents q', k', v', bias' of the inputs, the scores move by
+S' = L(q', k', bias') = scale * (q' k^T + q k'^T) + bias'
+(`attngrad.autograd.linearized`) and, per query row::
+
+    P'   = P * (S' - mu),      mu = rowsum(P * S') = lse'
+    O'   = P' v + P v' = (P * S') v + P v' - mu O
+
+With dropout (O = (P * M) v, M = Z / (1 - p)) the products with v take
+P * M and (P * S') * M, while mu keeps the undropped P; with a softcap S'
+carries the cap's slope (`attngrad.autograd.linearized`).
+
+In the online-softmax form of the forward (`attngrad.strategies.flash`),
+over key tiles j with running max m_j, alpha_j = exp(m_{j-1} - m_j) and
+E_j = exp(S_j - m_j)::
+
+    l_j   = alpha_j l_{j-1}   + rowsum(E_j)
+    acc_j = alpha_j acc_{j-1} + E_j v_j
+    t_j   = alpha_j t_{j-1}   + rowsum(E_j * S'_j)              (-> mu l)
+    acc'_j = alpha_j acc'_{j-1} + (E_j * S'_j) v_j + E_j v'_j   (-> (O' + mu O) l)
+
+    O = acc / l,   mu = t / l,   O' = acc' / l - mu O
+
+two more running accumulators, a row of d_v and one float per query row.
+Autograd runs the primal forward before the tangent, so its row statistics
+are already final when the tangent pass runs: m is the true row max,
+every alpha is 1 and E_j / l is P_j, rebuilt by the strategy's
+``probabilities``.  The pass is then the recurrence above with the
+rescaling gone: one walk over each block of query rows' key tiles,
+accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+from torch.autograd.function import FunctionCtx
+
+from attngrad.autograd import batching
+from attngrad.autograd.linearized import (
+    Direction,
+    blocks_for,
+    dropout_multipliers,
+    softcap_tanh,
+)
+from attngrad.core.heads import group_heads, take_rows
+from attngrad.core.masks import Mask
+from attngrad.core.ops import cap_slope, compute_dtype
+from attngrad.core.tiling import schedule
+
+__all__ = ["OutputTangent", "output_tangent"]
+
+
+def output_tangent(
+    impl: ModuleType,
+    tangents: tuple[torch.Tensor | None, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    mask: Mask,
+    scale: float,
+    tiles: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O': [B, Hq, Nq, dv] in the input dtype, lse': [B, Hq, Nq] in the compute dtype).
+
+    tangents = (q', k', v', bias'): like q, k, v and the bias, None for zero.
+    o: the forward's O; saved: the strategy's saved tensors.
+    """
+    t_q, t_k, t_v, t_bias = tangents
+    b, hq, nq, _ = q.shape
+    hkv, dv_dim = k.shape[1], v.shape[-1]
+    g = hq // hkv
+    dtype = compute_dtype(q.dtype)
+    direction = Direction.of(t_q, t_k, t_bias, mask, scale, dtype)
+    p_tile = impl.probabilities(q, k, saved, mask, scale)
+    multipliers = dropout_multipliers(mask, q, k, dtype)
+    q5, o5 = group_heads(q, hkv), group_heads(o, hkv)
+    k, v = k.to(dtype), v.to(dtype)
+    tv = None if t_v is None else t_v.to(dtype)
+    out = torch.zeros(b, hkv, g, nq, dv_dim, dtype=dtype, device=q.device)
+    mu = torch.zeros(b, hkv, g, nq, 1, dtype=dtype, device=q.device)
+    for rows, key_tiles in schedule(mask, blocks_for(tiles, q, k, v)):
+        n = rows.stop - rows.start
+        q_r = take_rows(q5, rows).to(dtype)
+        acc = torch.zeros(b, hkv, g * n, dv_dim, dtype=dtype, device=q.device)
+        mu_r = torch.zeros(b, hkv, g * n, 1, dtype=dtype, device=q.device)
+        for keys in key_tiles:
+            p = p_tile(rows, keys)
+            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
+            if not direction.zero:
+                t = softcap_tanh(mask, q_r, k, keys, scale)
+                slope = None if t is None else cap_slope(t)
+                ps = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)  # P * S'
+                mu_r += ps.sum(dim=-1, keepdim=True)
+                acc += torch.matmul(ps if m is None else ps.mul_(m), v[:, :, keys])
+            if tv is not None:
+                acc += torch.matmul(p if m is None else p * m, tv[:, :, keys])
+        acc -= mu_r * take_rows(o5, rows).to(dtype)
+        out[:, :, :, rows] = acc.view(b, hkv, g, n, dv_dim)
+        mu[:, :, :, rows] = mu_r.view(b, hkv, g, n, 1)
+    return out.view(b, hq, nq, dv_dim).to(q.dtype), mu.view(b, hq, nq)
+
+
+class OutputTangent(torch.autograd.Function):
+    """`output_tangent` as a Function, so that forward mode composes with vmap (jacfwd).
+
+    OutputTangent.apply(t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved,
+    names, mask, scale, tiles, impl) -> (O', lse').
+    """
+
+    MASKS = (3, 8, 9)  # t_bias, bias, keep
+    MASK_OUTPUTS: ClassVar[dict[int, int]] = {}
+
+    @staticmethod
+    def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *rest = args
+        *saved, names, mask, scale, tiles, impl = rest
+        return output_tangent(
+            impl, (t_q, t_k, t_v, t_bias), q, k, v, o, dict(zip(names, saved, strict=True)),
+            mask.with_tensors(bias, keep), scale, tiles,
+        )  # fmt: skip
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: Any) -> tuple[None, ...]:
+        raise NotImplementedError(
+            "reverse mode over attngrad's forward mode is not implemented: for second "
+            "derivatives take forward over reverse (torch.func.hessian, jacfwd(jacrev(f))) "
+            "or reverse over reverse (create_graph=True)."
+        )
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        return batching.vmap_rule(OutputTangent, info, in_dims, args)

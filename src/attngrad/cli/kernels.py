@@ -1,0 +1,107 @@
+"""``attngrad kernels --target sm_90|sm_80 [--json PATH|-] [--quick] [--summary] [--markdown]``.
+
+The compile report (`attngrad.tools.kernel_report`): every kernel configuration the
+triton strategy launches, compiled for the target without a GPU.  Exit 0 when
+every configuration is ok, 1 when one spills or overruns shared memory (or
+does not compile), 2 when the report cannot run here (no Triton, or Triton's
+interpreter: the report needs the compiler).  Wired into the ``attngrad``
+command by `add_kernels`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from attngrad.cli.args import positive_int, write_json
+from attngrad.core.progress import Progress
+
+__all__ = ["add_kernels", "run_kernels"]
+
+
+def _cannot_run() -> str | None:
+    """Why the report cannot compile here, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs Triton's compiler, and Triton is not installed: pip install 'attngrad[gpu]'"
+    from attngrad.strategies.triton import kernels
+
+    if kernels.INTERPRETED:
+        return (
+            "needs Triton's compiler, but TRITON_INTERPRET=1 runs the kernels in the interpreter: "
+            "run it with TRITON_INTERPRET unset or 0 (no GPU is needed)"
+        )
+    return None
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    """The ``kernels`` command: returns the exit status."""
+    reason = _cannot_run()
+    if reason is not None:
+        print(f"attngrad kernels: {reason}", file=sys.stderr)
+        return 2
+    from attngrad.strategies.triton.ptxas import UnsupportedTriton, default_cache_dir
+    from attngrad.tools import kernel_report
+
+    target = kernel_report.TARGETS[args.target]
+    variants = kernel_report.grid(quick=args.quick)
+    cache = None if args.no_cache else (args.cache_dir or default_cache_dir())
+    try:
+        planned = kernel_report.plan(target, variants)
+        with Progress(len(planned.distinct), f"kernels {target.name}") as bar:
+            rows = kernel_report.report(planned, args.jobs, cache, bar.step)
+    except UnsupportedTriton as e:
+        print(f"attngrad kernels: {e}", file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout is the JSON alone
+    print(f"attngrad kernels --target {target.name}", file=out)
+    shown = kernel_report.summary(rows) if args.summary else rows
+    print(kernel_report.table(shown, markdown=args.markdown), file=out)
+    if args.summary:
+        failed = sum(not row.ok for row in rows)
+        print(f"over all {len(rows)} configurations: {failed} not ok", file=out)
+    if args.json:
+        write_json(kernel_report.as_json(target, rows), args.json, out)
+    return 0 if all(row.ok for row in rows) else 1
+
+
+def add_kernels(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``kernels`` subcommand to ``attngrad``'s subparsers."""
+    from attngrad.tools.kernel_report import TARGETS
+
+    p = sub.add_parser(
+        "kernels",
+        help="compile every triton kernel configuration for a GPU target, without a GPU",
+        description=(
+            "Compile, for a CUDA target and without a GPU, every kernel configuration the "
+            "triton strategy launches (dtypes and dot precisions, head dims 64, 80, 128, 256, "
+            "every mask mode, GQA) with Triton and its ptxas; report tiles, warps, stages, "
+            "shared memory, registers and spills. Exit 1 when one spills or uses more than 90%% "
+            "of the target's shared memory per block; 2 when it cannot run here."
+        ),
+    )
+    p.add_argument("--target", required=True, choices=sorted(TARGETS), help="the GPU architecture")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the configurations that decide the tiles: mode 'all' (every mask feature) "
+        "with GQA, float16 and float32, head dims 64, 128, 256",
+    )
+    p.add_argument("--jobs", type=positive_int, help="compiler processes (default: the CPUs)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where compiled results are kept between runs (default: $ATTNGRAD_CACHE_DIR, "
+        "else ~/.cache/attngrad, then /kernels)",
+    )
+    p.add_argument("--no-cache", action="store_true", help="compile everything again")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument(
+        "--summary",
+        action="store_true",
+        help="print one row per kernel, dtype, head dim and tier (light: the mask modes; heavy: "
+        "softcap or dropout), the worst of its modes (--json still has every configuration)",
+    )
+    p.set_defaults(run=run_kernels)

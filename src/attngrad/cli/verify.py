@@ -1,0 +1,84 @@
+"""``attngrad verify MODULE:FUNCTION [--json PATH|-] [--seed N] [--no-gradcheck]``.
+
+Judges any function with SDPA's signature (`attngrad.conformance.verify`): the conformance
+grid against float64, gradcheck, determinism and no input modified, after probing
+which features the function takes.  Exit 0 when everything that ran passed, 1 on a
+failure, 2 when the function cannot be loaded.  Wired into the ``attngrad`` command by
+`add_verify`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import attngrad
+from attngrad.cli.args import write_json
+from attngrad.conformance import verify as external
+from attngrad.core.progress import Progress
+
+__all__ = ["add_verify", "run_verify"]
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """The ``verify`` command: returns the exit status."""
+    try:
+        fn = external.load(args.spec)
+    except (ImportError, ValueError) as e:
+        print(f"attngrad verify: error: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    with Progress(external.steps(gradcheck=args.gradcheck), "verify") as bar:
+        result = external.verify(fn, progress=bar.step, seed=args.seed, gradcheck=args.gradcheck)
+    # with --json -, stdout carries the JSON alone
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"attngrad verify {args.spec}", file=out)
+    print(external.table(result), file=out)
+    if args.json:
+        payload = {
+            "spec": args.spec,
+            "torch": torch.__version__,
+            "attngrad": attngrad.__version__,
+            "seed": args.seed,
+            **result.as_dict(),
+        }
+        write_json(payload, args.json, out)
+    return 0 if result.passed else 1
+
+
+def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``verify`` subcommand to ``attngrad``'s subparsers."""
+    p = sub.add_parser(
+        "verify",
+        help="judge any function with SDPA's signature against the float64 reference",
+        description=(
+            "Load MODULE:FUNCTION (or path/to/file.py:FUNCTION), a function called like "
+            "torch.nn.functional.scaled_dot_product_attention, probe which features it takes "
+            "(dtypes, bool and float masks and the float mask's gradient, causal, GQA, "
+            "Nq != Nk, dv != d, 3-d and 5-d inputs: a probe that raises marks the feature "
+            "unsupported), then run the conformance grid on what it takes, element by element "
+            "against float64 (at most 2x the error of plain PyTorch plus a floor from the "
+            "magnitudes: attngrad.conformance.check), gradcheck on float64, a bitwise determinism check "
+            "and a check that no input is modified.  Exit 0 when everything that ran passed, "
+            "1 on a failure, 2 when the function cannot be loaded."
+        ),
+    )
+    p.add_argument(
+        "spec",
+        metavar="MODULE:FUNCTION",
+        help="e.g. torch.nn.functional:scaled_dot_product_attention or path/to/file.py:attn",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH; '-' writes them to stdout (the table "
+        "then goes to stderr); unsupported features: 'unsupported' (feature -> what the "
+        'probe raised), their cases and checks with "passed": null',
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument(
+        "--no-gradcheck", dest="gradcheck", action="store_false", help="skip gradcheck (faster)"
+    )
+    p.set_defaults(run=run_verify)

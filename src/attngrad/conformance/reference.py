@@ -1,0 +1,594 @@
+r"""The slow, obviously right attention every strategy is judged against.
+
+`reference_attention` (and `reference_lse`, the rows' log-sum-exp): plain
+PyTorch ops differentiated by autograd, to every order, straight from the
+definition on the full score matrix::
+
+    X = scale q k^T                       k, v repeated per query head (GQA)
+    T = c tanh(X / c)                     with a softcap c, else T = X
+    S = T + bias, -inf where not kept     keep: bool mask, causal/window band, segments
+    P = softmax([S, sigma])[..., :Nk]     sigma: the sinks' column, dropped after
+    O = (P o Z / (1 - p)) v               Z: the given dropout keep mask (0 when p = 1)
+
+Rows that attend nothing (no key and no finite sink) get P = 0.  The band
+is built here from its definition -- each position's segment and its place
+inside it, query i of a segment sitting at key i (top-left) or at key
+i + len_k - len_q (bottom-right) -- not from `attngrad.core.band`, so the
+strategies' band is checked against an independent one.  Run in float64 it
+is the reference.
+
+`plain_attention`: the plain computation in a dtype that the 2x rule
+compares with.  `magnitudes`: the last step of each quantity on absolute
+values, the numbers the error rule of `attngrad.conformance.check` derives its floor
+from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+__all__ = ["magnitudes", "plain_attention", "reference_attention", "reference_lse"]
+
+Window = tuple[int | None, int | None] | None
+
+
+@dataclass(frozen=True)
+class _Band:
+    """Which keys each query may reach: is_causal, window, align and packed segments.
+
+    cu_q, cu_k: cumulative segment lengths [0, ..., N] (None: one segment of everything).
+    """
+
+    is_causal: bool = False
+    window: Window = None
+    align: str = "top-left"
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.align not in ("top-left", "bottom-right"):
+            raise ValueError(f"align must be 'top-left' or 'bottom-right', got {self.align!r}")
+        if self.cu_q is None and self.cu_k is not None:
+            raise ValueError("cu_seqlens_k was given without cu_seqlens_q; pass both")
+
+    def _cumulative(self, nq: int, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_q, cu_k) int64 on the CPU: one segment of everything without any, k = q without k."""
+        if self.cu_q is None:
+            return torch.tensor([0, nq]), torch.tensor([0, nk])
+        cu_k = self.cu_q if self.cu_k is None else self.cu_k
+        return self.cu_q.cpu().to(torch.int64), cu_k.cpu().to(torch.int64)
+
+    @property
+    def only_causal(self) -> bool:
+        """True when the band is at most SDPA's is_causal: no window, no segments, top-left."""
+        return self.window is None and self.cu_q is None and self.align == "top-left"
+
+    def keep(self, nq: int, nk: int, device: torch.device) -> torch.Tensor:
+        """[Nq, Nk] bool: key j is in query i's segment and inside its causal/window band.
+
+        Inside a segment of len_q queries and len_k keys, query i (counted
+        from the segment's start) sits at key i + off, off = 0 (top-left) or
+        len_k - len_q (bottom-right); it keeps key j when j - (i + off) is
+        at most 0 (causal), at least -left and at most right (window).
+        """
+        cu_q, cu_k = self._cumulative(nq, nk)
+        seg_q, pos_q = _segment_positions(cu_q)
+        seg_k, pos_k = _segment_positions(cu_k)
+        if self.align == "bottom-right":
+            pos_q = pos_q + (cu_k.diff() - cu_q.diff())[seg_q]
+        offset = pos_k.unsqueeze(0) - pos_q.unsqueeze(1)  # key minus the query's own key position
+        keep = seg_q.unsqueeze(1) == seg_k.unsqueeze(0)
+        left, right = self.window if self.window is not None else (None, None)
+        if self.is_causal:
+            keep &= offset <= 0
+        if left is not None:
+            keep &= offset >= -left
+        if right is not None:
+            keep &= offset <= right
+        return keep.to(device)
+
+
+def _segment_positions(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment, position inside it) of every position: int64 [N] each, from cu [0, ..., N]."""
+    lengths = cu.diff()
+    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return segment, torch.arange(segment.numel()) - cu[segment]
+
+
+def _expand_kv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v repeated per query head when ``enable_gqa`` (query head h uses kv head h // G)."""
+    if not enable_gqa:
+        return key, value
+    groups = query.shape[-3] // key.shape[-3]
+    return key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+
+
+def _scale(query: torch.Tensor, scale: float | None) -> float:
+    return 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
+def _raw_scores(
+    query: torch.Tensor, key: torch.Tensor, scale: float, scale_first: bool = False
+) -> torch.Tensor:
+    """X = scale q k^T [..., Hq, Nq, Nk]: (q k^T) s, or (s q) k^T with ``scale_first``."""
+    if scale_first:
+        return (query * scale) @ key.transpose(-2, -1)
+    return query @ key.transpose(-2, -1) * scale
+
+
+def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """T = c tanh(X / c), or X without a softcap."""
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+def _masked_scores(
+    t: torch.Tensor, attn_mask: torch.Tensor | None, band: _Band
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, keep): t plus a float mask, -inf where a bool mask or the band drops a key."""
+    keep = band.keep(t.shape[-2], t.shape[-1], t.device)
+    s = t
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = keep & attn_mask
+    elif attn_mask is not None:
+        s = s + attn_mask
+    keep = keep & (s != float("-inf"))
+    return s.masked_fill(~keep, float("-inf")), keep
+
+
+def _sink_column(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks as one more score column: [..., Hq, Nq, 1] (sinks [Hq] or like [..., Hq, Nq])."""
+    sigma = sinks.unsqueeze(-1) if sinks.ndim == 1 else sinks
+    return sigma.to(s.dtype).expand(s.shape[:-1]).unsqueeze(-1)
+
+
+def _with_sinks(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """[S, sigma]: [..., Nq, Nk + 1] with sinks, S itself without."""
+    return s if sinks is None else torch.cat([s, _sink_column(s, sinks)], dim=-1)
+
+
+def _softmax(s: torch.Tensor) -> torch.Tensor:
+    """softmax along the last dim with P = 0 on rows whose every score is -inf."""
+    dead = (s == float("-inf")).all(dim=-1, keepdim=True)
+    return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+
+
+def _probabilities(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """P [..., Nq, Nk]: the softmax of each row over its keys and its sink, the sink dropped."""
+    return _softmax(_with_sinks(s, sinks))[..., : s.shape[-1]]
+
+
+def _keep_factor(dropout_p: float) -> float:
+    """1 / (1 - p), the factor of a kept entry; 0 when p = 1 (nothing is kept)."""
+    return 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+
+
+def _dropped(p: torch.Tensor, dropout_mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """P o Z / (1 - p): P with the dropped entries zeroed and the kept ones scaled."""
+    if dropout_mask is None:
+        if dropout_p > 0:
+            raise ValueError(
+                f"dropout_p={dropout_p} needs dropout_mask, the bool keep mask Z: the reference "
+                "draws no random numbers (attngrad.core.dropout.keep_mask gives attention's)."
+            )
+        return p
+    return p.masked_fill(~dropout_mask, 0.0) * _keep_factor(dropout_p)
+
+
+def _scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    band: _Band,
+    softcap: float | None,
+    scale_first: bool = False,
+) -> torch.Tensor:
+    """S [..., Hq, Nq, Nk]: scaled, capped, biased and masked; key already per query head."""
+    t = _cap(_raw_scores(query, key, _scale(query, scale), scale_first), softcap)
+    return _masked_scores(t, attn_mask, band)[0]
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    enable_gqa: bool,
+    band: _Band,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dropout: tuple[torch.Tensor | None, float],
+    scale_first: bool = False,
+) -> torch.Tensor:
+    """O of the module docstring; ``scale_first``: the raw scores as (s q) k^T (`_raw_scores`)."""
+    key, value = _expand_kv(query, key, value, enable_gqa)
+    s = _scores(query, key, attn_mask, scale, band, softcap, scale_first)
+    return _dropped(_probabilities(s, sinks), *dropout) @ value
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    align: str = "top-left",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """softmax(cap(scale * q k^T) + mask) v with `attngrad.attention`'s options, in the inputs' dtype.
+
+    query: [..., Hq, Nq, d], key: [..., Hkv, Nk, d], value: [..., Hkv, Nk, dv],
+    attn_mask broadcastable to [..., Hq, Nq, Nk] -> [..., Hq, Nq, dv].
+    ``window=(left, right)``, ``align``, ``cu_seqlens_q`` / ``cu_seqlens_k``
+    (k defaults to q), ``softcap`` and ``sinks`` ([Hq] or broadcastable to
+    [..., Hq, Nq]) as in `attngrad.attention`.  ``dropout_mask``: bool keep
+    mask Z broadcastable to the scores; P becomes P o Z / (1 - dropout_p)
+    (zeros for p = 1).  A ``dropout_p`` > 0 without a mask is a ValueError.
+    """
+    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    return _attention(
+        query, key, value, attn_mask, scale, enable_gqa, band, softcap, sinks,
+        (dropout_mask, dropout_p),
+    )  # fmt: skip
+
+
+def reference_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    align: str = "top-left",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log-sum-exp of each row's scores and its sink: [..., Hq, Nq]; -inf on a dead row.
+
+    The options as in `reference_attention`; dropout, applied after the
+    softmax, does not enter it.  Differentiable except on dead rows (whose
+    gradient would be 0/0).
+    """
+    key, _ = _expand_kv(query, key, key, enable_gqa)
+    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    s = _scores(query, key, attn_mask, scale, band, softcap)
+    return torch.logsumexp(_with_sinks(s, sinks), dim=-1)
+
+
+def plain_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    align: str = "top-left",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """The plain PyTorch computation of the 2x rule, in the inputs' dtype (options as the reference's).
+
+    `reference_attention` itself for 16-bit and float32 inputs.  In float64
+    the reference *is* that computation, so the plain one is float64 in
+    another order, whose distance from the reference is float64's own
+    rounding (which large logits make large): PyTorch's SDPA under its MATH
+    backend, with a window, alignment or segments joining the mask as a
+    band and sinks as one more key (zero key and value, the sink as its
+    bias).  SDPA has no softcap and draws its own dropout mask, so with
+    either the float64 plain run is the reference's formula with the
+    scale applied to q before the product, (s q) k^T, as SDPA MATH scales
+    its operands first.
+    """
+    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    if query.dtype == torch.float64 and softcap is None and dropout_mask is None:
+        return _sdpa_math(query, key, value, attn_mask, scale, enable_gqa, band, sinks)
+    scale_first = query.dtype == torch.float64
+    return _attention(
+        query, key, value, attn_mask, scale, enable_gqa, band, softcap, sinks,
+        (dropout_mask, dropout_p), scale_first,
+    )  # fmt: skip
+
+
+def _band_into_mask(attn_mask: torch.Tensor | None, band: torch.Tensor) -> torch.Tensor:
+    """The band [Nq, Nk] joined with attn_mask: a bool mask and-ed, a float one -inf outside."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return band if attn_mask is None else attn_mask & band
+    return attn_mask.masked_fill(~band, float("-inf"))
+
+
+def _sink_as_key(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v, float mask) with one more key: zero key and value whose bias is the sink.
+
+    Its score q . 0 * scale + sigma is sigma exactly, so SDPA's softmax over
+    the Nk + 1 keys is the softmax with the sink; the mask becomes
+    [..., Hq, Nq, Nk + 1] (a bool one as 0 / -inf).
+    """
+    scores = (*query.shape[:-1], key.shape[-2])
+    bias = torch.zeros(scores, dtype=query.dtype, device=query.device)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        bias = bias.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        bias = bias + attn_mask
+    zero = key.new_zeros(*key.shape[:-2], 1, key.shape[-1])
+    key = torch.cat([key, zero], dim=-2)
+    value = torch.cat([value, value.new_zeros(*value.shape[:-2], 1, value.shape[-1])], dim=-2)
+    return key, value, torch.cat([bias, _sink_column(bias, sinks)], dim=-1)
+
+
+def _sdpa_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    enable_gqa: bool,
+    band: _Band,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA's MATH backend on the call, the band and the sinks expressed as SDPA can take them."""
+    is_causal = band.is_causal
+    if not band.only_causal or sinks is not None:  # SDPA's is_causal is top-left over all keys
+        keep = band.keep(query.shape[-2], key.shape[-2], query.device)
+        attn_mask, is_causal = _band_into_mask(attn_mask, keep), False
+    if sinks is not None:
+        key, value, attn_mask = _sink_as_key(query, key, value, attn_mask, sinks)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+
+
+@dataclass(frozen=True)
+class _Scores:
+    """The forward pieces `magnitudes` bounds from, float64 [..., Hq, Nq, Nk] (p_sink: [..., Hq, Nq]).
+
+    x: the raw scores s q k^T; slope: d T / d X (1 without a softcap); keep:
+    the kept entries; p: the sink-normalised softmax; p_sink: the sink's share
+    of each row (0 without sinks); c_cap: the bound on T's perturbation from
+    the product and the cap, c_s: with the bias add, 0 where not kept.
+    """
+
+    x: torch.Tensor
+    slope: torch.Tensor
+    keep: torch.Tensor
+    p: torch.Tensor
+    p_sink: torch.Tensor
+    c_cap: torch.Tensor
+    c_s: torch.Tensor
+
+    @staticmethod
+    def of(
+        q: torch.Tensor,
+        ke: torch.Tensor,
+        s: float,
+        mask: torch.Tensor | None,
+        band: _Band,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        unit_roundoff: float,
+    ) -> _Scores:
+        """From float64 q [..., Hq, Nq, d], k per query head, and the call's options."""
+        x = _raw_scores(q, ke, s)
+        t = _cap(x, softcap)
+        scores, keep = _masked_scores(t, mask, band)
+        p_all = _softmax(_with_sinks(scores, sinks))
+        p, p_sink = p_all[..., : x.shape[-1]], p_all[..., x.shape[-1] :].sum(-1)
+        slope = torch.ones_like(x) if softcap is None else 1 - torch.tanh(x / softcap) ** 2
+        c_cap = slope * abs(s) * (q.abs() @ ke.abs().transpose(-2, -1))
+        if softcap is not None:
+            c_cap = c_cap + slope * x.abs() + 2 * t.abs()
+        c_cap = c_cap.masked_fill(~keep, 0.0)
+        c_s = c_cap
+        if mask is not None and mask.dtype != torch.bool:
+            c_s = c_s + torch.minimum(scores.abs(), t.abs() / unit_roundoff).masked_fill(~keep, 0.0)
+        return _Scores(x, slope, keep, p, p_sink, c_cap, c_s)
+
+
+@dataclass(frozen=True)
+class _Path:
+    """One of the two (A or C) bounds on the pieces the results are made of, float64.
+
+    p: the bound on P [..., Hq, Nq, Nk]; ds: on dS; dx: on dX = slope o dS;
+    dsink: on d sigma per row [..., Hq, Nq].
+    """
+
+    p: torch.Tensor
+    ds: torch.Tensor
+    dx: torch.Tensor
+    dsink: torch.Tensor
+
+
+def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
+    """A: P, A_dS = P o (A_dP + A_Dlt / (1 - p_sink)), slope o A_dS and p_sink A_Dlt (`magnitudes`)."""
+    a_dlt = (f.p * a_dp).sum(-1)
+    # attngrad merges a sink after the keys' own softmax (`attngrad.core.sinks`): its Delta and the
+    # merge's lse gradient are each rowsum(P_keys o A_dP), P_keys = P / (1 - p_sink), and cancel
+    # to the sink-normalised Delta; a row that is all sink (P = 0) contributes nothing
+    keys = f.p.sum(-1)  # 1 - p_sink, without its cancellation when the sink takes the row
+    a_row = torch.where(keys > 0, a_dlt / keys.clamp(min=torch.finfo(keys.dtype).tiny), 0.0)
+    a_ds = f.p * (a_dp + a_row.unsqueeze(-1))
+    return _Path(f.p, a_ds, f.slope * a_ds, f.p_sink * a_dlt)
+
+
+def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Tensor:
+    """C_P: how far P can move, over u, when each score moves by at most u C_S.
+
+    P_j' / P_j = exp(d_j) / sum_i P_i exp(d_i) with |d_i| <= u C_S_i lies
+    within exp(+-u C_S_j) / sum_i P_i exp(-+u C_S_i), so |P_j' - P_j| <=
+    P_j (exp(u C_S_j) / sum_i P_i exp(-u C_S_i) - 1), and never more than 1.
+    To first order that is P o (C_S + rowsum(P o C_S)) u; the exact form
+    matters in a row's exponential tail when u C_S reaches a few units (16-bit
+    inputs at large logits: P = exp(-54) moved by exp(6)).
+    """
+    grow = torch.expm1(u * c_s)  # exp(u C_S) - 1, without cancellation when small
+    shrink = (p * torch.expm1(-u * c_s)).sum(-1, keepdim=True)  # sum P exp(-u C_S) - 1
+    ratio = (grow - shrink) / (1 + shrink).clamp(min=torch.finfo(p.dtype).tiny)
+    return torch.where(p > 0, (p * ratio).clamp(max=1.0), 0.0) / u
+
+
+def _sensitivity_path(
+    f: _Scores, dp: torch.Tensor, softcap: float | None, unit_roundoff: float
+) -> _Path:
+    """C: C_P, C_dS, C_dX and C_dsink from the score perturbation C_S (`magnitudes`)."""
+    p, c_s = f.p, f.c_s
+    c_p = _probability_move(p, c_s, unit_roundoff)
+    delta = (p * dp).sum(-1, keepdim=True)
+    # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
+    # dropout removed, beside keys that underflow)
+    c_ds = c_p * ((dp - delta).abs() + (p * dp.abs()).sum(-1, keepdim=True))
+    c_ds = c_ds + p * (c_p * dp.abs()).sum(-1, keepdim=True)
+    c_dx = f.slope * c_ds
+    if softcap is not None:  # the slope 1 - tanh^2 moves with T: by 2 |tanh| C_T / c
+        bend = 2 * torch.tanh(f.x / softcap).abs() * f.c_cap / softcap
+        c_dx = c_dx + bend * (p * (dp - delta)).abs()
+    c_dsink = f.p_sink * ((p * c_s).sum(-1) * delta.squeeze(-1).abs() + (c_p * dp.abs()).sum(-1))
+    return _Path(c_p, c_ds, c_dx, c_dsink)
+
+
+def _sum_to_sinks(rows: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """A per-row quantity [..., Hq, Nq] summed over the rows each sink logit serves."""
+    shape = (*sinks.shape, 1) if sinks.ndim == 1 else sinks.shape
+    return rows.sum_to_size(shape).reshape(sinks.shape)
+
+
+def magnitudes(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dout: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    unit_roundoff: float = 2.0**-53,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    align: str = "top-left",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    r"""(A_x, C_x) for out, dq, dk, dv (dmask for a float mask, dsinks with sinks), float64, like x.
+
+    The options as in `reference_attention`.  P below is the sink-normalised
+    softmax and p_sink the sink's share of a row; W = Z / (1 - p) with
+    dropout, else 1; slope = 1 - tanh^2(X / c) <= 1 with a softcap, else 1.
+
+    A_x, the size of the last step that forms x, evaluated on absolute values
+    (P >= 0 needs none):
+
+        A_out = (P o W) |v|             A_dv = (P o W)^T |dO|
+        A_dP  = W o |dO| |v|^T          A_Dlt = rowsum(P o A_dP)
+        A_dS  = P o (A_dP + A_Dlt / (1 - p_sink))    (dS = P o (dP - Delta))
+        A_dq  = s (slope o A_dS) |k|    A_dk = s (slope o A_dS)^T |q|
+        A_dmask = A_dS, summed over the dims the mask broadcasts
+        A_dsinks = p_sink A_Dlt, summed over the rows each sink serves
+
+    (The 1 / (1 - p_sink) is attngrad's: it merges a sink after the keys'
+    own softmax, `attngrad.core.sinks`, so its Delta and the merge's lse gradient
+    are each formed at the keys' normalisation and cancel to the sink's; a
+    fused kernel that folds the sink into the row statistics would not need it.)
+
+    C_x, what the rounding of the scores does to x: a perturbation of each
+    score by at most C_S = C_T + min(|S|, |T| / u) (the bias add, which can
+    lose at most what it added), C_T = slope o s |q| |k|^T (the product,
+    through the cap) + slope o |X| + 2 |T| (the cap's three roundings, T = c
+    tanh(X / c)), moves P by at most C_P = P o (C_S + rowsum(P o C_S)) (the
+    sinks' logits are exact; to first order: `_probability_move` keeps the
+    exponential, capped at 1, for 16-bit tails), and so, to first order,
+
+        C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
+        C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)
+        C_dX  = slope o C_dS + 2 |tanh(X / c)| o C_T / c o |dS|   (the slope moves too)
+        C_dq  = s C_dX |k|       C_dk = s C_dX^T |q|      C_dmask = C_dS, summed like the mask
+        C_dsinks = p_sink (rowsum(P o C_S) |Dlt| + rowsum(C_P o |dP|)), summed like the sinks
+
+    Masked entries and dead rows contribute nothing (P = 0 there).  With GQA,
+    dk and dv terms are summed over each kv head's query heads like dk and dv.
+    """
+    s = _scale(query, scale)
+    q, k, v, do = (t.double() for t in (query, key, value, dout))
+    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double()
+    sigma = None if sinks is None else sinks.double()
+    ke, ve = _expand_kv(q, k, v, enable_gqa)
+    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    f = _Scores.of(q, ke, s, mask, band, softcap, sigma, unit_roundoff)
+    w = _dropped(torch.ones_like(f.p), dropout_mask, dropout_p)
+    dp = w * (do @ ve.transpose(-2, -1))
+    a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
+    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, unit_roundoff))
+    a, c = (_results(path, q, k, ke, ve, do, w, abs(s), mask, sigma) for path in paths)
+    return a, c
+
+
+def _results(
+    path: _Path,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    ke: torch.Tensor,
+    ve: torch.Tensor,
+    do: torch.Tensor,
+    w: torch.Tensor,
+    s: float,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """One path's bound on each result from its P, dS, dX and d sigma bounds (`magnitudes`).
+
+    q: [..., Hq, Nq, d], k: [..., Hkv, Nk, d] (ke, ve: per query head), do: dO,
+    w: the dropout's factors, like P; s: |scale|; dk and dv summed over each kv head's group.
+    """
+    pw = path.p * w
+    part = {
+        "out": pw @ ve.abs(),
+        "dq": s * (path.dx @ ke.abs()),
+        "dk": s * (path.dx.transpose(-2, -1) @ q.abs()),
+        "dv": pw.transpose(-2, -1) @ do.abs(),
+    }
+    if ke.shape != k.shape:  # repeated per query head (GQA)
+        groups = q.shape[-3] // k.shape[-3]
+        for name in ("dk", "dv"):
+            t = part[name]
+            part[name] = t.reshape(*t.shape[:-3], k.shape[-3], groups, *t.shape[-2:]).sum(-3)
+    if mask is not None and mask.dtype != torch.bool:
+        part["dmask"] = path.ds.sum_to_size(mask.shape)
+    if sinks is not None:
+        part["dsinks"] = _sum_to_sinks(path.dsink, sinks)
+    return part

@@ -1,0 +1,649 @@
+r"""Judge any function with SDPA's signature: ``attngrad verify MODULE:FUNCTION``.
+
+``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+scale=None, enable_gqa=False)``: a user's Triton or CUDA kernel, xformers, a
+teaching implementation.  `verify` runs, in order:
+
+1. Feature discovery (`FEATURES`).  One probe per feature: forward and
+   backward on the simplest small case that has that feature and nothing
+   else (the base: float32, or the first dtype the function takes).  A probe
+   that raises ``NotImplementedError``, ``RuntimeError``, ``ValueError``,
+   ``TypeError`` or ``AssertionError`` means the function refuses the
+   feature: "unsupported", and every grid case with it is reported
+   unsupported (``passed`` None), not failed.  Any other exception on a probe
+   is a crash: the feature's check fails and its cases run anyway.  A probe
+   never judges numbers; a supported feature whose numbers are wrong, or
+   that raises on a larger case of the grid, fails there.  "float mask
+   gradient": a float mask whose gradient the function does not give (the
+   backward raises, or the mask is not in the graph) is unsupported; its
+   cases then judge out, dq, dk and dv only.
+2. The conformance grid: `attngrad.conformance.check.default_cases` restricted to SDPA's
+   options (no softcap, sinks, packed segments, window, bottom-right
+   alignment or dropout: attngrad's extensions), each judged against the
+   float64 reference by `attngrad.conformance.check`'s rule (at most 2x plain PyTorch's
+   error in the same dtype plus the floor of the magnitudes).
+3. ``gradcheck`` (fast mode) on each float64 case the function takes.
+4. Determinism: forward and backward `DETERMINISM_RUNS` times on one case
+   (GQA, Nq != Nk, a float mask where supported) must agree bit for bit.
+5. No input modified: the values and ``_version`` of q, k, v and the mask,
+   after every grid case (inputs that require grad) and after one call
+   without grad.
+
+`Result.passed`: every case and check that ran passed (unsupported ones are
+left out; a function that supports nothing fails).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch.autograd.gradcheck import GradcheckError
+
+from attngrad.conformance.check import (
+    Case,
+    Inputs,
+    Verdict,
+    as_attention,
+    case_floors,
+    default_cases,
+    judge,
+    make_inputs,
+    outputs_and_grads,
+)
+from attngrad.conformance.reference import plain_attention, reference_attention
+from attngrad.core.contract import Shapes
+
+__all__ = [
+    "DETERMINISM_RUNS",
+    "FEATURES",
+    "REFUSALS",
+    "CaseReport",
+    "Check",
+    "Result",
+    "case_features",
+    "load",
+    "quick_cases",
+    "sdpa_cases",
+    "verify",
+]
+
+AttentionFn = Callable[..., torch.Tensor]
+Step = Callable[[str], None]
+
+DTYPE_FEATURES = ("float32", "float64", "bfloat16", "float16")
+# the features a probe asks about, besides the dtypes
+SHAPE_FEATURES = (
+    "bool mask", "float mask", "float mask gradient", "causal", "gqa", "nq!=nk", "dv!=d",
+    "3-d inputs", "5-d inputs",
+)  # fmt: skip
+FEATURES = (*DTYPE_FEATURES, *SHAPE_FEATURES)
+# what a function raises to say "I don't do this" (on a probe only)
+REFUSALS: tuple[type[BaseException], ...] = (
+    NotImplementedError, RuntimeError, ValueError, TypeError, AssertionError,
+)  # fmt: skip
+DETERMINISM_RUNS = 5
+_DTYPES = {
+    "float32": torch.float32, "float64": torch.float64,
+    "bfloat16": torch.bfloat16, "float16": torch.float16,
+}  # fmt: skip
+_BASE = Shapes((1,), 2, 2, 5, 5, 4, 4)
+_REFERENCE = as_attention(reference_attention)
+_PLAIN = as_attention(plain_attention)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load(spec: str) -> AttentionFn:
+    """The function named by ``spec``: ``pkg.mod:func`` or ``path/to/file.py:func``.
+
+    ``func`` may be dotted (``mod:Class.method``).  A malformed spec or a
+    function that is not callable is a ValueError, a module or attribute that
+    cannot be found an ImportError; each names the spec and the forms.
+    """
+    forms = (
+        "give MODULE:FUNCTION, e.g. torch.nn.functional:scaled_dot_product_attention "
+        "or path/to/file.py:my_attention"
+    )
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"cannot read {spec!r} as a function: {forms}")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        obj: object = _load_file(spec, module_name, forms)
+    else:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ImportError(
+                f"{spec!r}: cannot import module {module_name!r} ({e}); {forms}"
+            ) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ImportError(
+                f"{spec!r}: {module_name!r} has no attribute {attr!r}; {forms}"
+            ) from e
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is a {type(obj).__name__}, not a function; {forms}")
+    return obj  # type: ignore[return-value]
+
+
+def _load_file(spec: str, path: str, forms: str) -> object:
+    if not os.path.isfile(path):
+        raise ImportError(f"{spec!r}: no file {path!r}; {forms}")
+    name = "_attngrad_verify_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"{spec!r}: cannot load {path!r} as a Python file; {forms}")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def sdpa_cases() -> list[Case]:
+    """`default_cases` restricted to SDPA's options (what `verify` runs by default)."""
+    return [
+        c
+        for c in default_cases()
+        if c.softcap is None
+        and c.sinks == "none"
+        and c.align == "top-left"
+        and c.segments is None
+        and c.window is None
+        and not c.dropout
+        and c.scale is None
+    ]
+
+
+def quick_cases() -> list[Case]:
+    """A small grid for tests: every mask kind on the square and the GQA layout in float64
+    and float32, and the GQA layout in bfloat16 and float16."""
+    keep = []
+    for c in sdpa_cases():
+        gqa = c.shapes.heads_q != c.shapes.heads_kv and c.shapes.seq_k > 1
+        square = c.shapes.lead == (2,) and c.shapes.seq_q == c.shapes.seq_k
+        if gqa or (square and c.dtype in (torch.float64, torch.float32)):
+            keep.append(c)
+    return keep
+
+
+def case_features(case: Case) -> list[str]:
+    """What a case exercises: its dtype, mask kind and layout (``dead rows``: a bool mask
+    with a query row that attends nothing; ``nk=1``: a single key)."""
+    sh = case.shapes
+    features = [str(case.dtype).removeprefix("torch.")]
+    if case.mask == "bool":
+        features.append("bool mask")
+        if sh.seq_q > 1:
+            features.append("dead rows")
+    elif case.mask == "float":
+        features += ["float mask", "float mask gradient"]
+    elif case.mask == "causal":
+        features.append("causal")
+    if sh.heads_q != sh.heads_kv:
+        features.append("gqa")
+    if sh.seq_q != sh.seq_k:
+        features.append("nq!=nk")
+    if sh.seq_k == 1:
+        features.append("nk=1")
+    if sh.head_dim != sh.value_dim:
+        features.append("dv!=d")
+    if len(sh.lead) == 0:
+        features.append("3-d inputs")
+    elif len(sh.lead) >= 2:
+        features.append("5-d inputs")
+    return features
+
+
+def _probe_case(feature: str, dtype: torch.dtype) -> Case:
+    """The simplest case with ``feature`` and nothing else."""
+    if feature in _DTYPES:
+        return Case(_BASE, _DTYPES[feature])
+    masks = {"bool mask": "bool", "float mask": "float", "float mask gradient": "float"}
+    shapes = {
+        "gqa": replace(_BASE, heads_q=4),
+        "nq!=nk": replace(_BASE, seq_k=7),
+        "dv!=d": replace(_BASE, value_dim=6),
+        "3-d inputs": replace(_BASE, lead=()),
+        "5-d inputs": replace(_BASE, lead=(1, 2)),
+    }
+    mask = "causal" if feature == "causal" else masks.get(feature, "none")
+    return Case(shapes.get(feature, _BASE), dtype, mask)
+
+
+# -------------------------------------------------------------------------- results
+
+
+@dataclass
+class CaseReport:
+    """One grid case: ``passed`` None when a feature it needs is unsupported."""
+
+    id: str
+    features: list[str]
+    passed: bool | None
+    errors: dict[str, float] = field(default_factory=dict)
+    bounds: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+    # error / bound at each quantity's worst element (<= 1 passes; the rule is element-wise,
+    # so errors[n] / bounds[n] is not this: errors is the max error, bounds the worst one's)
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        for key in ("errors", "bounds", "ratios"):
+            d[key] = {k: _json_number(x) for k, x in getattr(self, key).items()}
+        return d
+
+
+@dataclass
+class Check:
+    """One check beside the grid; ``passed`` None: not run (a feature it needs is unsupported)."""
+
+    name: str
+    passed: bool | None
+    message: str = ""
+
+
+@dataclass
+class Result:
+    """Everything `verify` found; ``unsupported``: feature -> what the probe raised."""
+
+    cases: list[CaseReport]
+    checks: list[Check]
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        verdicts = [c.passed for c in self.cases] + [c.passed for c in self.checks]
+        return any(c.passed for c in self.cases) and all(v for v in verdicts if v is not None)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "passed": self.passed,
+            "unsupported": self.unsupported,
+            "cases": [c.as_dict() for c in self.cases],
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+
+def _json_number(x: float) -> float | str:
+    """JSON has no NaN or infinity: those become the strings "nan", "inf"."""
+    return x if math.isfinite(x) else str(x)
+
+
+# ------------------------------------------------------------------------- running
+
+
+def _leaves(inputs: Inputs, dtype: torch.dtype, mask_grad: bool) -> dict[str, torch.Tensor]:
+    """Fresh leaves in ``dtype``: q, k, v, and the float mask when ``mask_grad``."""
+    names = ["q", "k", "v"]
+    mask = inputs["mask"]
+    if mask_grad and mask is not None and mask.dtype != torch.bool:
+        names.append("mask")
+    return {n: _get(inputs, n).detach().to(dtype).clone().requires_grad_() for n in names}
+
+
+def _get(inputs: Inputs, name: str) -> torch.Tensor:
+    t = inputs[name]
+    assert t is not None
+    return t
+
+
+def _mask(
+    inputs: Inputs, leaves: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor | None:
+    if "mask" in leaves:
+        return leaves["mask"]
+    mask = inputs["mask"]
+    if mask is None:
+        return None
+    return mask.clone() if mask.dtype == torch.bool else mask.to(dtype).clone()
+
+
+class _Modified(Exception):
+    """An input the function changed (value or ``_version``)."""
+
+
+def _run(fn: AttentionFn, case: Case, inputs: Inputs, mask_grad: bool) -> dict[str, torch.Tensor]:
+    """out and the gradients of q, k, v (and the mask) of ``fn`` on the case, in its dtype.
+
+    Raises `_Modified` naming each input whose value or ``_version`` changed.
+    """
+    dtype = case.dtype
+    leaves = _leaves(inputs, dtype, mask_grad)
+    mask = _mask(inputs, leaves, dtype)
+    given = {**leaves, **({"mask": mask} if mask is not None else {})}
+    before = {n: (t.detach().clone(), t._version) for n, t in given.items()}
+    out = fn(leaves["q"], leaves["k"], leaves["v"], mask, **case.kwargs)
+    # before backward too: autograd refuses a backward whose saved inputs were modified
+    changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
+    if changed:
+        raise _Modified(f"{', '.join(changed)} modified in place by the call")
+    dout = _get(inputs, "dout").to(out.dtype)
+    grads = torch.autograd.grad(out, list(leaves.values()), dout, allow_unused=True)
+    changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
+    if changed:
+        raise _Modified(f"{', '.join(changed)} modified in place by the backward")
+    missing = [n for n, g in zip(leaves, grads, strict=True) if g is None]
+    if missing:
+        raise RuntimeError(f"no gradient for {', '.join(missing)} (not in the graph)")
+    result = {"out": out.detach()}
+    result.update({"d" + n: g for n, g in zip(leaves, grads, strict=True) if g is not None})
+    return result
+
+
+def _changed(t: torch.Tensor, value: torch.Tensor, version: int) -> bool:
+    return t._version != version or not _same_bits(t.detach(), value)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN equals NaN of the same bits)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.bool:
+        return bool(torch.equal(a, b))
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(width), b.contiguous().view(width)))
+
+
+def _judge(case: Case, inputs: Inputs, got: Mapping[str, torch.Tensor]) -> list[Verdict]:
+    """`attngrad.conformance.check`'s rule on the quantities in ``got`` (dmask may be missing)."""
+    ref = outputs_and_grads(_REFERENCE, case, inputs, torch.float64)
+    plain = outputs_and_grads(_PLAIN, case, inputs, case.dtype)
+    floors = case_floors(case, inputs)
+    return [judge(n, got[n], ref[n], floors[n], plain[n]) for n in ref if n in got]
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _probe(fn: AttentionFn, feature: str, dtype: torch.dtype, seed: int) -> tuple[bool | None, str]:
+    """(True, "") supported; (None, why) refused; (False, why) crashed."""
+    case = _probe_case(feature, dtype)
+    inputs = make_inputs(case, seed, dead_row=False)
+    try:
+        got = _run(fn, case, inputs, mask_grad=feature == "float mask gradient")
+    except _Modified:
+        return True, ""  # the no-modification check reports it
+    except REFUSALS as e:
+        return None, _error(e)
+    except Exception as e:  # any other exception on the simplest case is a crash
+        return False, _error(e)
+    if feature == "float mask gradient" and "dmask" not in got:
+        return None, "no gradient for the float mask"
+    return True, ""
+
+
+def _grid_case(
+    fn: AttentionFn, case: Case, seed: int, mask_grad: bool, modified: list[str]
+) -> CaseReport:
+    features = case_features(case)
+    if case.mask == "float" and not mask_grad:
+        features.remove("float mask gradient")
+    report = CaseReport(case.id, features, False)
+    inputs = make_inputs(case, seed)
+    try:
+        got = _run(fn, case, inputs, mask_grad)
+    except _Modified as e:
+        modified.append(f"{case.id}: {e}")
+        report.message = f"{_names(features)}: {e}"
+        return report
+    except Exception as e:  # a crash on a supported feature fails the case
+        report.message = f"{_names(features)}: raised {_error(e)}"
+        return report
+    try:
+        verdicts = _judge(case, inputs, got)
+    except ValueError as e:  # a shape that differs from the reference's
+        report.message = f"{_names(features)}: {e}"
+        return report
+    for v in verdicts:
+        report.errors[v.name] = math.nan if v.nan else v.error
+        report.bounds[v.name] = v.bound
+        report.ratios[v.name] = math.inf if v.nan else v.ratio
+    report.passed = all(v.passed for v in verdicts)
+    failed = [str(v) for v in verdicts if not v.passed]
+    if failed:
+        report.message = f"{_names(features)}: " + "; ".join(failed)
+    if case.mask == "float" and not mask_grad:
+        report.message = "; ".join(filter(None, [report.message, "dmask not judged"]))
+    return report
+
+
+def _names(features: Sequence[str]) -> str:
+    return "[" + ", ".join(features) + "]"
+
+
+class _SlowMode(Exception):
+    """gradcheck went on to its slow mode: fast mode failed (slow mode only builds the message)."""
+
+
+# fast mode evaluates the function a few times per input; on a mismatch gradcheck then
+# rebuilds the whole Jacobian column by column (2 calls per input element) for its message,
+# minutes on the grid's cases: past this many calls the check has failed and stops
+_GRADCHECK_CALLS = 64
+
+
+def _gradcheck(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> str:
+    """ "" when gradcheck (fast mode) passes on the float64 case, else what failed."""
+    inputs = make_inputs(case, seed)
+    leaves = _leaves(inputs, torch.float64, mask_grad)
+    names = list(leaves)
+    fixed = _mask(inputs, leaves, torch.float64)
+
+    calls = 0
+
+    def call(*a: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls > _GRADCHECK_CALLS:
+            raise _SlowMode
+        x = dict(zip(names, a, strict=True))
+        return fn(x["q"], x["k"], x["v"], x.get("mask", fixed), **case.kwargs)
+
+    try:
+        torch.autograd.gradcheck(call, tuple(leaves.values()), fast_mode=True)
+    except (GradcheckError, _SlowMode):
+        return f"{case.id}: the Jacobian differs from finite differences"
+    except Exception as e:  # a crash fails gradcheck
+        return f"{case.id}: raised {_error(e)}"
+    return ""
+
+
+def _determinism(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> Check:
+    name = f"determinism ({DETERMINISM_RUNS} forward+backward runs, bit for bit)"
+    inputs = make_inputs(case, seed)
+    try:
+        runs = [_run(fn, case, inputs, mask_grad) for _ in range(DETERMINISM_RUNS)]
+    except Exception as e:  # reported, not raised: the grid names the case too
+        return Check(name, False, f"{case.id}: raised {_error(e)}")
+    differ = sorted({n for r in runs[1:] for n, t in r.items() if not _same_bits(t, runs[0][n])})
+    if differ:
+        return Check(name, False, f"{case.id}: {', '.join(differ)} differ between runs")
+    return Check(name, True, case.id)
+
+
+def _no_grad_call(fn: AttentionFn, case: Case, seed: int) -> str:
+    """ "" when a call without grad leaves q, k, v and the mask alone, else which it changed."""
+    inputs = make_inputs(case, seed)
+    given = {n: _get(inputs, n).to(case.dtype).clone() for n in ("q", "k", "v")}
+    mask = _mask(inputs, {}, case.dtype)
+    if mask is not None:
+        given["mask"] = mask
+    before = {n: (t.clone(), t._version) for n, t in given.items()}
+    try:
+        with torch.no_grad():
+            fn(given["q"], given["k"], given["v"], mask, **case.kwargs)
+    except Exception as e:  # reported by the check
+        return f"{case.id} without grad: raised {_error(e)}"
+    changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
+    return f"{case.id} without grad: {', '.join(changed)} modified in place" if changed else ""
+
+
+def verify(
+    fn: AttentionFn,
+    progress: Step | None = None,
+    cases: Sequence[Case] | None = None,
+    seed: int = 0,
+    gradcheck: bool = True,
+) -> Result:
+    """Judge ``fn`` (SDPA's signature) as the module docstring says.
+
+    cases: the grid (default `sdpa_cases`; `quick_cases` for a small one);
+    progress: called with a note after each probe, case and check
+    (`steps` of them in all).
+    """
+    step = progress or (lambda note: None)
+    cases = list(sdpa_cases() if cases is None else cases)
+    checks: list[Check] = []
+    unsupported: dict[str, str] = {}
+    status: dict[str, bool | None] = {}
+
+    def record(feature: str, ok: bool | None, why: str) -> None:
+        status[feature] = ok
+        if ok is None:
+            unsupported[feature] = why
+        if ok is not True:
+            word = "unsupported" if ok is None else "crashed"
+            checks.append(Check(f"feature {feature}", ok, f"{word}: {why}"))
+        step(f"probe {feature}")
+
+    for feature in DTYPE_FEATURES:
+        record(feature, *_probe(fn, feature, _DTYPES[feature], seed))
+    base = next((_DTYPES[f] for f in DTYPE_FEATURES if status[f]), None)
+    for feature in SHAPE_FEATURES:
+        if base is None:
+            record(feature, None, "no dtype runs")
+        elif feature == "float mask gradient" and status["float mask"] is None:
+            record(feature, None, "float masks are unsupported")
+        else:
+            record(feature, *_probe(fn, feature, base, seed))
+    mask_grad = status["float mask gradient"] is not None
+
+    def runs(case: Case) -> bool:
+        needed = [f for f in case_features(case) if f in status]
+        if case.mask == "float" and not mask_grad:
+            needed.remove("float mask gradient")
+        return all(status[f] is not None for f in needed)
+
+    reports: list[CaseReport] = []
+    modified: list[str] = []
+    for case in cases:
+        if runs(case):
+            reports.append(_grid_case(fn, case, seed, mask_grad, modified))
+        else:
+            features = case_features(case)
+            off = [f for f in features if status.get(f, True) is None]
+            reports.append(
+                CaseReport(case.id, features, None, message=f"unsupported: {', '.join(off)}")
+            )
+        step(case.id)
+
+    f64 = [c for c in cases if c.dtype == torch.float64 and runs(c)]
+    if gradcheck:
+        if f64:
+            failed = [m for c in f64 if (m := _gradcheck(fn, c, seed, mask_grad))]
+            checks.append(
+                Check(
+                    f"gradcheck (float64, fast mode, {len(f64)} cases)",
+                    not failed,
+                    "; ".join(failed),
+                )
+            )
+        else:
+            checks.append(Check("gradcheck (float64, fast mode)", None, "no float64 case runs"))
+        step("gradcheck")
+
+    candidates = [c for c in cases if runs(c)]
+    if base is not None and candidates:
+        target = max(
+            candidates,
+            key=lambda c: (
+                c.dtype == base,
+                c.shapes.heads_q != c.shapes.heads_kv,
+                c.shapes.seq_q != c.shapes.seq_k,
+                c.mask == "float",
+                c.shapes.seq_k,
+            ),
+        )
+        checks.append(_determinism(fn, target, seed, mask_grad))
+        no_grad = _no_grad_call(fn, target, seed)
+    else:
+        checks.append(Check("determinism", None, "no case runs"))
+        no_grad = _no_grad_call(fn, Case(_BASE, base or torch.float32), seed)
+    step("determinism")
+    problems = [
+        *modified[:3],
+        *([f"and {len(modified) - 3} more cases"] if len(modified) > 3 else []),
+    ]
+    problems += filter(None, [no_grad])
+    checks.append(
+        Check(
+            "no input modified (q, k, v, mask: values and _version)",
+            not problems,
+            "; ".join(problems),
+        )
+    )
+    step("no input modified")
+    return Result(reports, checks, unsupported)
+
+
+def steps(cases: Sequence[Case] | None = None, gradcheck: bool = True) -> int:
+    """How many times `verify` calls ``progress``."""
+    n = len(sdpa_cases() if cases is None else cases)
+    return len(FEATURES) + n + int(gradcheck) + 2
+
+
+# --------------------------------------------------------------------------- table
+
+
+def table(result: Result) -> str:
+    """The cases (id, status, worst error/bound, what failed), the checks and a summary line."""
+    word = {None: "unsupported", True: "pass", False: "FAIL"}
+    rows = []
+    for c in result.cases:
+        worst = "NaN" if any(math.isnan(e) for e in c.errors.values()) else "-"
+        if c.ratios and worst == "-":
+            worst = f"{max(c.ratios.values()):.3g}"
+        rows.append([c.id, word[c.passed], worst, c.message if c.passed is not True else ""])
+    lines = _columns(["case", "verdict", "worst err/bound", "what failed"], rows)
+    lines.append("")
+    lines += _columns(
+        ["check", "verdict", "detail"], [[k.name, word[k.passed], k.message] for k in result.checks]
+    )
+    counts = {
+        w: sum(word[c.passed] == w for c in result.cases) for w in ("pass", "FAIL", "unsupported")
+    }
+    failed_checks = sum(k.passed is False for k in result.checks)
+    lines.append("")
+    lines.append(
+        f"{'PASSED' if result.passed else 'FAILED'}: {counts['pass']} cases pass, "
+        f"{counts['FAIL']} fail, {counts['unsupported']} unsupported"
+        + (f" ({', '.join(result.unsupported)})" if result.unsupported else "")
+        + f"; {failed_checks} checks fail"
+    )
+    return "\n".join(lines)
+
+
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, each as wide as its widest cell (the last one free)."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            [*(f"{c:<{w}}" for c, w in zip(cells, widths, strict=False)), cells[-1]]
+        ).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]

@@ -1,0 +1,214 @@
+"""Masks in one canonical form: a softcap, an additive bias, a keep mask, a band, dropout.
+
+`attention` accepts SDPA's conventions (a bool mask, True = attend; a float
+mask added to the scores; ``is_causal``) and beyond them a sliding
+``window=(left, right)``, its ``align``-ment, packed segments, ``softcap``
+and ``dropout_p``.  `Mask.build` turns them into:
+
+* ``softcap``: scores S = scale q k^T become c tanh(S / c) first (Gemma 2);
+* ``bias`` / ``keep``: 4-D tensors ``[Bm, Hm, Nqm, Nkm]``, each dim 1 or the
+  full size, so they stay broadcast views of what the caller passed;
+* a band (`attngrad.core.band.Band`): query i attends keys lo(i) <= j < hi(i),
+  from ``is_causal``, the window, the alignment and the segments;
+* ``dropout`` (`attngrad.core.dropout.Dropout`), applied to P after the softmax.
+
+Every strategy applies them the same way, to the whole score matrix or to one
+tile of it; the band also tells the tiled strategies which tiles to skip.
+
+Causal, top-left aligned, Nq=3, Nk=5 (x = attend)::
+
+    j:   0 1 2 3 4
+    i=0  x . . . .
+    i=1  x x . . .
+    i=2  x x x . .
+
+Window (left=1, right=1), Nq=Nk=5, alone and with is_causal::
+
+    j:   0 1 2 3 4          j:   0 1 2 3 4
+    i=0  x x . . .          i=0  x . . . .
+    i=1  x x x . .          i=1  x x . . .
+    i=2  . x x x .          i=2  . x x . .
+    i=3  . . x x x          i=3  . . x x .
+    i=4  . . . x x          i=4  . . . x x
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from attngrad.core.band import Band
+from attngrad.core.contract import Shapes
+from attngrad.core.dropout import Dropout
+from attngrad.core.heads import group_heads
+from attngrad.core.ops import cap_slope
+
+__all__ = ["Mask", "add_bias_gradient_", "causal_band", "split_mask", "tile"]
+
+_ALL = slice(None)
+
+
+def _to_4d(attn_mask: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+    """[..., Hm, Nqm, Nkm] broadcastable to the scores -> [Bm, Hm, Nqm, Nkm].
+
+    Bm is 1 when the mask is shared by every batch entry, else the flattened
+    batch.  Only views and (where the lead dims are partly broadcast) one
+    reshape: autograd carries a float mask's gradient back through them,
+    summing over the dims that were broadcast.
+    """
+    ndim = len(shapes.score_shape)
+    m = attn_mask.reshape((1,) * (ndim - attn_mask.ndim) + tuple(attn_mask.shape))
+    lead = m.shape[:-3]
+    if all(n == 1 for n in lead):
+        return m.reshape(1, *m.shape[-3:])
+    return m.expand(*shapes.lead, *m.shape[-3:]).reshape(shapes.batch, *m.shape[-3:])
+
+
+def split_mask(
+    attn_mask: torch.Tensor | None, shapes: Shapes
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bias, keep) [Bm, Hm, Nqm, Nkm] views of ``attn_mask``: a float mask is a bias, a bool one keeps."""
+    if attn_mask is None:
+        return None, None
+    m = _to_4d(attn_mask, shapes)
+    return (None, m) if m.dtype == torch.bool else (m, None)
+
+
+def causal_band(
+    window: tuple[int | None, int | None] | None, is_causal: bool
+) -> tuple[int | None, int | None]:
+    """(left, right) of the band: the window's, with is_causal capping right at 0."""
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+    """t[..., rows, cols], leaving broadcast (size-1) dims whole; a view."""
+    return t[..., rows if t.shape[-2] > 1 else _ALL, cols if t.shape[-1] > 1 else _ALL]
+
+
+@dataclass(frozen=True)
+class Mask:
+    """What each query may attend to, and what happens to its scores, as every strategy applies it.
+
+    bias: [Bm, Hm, Nqm, Nkm] float added to the scores, or None.
+    keep: [Bm, Hm, Nqm, Nkm] bool, True where a score is kept, or None.
+    band: the keys each row may reach (causal, window, alignment, packed
+        segments; `attngrad.core.band.Band`), or None for all of them.
+    heads_kv: key/value heads; the mask's heads are grouped to match (GQA).
+    seq_q, seq_k: Nq and Nk.
+    softcap: c, when scores are capped to c * tanh(S / c) before the bias is added.
+    dropout: the call's `attngrad.core.dropout.Dropout` of P, or None.
+    """
+
+    bias: torch.Tensor | None
+    keep: torch.Tensor | None
+    band: Band | None
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    softcap: float | None = None
+    dropout: Dropout | None = None
+
+    @staticmethod
+    def build(
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        window: tuple[int | None, int | None] | None,
+        shapes: Shapes,
+        align: str = "top-left",
+        segments: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        softcap: float | None = None,
+        dropout: Dropout | None = None,
+        device: torch.device | None = None,
+    ) -> Mask:
+        """From `attention`'s (already validated) arguments."""
+        bias, keep = split_mask(attn_mask, shapes)
+        left, right = causal_band(window, is_causal)
+        band = None
+        if left is not None or right is not None or segments is not None:
+            band = Band.of(shapes.seq_q, shapes.seq_k, left, right, align, segments, device)
+        return Mask(bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout)
+
+    @staticmethod
+    def none(heads_kv: int, seq_q: int, seq_k: int) -> Mask:
+        """Attend everything."""
+        return Mask(None, None, None, heads_kv, seq_q, seq_k)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(bias, keep): what a strategy passes to autograd and saves for backward."""
+        return self.bias, self.keep
+
+    def with_tensors(self, bias: torch.Tensor | None, keep: torch.Tensor | None) -> Mask:
+        """The same mask over other (e.g. saved) bias and keep tensors."""
+        return replace(self, bias=bias, keep=keep)
+
+    # -- the band ---------------------------------------------------------
+
+    @property
+    def banded(self) -> bool:
+        return self.band is not None
+
+    def key_span(self, rows: slice) -> tuple[int, int]:
+        """[c0, c1): the keys rows [rows.start, rows.stop) can attend under the band.
+
+        Tiles outside it are entirely masked and the tiled strategies skip
+        them: with is_causal that is about half of all tiles.
+        """
+        if self.band is None:
+            return 0, self.seq_k
+        return self.band.key_span(rows)
+
+    def band_covers(self, rows: slice, cols: slice) -> bool:
+        """True when every (i, j) of the tile lies inside the band (no band mask needed)."""
+        return self.band is None or self.band.covers(rows, cols)
+
+    # -- applying ----------------------------------------------------------
+
+    def apply_(
+        self,
+        s: torch.Tensor,
+        rows: slice = _ALL,
+        cols: slice = _ALL,
+        slope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Cap, bias and mask a tile of scores in place and return it.
+
+        s: [B, Hkv, G, r, c], the scaled scores of query rows ``rows`` against
+        key columns ``cols`` (slices with explicit bounds when not whole).
+        With a softcap and a ``slope`` buffer (like s), slope receives
+        d(c tanh(S / c)) / dS = 1 - tanh(S / c)^2, the factor the backward
+        carries dS through.
+        """
+        if self.softcap is not None:
+            t = s.div_(self.softcap).tanh_()
+            if slope is not None:
+                cap_slope(t, out=slope)
+            t.mul_(self.softcap)
+        if self.bias is not None:
+            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
+        if self.keep is not None:  # as a -inf bias: a broadcast masked_fill is ~5x slower
+            keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
+            blocked = torch.zeros(keep.shape, dtype=s.dtype, device=s.device)
+            s.add_(blocked.masked_fill_(keep.logical_not(), float("-inf")))
+        if self.band is not None and not self.band.covers(rows, cols):
+            r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
+            c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
+            s.add_(self.band.bias(slice(r0, r1), slice(c0, c1), s))  # finite + -inf = -inf
+        return s
+
+
+def add_bias_gradient_(
+    dbias: torch.Tensor, ds: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL
+) -> None:
+    """dbias[rows, cols] += dS of one tile, summed over the dims the bias broadcasts.
+
+    dbias: [Bm, Hm, Nqm, Nkm]; ds: [B, Hkv, G, r, c], the tile's dS.
+    """
+    b, hkv, g, r, c = ds.shape
+    db = tile(dbias, rows, cols)
+    db += ds.reshape(b, hkv * g, r, c).sum_to_size(db.shape)

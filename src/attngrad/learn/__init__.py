@@ -1,0 +1,1 @@
+"""The course chapter's API, its exercise and grader, and `attngrad explain`."""

@@ -1,0 +1,1 @@
+"""Measurements behind the commands: speed, memory, the machine, the kernel compile report."""

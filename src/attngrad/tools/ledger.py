@@ -1,0 +1,374 @@
+"""The memory ledger: what each path saves for backward, predicted and measured.
+
+Predicted saved bytes come from each strategy's declaration of what it saves
+(`attngrad.strategies.base.saved_bytes`; b = bytes per input element, l =
+bytes per softmax statistic: 4, or 8 for float64; each query row keeps two,
+its max m and log l, its log normalizer)::
+
+    explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk         q, k, v, P
+    recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq          q, k, v, (m, log l)
+    flash      b*(B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq   q, k, v, O, (m, log l)
+    triton     as flash
+
+(recompute and flash also keep the caller's mask, when given, to re-apply it).
+Measured saved bytes add up every tensor autograd packs during forward, seen
+through `torch.autograd.graph.saved_tensors_hooks`.  Peak memory of
+forward+backward is measured on CPU by replaying the allocator's events that
+the profiler records (every allocation and free, in order), and on CUDA by the
+allocator's own peak counter.  Tables, CSV and plots: `attngrad.cli.report`.
+
+Second order (`second_order_row`, ``attngrad ledger --order 2``): what a
+gradient penalty keeps.  g = grad(O, (q, k, v), dO, create_graph=True) saves
+a graph of its own (every strategy's `AttentionGradients` node: dO, q, k, v
+and the forward's saved tensors again, by reference), and O's forward graph
+stays alive with it until the second backward.  Per path: the bytes packed by
+forward and by the ``create_graph`` backward (each pack counted, as above),
+what both keep alive together (each storage once: the memory held until the
+second backward), and the peak of forward + ``create_graph`` backward + the
+Hessian-vector product grad(sum_i <g_i, w_i>, (q, k, v)).  SDPA's CPU flash
+kernel has no derivative of its backward: its row says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attngrad.api import attention
+from attngrad.conformance.check import Case
+from attngrad.strategies import MODULES, base
+
+__all__ = [
+    "BASELINES",
+    "LedgerRow",
+    "SecondOrderRow",
+    "hessian_vector_product",
+    "ledger_row",
+    "measure_peak_bytes",
+    "measure_saved_bytes",
+    "measure_saved_storages",
+    "predicted_saved_bytes",
+    "run_ledger",
+    "run_second_order_ledger",
+    "second_order_row",
+]
+
+BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
+
+T = TypeVar("T")
+
+
+def predicted_saved_bytes(path: str, case: Case, mask_bytes: int = 0) -> int | None:
+    """A strategy's declared saved bytes (module docstring); None for the baselines."""
+    if path not in MODULES:
+        return None
+    return base.saved_bytes(MODULES[path], case.shapes, case.dtype, mask_bytes)
+
+
+def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    sh = case.shapes
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=case.dtype)
+
+    q = randn(sh.batch, sh.heads_q, sh.seq_q, sh.head_dim).requires_grad_()
+    k = randn(sh.batch, sh.heads_kv, sh.seq_k, sh.head_dim).requires_grad_()
+    v = randn(sh.batch, sh.heads_kv, sh.seq_k, sh.value_dim).requires_grad_()
+    dout = randn(sh.batch, sh.heads_q, sh.seq_q, sh.value_dim)
+    return q, k, v, dout
+
+
+def path_fn(path: str, causal: bool, gqa: bool = False) -> Callable[..., torch.Tensor]:
+    """q, k, v -> O along one path: a strategy or an SDPA backend (a key of `BASELINES`)."""
+    if path not in BASELINES:
+        return lambda q, k, v: attention(q, k, v, is_causal=causal, enable_gqa=gqa, strategy=path)
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(BASELINES[path]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    return sdpa
+
+
+def measure_saved_bytes(fn: Callable[[], T]) -> tuple[int, T]:
+    """Bytes of every tensor autograd saves while ``fn`` runs forward, and its output."""
+    total, _, out = measure_saved_storages(fn)
+    return total, out
+
+
+def measure_saved_storages(fn: Callable[[], T]) -> tuple[int, dict[int, int], T]:
+    """What autograd saves while ``fn`` runs: the bytes of every pack (as
+    `measure_saved_bytes`), {storage address: its bytes} with each storage once however
+    many views of it are saved (the memory the graph holds), and ``fn``'s output."""
+    total = 0
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total, storages, out
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2: the profiler's C++ side logs a start and a stop line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _cpu_peak(run: Callable[[], object]) -> int:
+    """Peak of live bytes allocated on CPU while ``run`` runs, above the start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def measure_peak_bytes(run: Callable[[], object], device: str = "cpu") -> int:
+    """Peak bytes allocated by ``run`` beyond what was live before it."""
+    if device == "cpu":
+        return _cpu_peak(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One path of the ledger at one `Case` (its sizes copied out); bytes throughout.
+
+    ``peak`` and ``peak_beyond_io`` are None when not measured.
+    """
+
+    path: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    causal: bool
+    predicted_saved: int | None
+    measured_saved: int
+    peak: int | None
+    peak_beyond_io: int | None
+
+    @property
+    def match(self) -> bool | None:
+        return None if self.predicted_saved is None else self.predicted_saved == self.measured_saved
+
+
+def ledger_row(path: str, case: Case, device: str = "cpu", peak: bool = True) -> LedgerRow:
+    """Predict, then measure saved bytes and (optionally) peak memory of one path.
+
+    triton on CPU runs in Triton's interpreter, whose numpy buffers the
+    allocator never sees: its peak is left out (None) rather than misreported.
+    """
+    q, k, v, dout = _inputs(case, device)
+    fn = path_fn(path, case.mask == "causal", case.gqa)
+    saved, out = measure_saved_bytes(lambda: fn(q, k, v))
+    del out
+    peak_bytes = beyond_io = None
+    if peak and not (path == "triton" and device == "cpu"):
+
+        def run() -> None:
+            o = fn(q, k, v)
+            torch.autograd.grad(o, (q, k, v), dout)
+
+        peak_bytes = measure_peak_bytes(run, device)
+        io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
+        beyond_io = max(0, peak_bytes - io)
+    sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
+    return LedgerRow(
+        path=path,
+        **{name: getattr(case.shapes, name) for name in sizes},
+        dtype=str(case.dtype).removeprefix("torch."),
+        causal=case.mask == "causal",
+        predicted_saved=predicted_saved_bytes(path, case),
+        measured_saved=saved,
+        peak=peak_bytes,
+        peak_beyond_io=beyond_io,
+    )
+
+
+def run_ledger(
+    paths: Sequence[str],
+    cases: Sequence[Case],
+    device: str = "cpu",
+    peak: bool = True,
+    step: Callable[[str], None] | None = None,
+) -> tuple[list[LedgerRow], list[str]]:
+    """The rows of every path at every case, case by case, and one note per
+    baseline left out: an SDPA backend that rejects the case raises RuntimeError,
+    which becomes a note; a strategy's error propagates.  ``step`` hears each
+    (path, case) pair as it is done."""
+    return _rows(ledger_row, paths, cases, device, peak, step)
+
+
+def _rows(
+    row: Callable[[str, Case, str, bool], T],
+    paths: Sequence[str],
+    cases: Sequence[Case],
+    device: str,
+    peak: bool,
+    step: Callable[[str], None] | None,
+) -> tuple[list[T], list[str]]:
+    """``row(path, case, device, peak)`` for every case and path, and the notes of
+    `run_ledger`."""
+    rows: list[T] = []
+    notes: list[str] = []
+    for case in cases:
+        for path in paths:
+            try:
+                rows.append(row(path, case, device, peak))
+            except RuntimeError as e:
+                if path not in BASELINES:
+                    raise
+                notes.append(f"{path}: not available for this case ({str(e).splitlines()[0]})")
+            if step is not None:
+                step(f"{path} Nq={case.shapes.seq_q} Nk={case.shapes.seq_k}")
+    return rows, notes
+
+
+# ------------------------------------------------------------------- second order
+
+
+@dataclass(frozen=True)
+class SecondOrderRow:
+    """One path's double-backward memory at one `Case` (sizes copied out); bytes throughout.
+
+    ``forward_saved`` / ``backward_saved``: every tensor packed by forward and by the
+    ``create_graph=True`` backward; ``kept``: the storages of both, each once (what a
+    gradient penalty holds until its second backward); ``peak`` / ``peak_beyond_io``: of
+    forward + that backward + a Hessian-vector product (None when not measured).
+    ``supported`` False: the path has no double backward (``note`` says why; the
+    numbers after ``forward_saved`` are then None).
+    """
+
+    path: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    causal: bool
+    supported: bool
+    forward_saved: int
+    backward_saved: int | None
+    kept: int | None
+    peak: int | None
+    peak_beyond_io: int | None
+    note: str = ""
+
+
+def hessian_vector_product(
+    grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], w: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """grad(sum_i <g_i, w_i>, inputs) for g built with create_graph=True: H w, one per input."""
+    inner = sum((g * wi).sum() for g, wi in zip(grads, w, strict=True))
+    return torch.autograd.grad(inner, list(inputs))  # type: ignore[arg-type]
+
+
+def second_order_row(
+    path: str, case: Case, device: str = "cpu", peak: bool = True
+) -> SecondOrderRow:
+    """Measure what the double-backward graph of one path saves and (optionally) its peak.
+
+    The gradients g = grad(O, (q, k, v), dO, create_graph=True) and one
+    Hessian-vector product along w (random, like q, k, v) always run: a path whose
+    second backward raises "not implemented" gets ``supported=False``.  triton on
+    CPU leaves its peak out, as in `ledger_row`.
+    """
+    q, k, v, dout = _inputs(case, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    w = [torch.randn(x.shape, generator=gen, device=device, dtype=x.dtype) for x in (q, k, v)]
+    fn = path_fn(path, case.mask == "causal", case.gqa)
+    forward_saved, forward_storages, out = measure_saved_storages(lambda: fn(q, k, v))
+
+    def first(o: torch.Tensor = out) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(o, (q, k, v), dout, create_graph=True)
+
+    backward_saved, backward_storages, grads = measure_saved_storages(first)
+    sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
+    common = dict(
+        path=path,
+        **{name: getattr(case.shapes, name) for name in sizes},
+        dtype=str(case.dtype).removeprefix("torch."),
+        causal=case.mask == "causal",
+        forward_saved=forward_saved,
+    )
+    try:
+        hessian_vector_product(grads, (q, k, v), w)
+    except RuntimeError as e:
+        if "not implemented" not in str(e):
+            raise
+        first_line = str(e).splitlines()[0]
+        return SecondOrderRow(
+            **common, supported=False, backward_saved=None, kept=None, peak=None,
+            peak_beyond_io=None, note=first_line,
+        )  # type: ignore[arg-type]  # fmt: skip
+    del out, grads
+    kept = sum({**forward_storages, **backward_storages}.values())
+    peak_bytes = beyond_io = None
+    if peak and not (path == "triton" and device == "cpu"):
+
+        def run() -> None:
+            o = fn(q, k, v)
+            g = torch.autograd.grad(o, (q, k, v), dout, create_graph=True)
+            hessian_vector_product(g, (q, k, v), w)
+
+        peak_bytes = measure_peak_bytes(run, device)
+        # the output, the 3 gradients and the 3 products: O is dO's size
+        io = sum(t.numel() * t.element_size() for t in (dout, q, k, v, q, k, v))
+        beyond_io = max(0, peak_bytes - io)
+    return SecondOrderRow(
+        **common, supported=True, backward_saved=backward_saved, kept=kept, peak=peak_bytes,
+        peak_beyond_io=beyond_io,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+def run_second_order_ledger(
+    paths: Sequence[str],
+    cases: Sequence[Case],
+    device: str = "cpu",
+    peak: bool = True,
+    step: Callable[[str], None] | None = None,
+) -> tuple[list[SecondOrderRow], list[str]]:
+    """`second_order_row` of every path at every case, and notes, as `run_ledger`."""
+    return _rows(second_order_row, paths, cases, device, peak, step)

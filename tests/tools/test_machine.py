@@ -1,0 +1,52 @@
+"""`attngrad.tools.machine`: the header every figure carries, and a calibration bounded by time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attngrad.tools.machine import MAX_GEMM_SIZE, Machine, gemm_rate, probe, processor_name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_calibration_stops_at_a_size_the_budget_allows(dtype: torch.dtype) -> None:
+    notes: list[str] = []
+    size, gflops = gemm_rate(dtype, budget=0.005, note=notes.append)
+    assert math.isfinite(gflops) and gflops > 0
+    assert 64 <= size <= MAX_GEMM_SIZE and size % 64 == 0
+    # one note per size tried, the last one the size it settled on
+    assert notes and notes[-1].startswith(f"GEMM {size}² {str(dtype).removeprefix('torch.')}: ")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"budget": 0.0}, "budget must be a positive"),
+        ({"repeats": 1}, "repeats must be at least 2"),
+    ],
+    ids=["no-budget", "one-repeat"],
+)
+def test_gemm_rate_rejects_bad_arguments(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        gemm_rate(**kwargs)  # type: ignore[arg-type]
+
+
+def test_probe_names_the_processor_and_threads() -> None:
+    machine = probe(torch.float32, budget=0.005)
+    assert machine.processor == processor_name() and machine.processor
+    assert machine.threads == torch.get_num_threads()
+    assert machine.gemm_dtype == "float32"
+
+
+def test_line_and_columns_say_the_same() -> None:
+    machine = Machine("AMD EPYC", 2, "float16", 512, 1.25)
+    assert machine.line() == "machine: AMD EPYC, 2 threads, float16 GEMM 512² 1.2 GFLOP/s"
+    assert machine.columns() == {
+        "machine": "AMD EPYC",
+        "threads": 2,
+        "gemm_dtype": "float16",
+        "gemm_size": 512,
+        "gemm_gflops": "1.25",
+    }
