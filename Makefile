@@ -1,17 +1,18 @@
 # Quickstart: `make check` (set up .venv, run the conformance report), `make test` (the suite).
+# `make docs` builds the site (mkdocs, strict) into site/.
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: check test lint format bench clean
+.PHONY: check test lint format docs bench clean
 
 # The pinned CPU build of PyTorch goes in first: a bare `torch` requirement
 # would otherwise pull a CUDA build of several GB.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,dev,plot,hf]'
+	$(BIN)/pip install --quiet -e '.[test,dev,plot,hf,docs]'
 	touch $(STAMP)
 
 # TRITON_INTERPRET=1: the triton strategy's kernels run on CPU in Triton's interpreter
@@ -30,8 +31,12 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks examples
 	$(BIN)/ruff format src tests benchmarks examples
 
+# --strict: a broken link, a missing page or a docstring mkdocstrings cannot read fails the build
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/benchmark_cpu.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

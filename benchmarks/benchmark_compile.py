@@ -7,7 +7,7 @@ Each contender is forward+backward of the same model (pre-norm blocks: causal
 self-attention through `attngrad.attention(..., strategy=s)`, or torch's SDPA as
 the baseline, then an MLP), eager and under ``torch.compile`` (Inductor,
 ``fullgraph=True``: attngrad's attention is one op of the graph,
-`attngrad.integrations.torch_compile`, and Inductor fuses the projections, norms and MLP around
+`attngrad.call.compiled`, and Inductor fuses the projections, norms and MLP around
 it).  All contenders run once per round, rounds repeat
 (`attngrad.tools.timing.interleaved`), after one warm-up round that also compiles.
 Printed: the median step time, compiled/eager per strategy, and each over eager

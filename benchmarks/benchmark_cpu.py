@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.cli.report import write_csv
+from attngrad.cli.table import write_csv
 from attngrad.tools.machine import probe
 from attngrad.tools.timing import interleaved, medians
 

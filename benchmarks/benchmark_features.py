@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-from attngrad.cli.report import features_plot, features_records, features_table, write_csv
+from attngrad.cli.bench_features import features_plot, features_records, features_table
+from attngrad.cli.table import write_csv
 from attngrad.tools import bench_features as feature_bench
 from attngrad.tools.machine import probe
 

@@ -25,9 +25,11 @@ import sys
 
 import torch
 
-from attngrad.cli.report import format_bytes, write_csv
+from attngrad.cli.bench_hvp import order2_plot, order2_records, order2_table
+from attngrad.cli.table import write_csv
 from attngrad.tools import bench_hvp as hvp
 from attngrad.tools.machine import probe
+from attngrad.tools.memory import format_bytes
 
 CAUSAL = {"no": [False], "yes": [True], "both": [False, True]}
 TIME_TARGET = (2048, 1.0)  # N, flash / sdpa-math
@@ -73,7 +75,7 @@ def main() -> None:
         args.seq, CAUSAL[args.causal], contenders, args.batch, args.heads, args.head_dim,
         repeats=args.repeats, loss=args.loss, peak=not args.no_peak, step=_note, note=_note,
     )  # fmt: skip
-    print(hvp.order2_table(rows, machine))
+    print(order2_table(rows, machine))
 
     print("\ntargets (reported, not asserted):")
     n_t, ratio_t = TIME_TARGET
@@ -125,11 +127,11 @@ def main() -> None:
     sys.stdout.flush()
 
     if args.csv:
-        write_csv(hvp.order2_records(rows), args.csv, machine)
+        write_csv(order2_records(rows), args.csv, machine)
         print(f"wrote {args.csv}")
     if args.plot:
         try:
-            hvp.order2_plot([r for r in rows if r.measure != "peak"], args.plot, machine)
+            order2_plot([r for r in rows if r.measure != "peak"], args.plot, machine)
             print(f"wrote {args.plot}")
         except ModuleNotFoundError as e:
             print(f"skipped the plot: {e}", file=sys.stderr)

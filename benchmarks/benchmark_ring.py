@@ -12,7 +12,7 @@ the slowest rank's (each round ends at a barrier).
 
 Peak memory is what forward+backward allocates beyond its inputs (q, k, v and
 dO, already there), measured like `attngrad ledger` does on CPU (the
-profiler's allocation events, `attngrad.tools.ledger.measure_peak_bytes`): the ring
+profiler's allocation events, `attngrad.tools.memory.measure_peak_bytes`): the ring
 per rank, the single process for the whole sequence.  "+ inputs" adds the
 input bytes each holds (its shard, or the whole sequence).  Rank 0 names its
 machine (`attngrad.tools.machine`, on the single process's threads) above the table
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 import attngrad
-from attngrad.cli.report import write_csv
+from attngrad.cli.table import write_csv
 from attngrad.ring import LAYOUTS, ring_attention, shard
-from attngrad.tools.ledger import measure_peak_bytes
 from attngrad.tools.machine import Machine, probe
+from attngrad.tools.memory import measure_peak_bytes
 from attngrad.tools.timing import interleaved, medians
 from benchmark_cpu import forward_backward
 

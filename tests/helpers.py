@@ -1,9 +1,9 @@
 """Shared helpers of the test suite: a short `Case` builder and the one error rule.
 
-Inputs, outputs and gradients and the judge all come from `attngrad.conformance.check`;
-this module only adds what the tests need on top: ``case(...)`` (a
-`verify.Case` from positional sizes), ``assert_rule`` (every verdict of
-`verify.judge_outputs` passes, the verdicts in the message) and the lists of
+Inputs, outputs and gradients come from `attngrad.conformance.cases`, the
+judge from `attngrad.conformance.rule`; this module only adds what the tests
+need on top: ``case(...)`` (a `Case` from positional sizes), ``assert_rule``
+(every verdict of `judge_outputs` passes, the verdicts in the message) and the lists of
 strategies.  Plain functions (not fixtures) because parametrize ids are built
 at collection time.  Test modules import them as ``from helpers import ...``;
 pytest puts this folder on ``sys.path`` (the default "prepend" import mode).
@@ -18,17 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.conformance.check import (
-    Case,
-    Inputs,
-    Verdict,
-    as_attention,
-    case_floors,
-    judge,
-    judge_outputs,
-    outputs_and_grads,
-)
+from attngrad.conformance.cases import Case, Inputs, as_attention, outputs_and_grads
 from attngrad.conformance.reference import reference_attention
+from attngrad.conformance.rule import Verdict, case_floors, judge, judge_outputs
 from attngrad.core.contract import Shapes
 
 # "triton" runs here in Triton's interpreter at about a second per call: the

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import make_inputs, outputs_and_grads, run_case, strategy_fn
+from attngrad.conformance.cases import make_inputs, outputs_and_grads
+from attngrad.conformance.check import run_case, strategy_fn
 from helpers import TENSOR_STRATEGIES, assert_rule, case, dtype_name
 
 STRATEGIES = attngrad.STRATEGIES
@@ -432,3 +433,66 @@ def test_causal_is_aligned_top_left(strategy, nq, nk):
     # query i >= Nk - 1 sees every key: the same tiles and scores as no mask at all
     full = attngrad.attention(q, k, v, strategy=strategy)
     assert torch.equal(out[..., nk - 1 :, :], full[..., nk - 1 :, :])
+
+
+# ---------------------------------------------------------------------------
+# SDPA's 2-D inputs: one head, no batch
+
+
+def _sdpa_2d_inputs(mask: str, nq: int = 7, nk: int = 11, d: int = 8, dv: int = 5):
+    """q [Nq, d], k [Nk, d], v [Nk, dv] (float64, requiring grad) and SDPA's keywords."""
+    torch.manual_seed(0)
+    q = torch.randn(nq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(nk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(nk, dv, dtype=torch.float64, requires_grad=True)
+    keywords: dict[str, object] = {}
+    if mask == "causal":
+        keywords["is_causal"] = True
+    elif mask == "bool":  # [Nq, Nk], the diagonal kept so no row is dead (SDPA gives NaN there)
+        keep = torch.rand(nq, nk) > 0.4
+        keep[torch.arange(nq), torch.arange(nq)] = True
+        keywords["attn_mask"] = keep
+    elif mask == "float-row":  # [Nk], broadcast over the rows, with its gradient
+        keywords["attn_mask"] = torch.randn(nk, dtype=torch.float64, requires_grad=True)
+    elif mask == "float":  # [Nq, Nk], with its gradient
+        keywords["attn_mask"] = torch.randn(nq, nk, dtype=torch.float64, requires_grad=True)
+    return q, k, v, keywords
+
+
+@by_strategy
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float-row", "float"])
+def test_2d_inputs_match_sdpa_forward_and_backward(strategy, mask):
+    q, k, v, keywords = _sdpa_2d_inputs(mask)
+    leaves = [q, k, v, *(m for m in keywords.values() if isinstance(m, torch.Tensor))]
+    leaves = [t for t in leaves if t.requires_grad]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **keywords)
+    expected_grads = torch.autograd.grad(expected.square().sum(), leaves)
+    got = attngrad.attention(q, k, v, strategy=strategy, **keywords)
+    assert got.shape == expected.shape == (7, 5)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+    for g, e in zip(torch.autograd.grad(got.square().sum(), leaves), expected_grads, strict=True):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+
+
+@by_tensor_strategy
+def test_2d_inputs_gradcheck_and_lse(strategy):
+    q, k, v, keywords = _sdpa_2d_inputs("float", nq=4, nk=5, d=3, dv=2)
+    bias = keywords["attn_mask"]
+
+    def call(q, k, v, bias):
+        return attngrad.attention(q, k, v, bias, strategy=strategy, return_lse=True)
+
+    assert torch.autograd.gradcheck(call, (q, k, v, bias))
+    out, lse = call(q, k, v, bias)
+    assert out.shape == (4, 2) and lse.shape == (4,)
+    scores = q @ k.T / 3**0.5 + bias
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+
+
+def test_2d_mask_must_broadcast_to_nq_nk():
+    q, k, v, _ = _sdpa_2d_inputs("none")
+    with pytest.raises(ValueError, match=r"does not broadcast to the scores' shape \(7, 11\)"):
+        attngrad.attention(q, k, v, torch.ones(1, 7, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"key has 3 dims"):
+        attngrad.attention(q, k.unsqueeze(0), v.unsqueeze(0))

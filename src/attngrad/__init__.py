@@ -1,7 +1,9 @@
 """attngrad: scaled-dot-product attention with hand-written backward passes.
 
 The same gradient formulas (see `attngrad.core.ops`) run along several execution
-strategies; each is checked against a float64 reference.
+strategies; each is checked against a float64 reference.  Bad arguments raise
+`ArgumentError` (a ValueError) or `ArgumentTypeError` (a TypeError), both also
+RuntimeErrors, which is what PyTorch's scaled_dot_product_attention raises.
 
 >>> import torch, attngrad
 >>> q = torch.randn(1, 4, 32, 16, requires_grad=True)
@@ -9,6 +11,7 @@ strategies; each is checked against a float64 reference.
 """
 
 from attngrad.api import attention
+from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.core.ops import (
     probability_gradient,
     query_key_gradients,
@@ -22,6 +25,8 @@ from attngrad.strategies import STRATEGIES
 
 __all__ = [
     "STRATEGIES",
+    "ArgumentError",
+    "ArgumentTypeError",
     "CustomAttention",
     "attention",
     "patch_sdpa",
@@ -32,4 +37,4 @@ __all__ = [
     "value_gradient",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal, overload
 
 import torch
 from torch.nn.attention.bias import CausalBias
 
+from attngrad.call import Call, compiled, eager
 from attngrad.core.amp import autocast_inputs, outside_autocast
-from attngrad.core.contract import (
-    check_flag,
-    validate_attention,
-    validate_blocks,
-    validate_strategy,
-    validate_window,
-)
-from attngrad.core.dropout import Dropout, draw_seed
-from attngrad.core.keywords import (
-    causal_bias_alignment,
-    validate_align,
-    validate_generator,
-    validate_segments,
-    validate_sinks,
-    validate_softcap,
-)
-from attngrad.core.masks import Mask, causal_band, split_mask
-from attngrad.core.sinks import merge_sinks
-from attngrad.integrations import torch_compile as compiled
-from attngrad.strategies import MODULES, STRATEGIES, TILED, base, resolve
 
 __all__ = ["attention"]
 
@@ -141,6 +121,10 @@ def attention(
                    requires grad, summed over the dims it was broadcast along)
         returns:   [..., Hq, Nq, dv]
 
+    As in SDPA, 2-D inputs are one head with no batch: query [Nq, d], key
+    [Nk, d], value [Nk, dv] and attn_mask broadcastable to [Nq, Nk] give
+    [Nq, dv] (and lse [Nq]).
+
     The course chapter's ``[B, N, d]`` layout is the case of no leading dims (the first
     dim plays the heads).  ``is_causal`` masks key j > query i, aligned to the
     top-left corner (Nq=2, Nk=4: ``x...`` / ``xx..``).  ``scale`` defaults to
@@ -220,7 +204,7 @@ def attention(
       precisions (`attngrad.core.amp`).  Outside autocast, mixed dtypes are a
       TypeError.
     * Under ``torch.compile`` the call becomes two opaque ops, forward and
-      backward (`attngrad.integrations.torch_compile`): no graph break, ``fullgraph=True``
+      backward (`attngrad.call.compiled`): no graph break, ``fullgraph=True``
       works, results equal eager's; first order only there, and dropout
       draws from the default generator (``generator=`` is refused).
     * `attngrad.patch_sdpa` routes code that calls SDPA itself to this
@@ -232,56 +216,15 @@ def attention(
     torch.Size([2, 8, 16, 64])
     """
     query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
-    causal_bias = attn_mask if isinstance(attn_mask, CausalBias) else None
-    shapes = validate_attention(
-        query, key, value, None if causal_bias is not None else attn_mask, dropout_p, is_causal, scale,
-        enable_gqa,
-    )  # fmt: skip
-    align = validate_align(align)
-    if causal_bias is not None:  # SDPA's causal masks: is_causal with their alignment
-        align = causal_bias_alignment(causal_bias, shapes, is_causal, align)
-        attn_mask, is_causal = None, True
-    validate_strategy(strategy, STRATEGIES)
-    check_flag("return_lse", return_lse)
-    band = validate_window(window)
-    cap = validate_softcap(softcap)
     compiling = torch.compiler.is_compiling()
-    # under torch.compile the segments' values are read when the op runs (`attngrad.integrations.torch_compile`)
-    segments = validate_segments(
-        cu_seqlens_q, cu_seqlens_k, shapes, query.device, read=not compiling
-    )
-    sink = validate_sinks(sinks, query, shapes)
-    generator = validate_generator(generator, query.device)
-    banded = is_causal or band is not None or cu_seqlens_q is not None
-    tiling_given = block_q is not None or block_k is not None
-    name = resolve(strategy, shapes, tiling_given, banded, query.device)
-    block_q, block_k = validate_blocks(block_q, block_k, name)
-    q = query.reshape(shapes.batch, shapes.heads_q, shapes.seq_q, shapes.head_dim)
-    k = key.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.head_dim)
-    v = value.reshape(shapes.batch, shapes.heads_kv, shapes.seq_k, shapes.value_dim)
-    s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
+    call = Call.build(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        strategy=strategy, window=window, block_q=block_q, block_k=block_k,
+        return_lse=return_lse, softcap=softcap, sinks=sinks, align=align,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, generator=generator,
+        compiling=compiling,
+    )  # fmt: skip
+    q, k, v = call.inputs(query, key, value)
     with outside_autocast(q.device.type):
-        if compiling:
-            if generator is not None:
-                raise ValueError(
-                    "generator= is not supported under torch.compile; dropout there draws from "
-                    "the default generator (seed it with torch.manual_seed)."
-                )
-            o, lse = compiled.attention(
-                name, q, k, v, split_mask(attn_mask, shapes), (cu_seqlens_q, cu_seqlens_k),
-                causal_band(band, is_causal), align, cap, dropout_p, s, block_q, block_k,
-            )  # fmt: skip
-        else:
-            dropout = None
-            if dropout_p > 0:
-                dropout = Dropout(float(dropout_p), *draw_seed(query.device, generator))
-            mask = Mask.build(
-                attn_mask, is_causal, band, shapes, align, segments, cap, dropout, query.device
-            )
-            options = {"block_q": block_q, "block_k": block_k} if name in TILED else {}
-            o, lse = base.attention(MODULES[name], q, k, v, mask, s, **options)
-    out = o.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.value_dim)
-    lse = lse.reshape(*shapes.lead, shapes.heads_q, shapes.seq_q)
-    if sink is not None:
-        out, lse = merge_sinks(out, lse, sink)
-    return (out, lse) if return_lse else out
+        o, lse = (compiled if compiling else eager).run(call, q, k, v)
+    return call.outputs(o, lse)

@@ -13,8 +13,10 @@ import pytest
 
 import attngrad
 from attngrad.cli import app as cli
+from attngrad.cli import check as check_command
 from attngrad.cli.args import measure_device, positive_float, positive_int
-from attngrad.conformance.check import CaseResult, default_cases
+from attngrad.conformance.cases import default_cases
+from attngrad.conformance.check import CaseResult
 
 
 def _read(path) -> dict:
@@ -55,8 +57,8 @@ def test_check_one_strategy_prints_one_row_per_case(tmp_path, capsys):
 
 
 def _break_one_case(monkeypatch: pytest.MonkeyPatch, message: str = "") -> str:
-    """Make ``cli.run_case`` fail one case (dq over its bound); returns that case's id."""
-    real = cli.run_case
+    """Make ``check``'s ``run_case`` fail one case (dq over its bound); returns that case's id."""
+    real = check_command.run_case
     broken = default_cases()[5].id
 
     def run_case(strategy, case, *args, **kwargs) -> CaseResult:
@@ -67,7 +69,7 @@ def _break_one_case(monkeypatch: pytest.MonkeyPatch, message: str = "") -> str:
             result.message = message
         return result
 
-    monkeypatch.setattr(cli, "run_case", run_case)
+    monkeypatch.setattr(check_command, "run_case", run_case)
     return broken
 
 

@@ -11,24 +11,24 @@ import math
 import pytest
 import torch
 
-from attngrad.conformance.check import (
-    DERIVATIVE_TOLERANCE,
+from attngrad.conformance.cases import (
     DROPOUT_SEED,
-    SLOW_GRADGRADCHECK,
     as_attention,
     default_cases,
-    derivative_errors,
-    directions,
     dropout_mask,
-    judge_outputs,
     make_inputs,
     outputs_and_grads,
+)
+from attngrad.conformance.check import SLOW_GRADGRADCHECK, run_case, strategy_fn
+from attngrad.conformance.derivatives import (
+    DERIVATIVE_TOLERANCE,
+    derivative_errors,
+    directions,
     relative_error,
-    run_case,
     second_order,
-    strategy_fn,
 )
 from attngrad.conformance.reference import reference_attention
+from attngrad.conformance.rule import judge_outputs
 from helpers import TENSOR_STRATEGIES, case
 
 

@@ -1,6 +1,6 @@
 """Inputs real models send, at the edges: each test names the bug it guards against.
 
-Every check is the harness's one rule (`attngrad.conformance.check`), on every strategy
+Every check is the harness's one rule (`attngrad.conformance.rule`), on every strategy
 and dtype; where the math fixes the answer exactly (a uniform row, an empty
 row) the answer is pinned by name.
 """
@@ -11,15 +11,9 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import (
-    Case,
-    judge,
-    judge_outputs,
-    make_inputs,
-    outputs_and_grads,
-    rounding_floor,
-    strategy_fn,
-)
+from attngrad.conformance.cases import Case, make_inputs, outputs_and_grads
+from attngrad.conformance.check import strategy_fn
+from attngrad.conformance.rule import judge, judge_outputs, rounding_floor
 from attngrad.core.contract import Shapes
 
 STRATEGIES = attngrad.STRATEGIES

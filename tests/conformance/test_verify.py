@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import attngrad
-from attngrad.cli.verify import add_verify
+from attngrad.cli.verify import add_verify, verify_table
 from attngrad.conformance import verify as external
 from attngrad.conformance.verify import load, quick_cases, verify
 from helpers import TENSOR_STRATEGIES
@@ -105,7 +105,7 @@ def _failed(result):
 
 def test_sdpa_passes_the_full_grid():
     result = verify(load(SPEC))
-    assert result.passed, external.table(result)
+    assert result.passed, verify_table(result)
     assert len(result.cases) == len(external.sdpa_cases()) == 64
     assert all(c.passed for c in result.cases) and not result.unsupported
     assert all(c.passed for c in result.checks)
@@ -114,7 +114,7 @@ def test_sdpa_passes_the_full_grid():
 @pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
 def test_strategies_pass(strategy):
     result = verify(functools.partial(attngrad.attention, strategy=strategy))
-    assert result.passed, external.table(result)
+    assert result.passed, verify_table(result)
 
 
 def test_bottom_right_causal_fails_causal_cases_with_nq_ne_nk():
@@ -150,7 +150,7 @@ def test_writing_into_an_input_fails_the_no_modification_check(fn):
     result = verify(fn, cases=QUICK)
     assert not result.passed
     check = next(k for k in result.checks if k.name.startswith("no input modified"))
-    assert check.passed is False and "q modified in place" in check.message, external.table(result)
+    assert check.passed is False and "q modified in place" in check.message, verify_table(result)
     assert "without grad: q modified" in check.message
 
 
@@ -174,7 +174,7 @@ def test_gqa_gradients_from_one_head_fail_dk_dv_on_gqa_cases():
 
 def test_refused_feature_is_unsupported_not_failed():
     result = verify(_no_float_mask, cases=QUICK)
-    assert result.passed, external.table(result)
+    assert result.passed, verify_table(result)
     assert set(result.unsupported) == {"float mask", "float mask gradient"}
     assert "NotImplementedError" in result.unsupported["float mask"]
     floats = [c for c in result.cases if "float mask" in c.features]

@@ -13,8 +13,15 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attngrad
-from attngrad.core.band import Band
-from attngrad.core.masks import Mask
+from attngrad.core.band import (
+    Band,
+    BandSpec,
+    validate_band,
+    validate_segments,
+    validate_window,
+)
+from attngrad.core.contract import Shapes
+from attngrad.core.scores import ScoreMods
 from attngrad.core.tiling import schedule
 from helpers import TENSOR_STRATEGIES
 
@@ -118,7 +125,7 @@ def test_an_empty_key_segment_gives_zero_rows() -> None:
 def test_the_tiled_pass_skips_every_tile_outside_the_segments() -> None:
     cu = tuple(range(0, 4097, 512))
     band = Band.of(4096, 4096, None, 0, segments=(cu, cu))
-    mask = Mask(None, None, band, 1, 4096, 4096)
+    mask = ScoreMods(None, None, band, 1, 4096, 4096)
     tiles = sum(len(keys) for _, keys in schedule(mask, (256, 256)))
     assert tiles == 8 * 3  # per segment of 2 x 2 tiles: the causal 3
 
@@ -159,3 +166,54 @@ def test_packed_bottom_right_gradgradcheck_and_forward_mode(strategy: str) -> No
 
     assert torch.autograd.gradcheck(call, (q, k, v), check_forward_ad=True)
     assert torch.autograd.gradgradcheck(call, (q, k, v))
+
+
+# -- the module that decides the band: one spec from every keyword that states it
+
+
+def _spec(**keywords: object) -> BandSpec:
+    shapes = Shapes((1,), 2, 2, 6, 9, 4, 4)
+    args = {"attn_mask": None, "is_causal": False, "window": None, "align": "top-left"}
+    args |= keywords
+    cu = (args.pop("cu_seqlens_q", None), args.pop("cu_seqlens_k", None))
+    return validate_band(**args, cu_seqlens=cu, shapes=shapes, device=torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def test_validate_band_folds_causal_causal_bias_window_and_segments_into_one_spec() -> None:
+    assert _spec() == BandSpec() and not BandSpec().bounded
+    assert _spec().build(6, 9) is None  # every query sees every key: no band to lay out
+    assert _spec(is_causal=True) == BandSpec(None, 0)
+    assert _spec(is_causal=True, window=(2, 3)) == BandSpec(2, 0)  # causal caps the right edge
+    assert _spec(window=[2, None], align="bottom-right") == BandSpec(2, None, "bottom-right")
+    assert _spec(attn_mask=causal_lower_right(6, 9)) == BandSpec(None, 0, "bottom-right")
+    assert _spec(attn_mask=causal_upper_left(6, 9), window=(1, 1)) == BandSpec(1, 0)
+    packed = _spec(cu_seqlens_q=torch.tensor([0, 2, 6]), cu_seqlens_k=torch.tensor([0, 4, 9]))
+    assert packed == BandSpec(segments=((0, 2, 6), (0, 4, 9))) and packed.bounded
+    # the spec lays out the same rows as the band built from its parts
+    band = _spec(is_causal=True, window=(2, None), align="bottom-right").build(6, 9)
+    assert band is not None
+    assert picture(band) == picture(Band.of(6, 9, 2, 0, "bottom-right"))
+
+
+def test_unread_segments_wait_for_the_op() -> None:
+    # under torch.compile the values are read where the call runs: the spec has none yet
+    shapes = Shapes((1,), 2, 2, 6, 6, 4, 4)
+    cu = torch.tensor([0, 2, 6])
+    spec = validate_band(None, True, None, "top-left", (cu, None), shapes, cu.device, read=False)
+    assert spec == BandSpec(None, 0)
+    read = spec.with_segments(validate_segments(cu, None, shapes, cu.device))
+    assert read == BandSpec(None, 0, segments=((0, 2, 6), (0, 2, 6)))
+
+
+@pytest.mark.parametrize(
+    ("window", "error", "words"),
+    [
+        ((1, 2, 3), ValueError, "window must be a pair (left, right), got (1, 2, 3)"),
+        ((1.5, 0), TypeError, "window's left side must be an int >= 0 or None, got 1.5"),
+        ((0, -1), ValueError, "window's right side must be >= 0 or None, got -1"),
+    ],
+)
+def test_bad_windows_name_the_side_and_show_the_value(window, error, words) -> None:
+    with pytest.raises(error) as info:
+        validate_window(window)
+    assert words in str(info.value) and "window=(128, 0)" in str(info.value)

@@ -1,7 +1,10 @@
 """The input contract of `attngrad.attention`, and that it never writes to its inputs.
 
-Each bad call must raise ValueError or TypeError (never a bare RuntimeError
-from deep inside a matmul) whose message names the argument at fault.
+Each bad call must raise `attngrad.ArgumentError` (a ValueError) or
+`attngrad.ArgumentTypeError` (a TypeError) whose message names the argument at
+fault, never a bare RuntimeError from deep inside a matmul.  Both are also
+RuntimeErrors, what PyTorch's SDPA raises on bad arguments, so code written
+against SDPA catches them too.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import MASK_KINDS
+from attngrad.conformance.cases import MASK_KINDS
 
 STRATEGIES = attngrad.STRATEGIES
 B, HQ, HKV, NQ, NK, D, DV = 2, 4, 2, 5, 7, 8, 6
@@ -183,16 +186,88 @@ BAD_CALLS = [
 ]
 
 
+# attngrad's class for each kind of argument error in the table
+ARGUMENT_ERRORS = {ValueError: attngrad.ArgumentError, TypeError: attngrad.ArgumentTypeError}
+
+
 @pytest.mark.parametrize(("make", "error", "names", "shows"), BAD_CALLS)
 def test_bad_input_is_rejected_by_name(make, error, names, shows):
     kwargs = make()
     kwargs.setdefault("strategy", STRATEGIES[0])
     with pytest.raises(Exception) as info:
         attngrad.attention(**kwargs)
-    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    assert type(info.value) is ARGUMENT_ERRORS[error], f"{type(info.value).__name__}: {info.value}"
     message = str(info.value)
     for word in (*names, *shows):
         assert word in message, f"{word!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(("make", "error", "names", "shows"), BAD_CALLS)
+def test_bad_input_is_caught_as_sdpa_errors_are_and_as_python_errors(make, error, names, shows):
+    kwargs = make()
+    kwargs.setdefault("strategy", STRATEGIES[0])
+    with pytest.raises(RuntimeError) as as_sdpa:  # code written for SDPA's errors
+        attngrad.attention(**kwargs)
+    with pytest.raises(error) as as_python:  # code written for ValueError / TypeError
+        attngrad.attention(**kwargs)
+    assert str(as_sdpa.value) == str(as_python.value)
+
+
+def _sdpa_error(**kwargs: object) -> RuntimeError:
+    """What PyTorch's SDPA raises for the same call (to show the two are caught alike)."""
+    with pytest.raises(RuntimeError) as info:
+        torch.nn.functional.scaled_dot_product_attention(**kwargs)
+    return info.value
+
+
+def test_one_except_clause_catches_sdpa_and_attngrad_alike():
+    # 4 query heads over 3 k/v heads: both reject it, and `except RuntimeError` catches both
+    kwargs = good(key=t(B, 3, NK, D), value=t(B, 3, NK, DV))
+    _sdpa_error(**kwargs)
+    with pytest.raises(RuntimeError, match=r"query heads \(4\) must be a multiple"):
+        attngrad.attention(**kwargs)
+
+
+# The exact messages of a few errors: their classes changed, their words did not.
+EXACT_MESSAGES = [
+    pytest.param(
+        dict(strategy="fastest"),
+        attngrad.ArgumentError,
+        "unknown strategy 'fastest'; choose one of 'auto', 'explicit', 'recompute', 'flash', "
+        "'triton'.",
+        id="strategy-unknown",
+    ),
+    pytest.param(
+        dict(strategy="explicit", block_q=32),
+        attngrad.ArgumentError,
+        "block_q=32 only applies to the tiled strategies 'flash' and 'triton', not 'explicit'. "
+        "Drop it or pass strategy='flash'.",
+        id="block_q-on-explicit",
+    ),
+    pytest.param(
+        dict(is_causal="yes"),
+        attngrad.ArgumentTypeError,
+        "is_causal must be True or False, got 'yes'",
+        id="is_causal-str",
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "message"), EXACT_MESSAGES)
+def test_error_messages_are_unchanged(override, error, message):
+    with pytest.raises(error) as info:
+        attngrad.attention(**good(**override))
+    assert str(info.value) == message
+
+
+def test_patch_sdpa_and_ring_attention_raise_the_same_errors():
+    with pytest.raises(attngrad.ArgumentError, match="unknown strategy 'fastest'"):
+        attngrad.patch_sdpa("fastest")
+    q = t(1, 2, 8, D)
+    with pytest.raises(attngrad.ArgumentError, match="timeout must be"):
+        attngrad.ring_attention(q, q, q, timeout=0)
+    with pytest.raises(attngrad.ArgumentTypeError, match="group must be"):
+        attngrad.ring_attention(q, q, q, group="world")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

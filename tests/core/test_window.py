@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import make_inputs, outputs_and_grads
+from attngrad.conformance.cases import make_inputs, outputs_and_grads
 from helpers import TENSOR_STRATEGIES, assert_rule, case
 
 STRATEGIES = attngrad.STRATEGIES
 
 
 def band(nq: int, nk: int, left: int | None, right: int | None, causal: bool) -> torch.Tensor:
-    """The window as a bool mask [Nq, Nk], built independently of attngrad.core.masks."""
+    """The window as a bool mask [Nq, Nk], built independently of attngrad.core.scores."""
     keep = torch.ones(nq, nk, dtype=torch.bool)
     for i in range(nq):
         for j in range(nk):

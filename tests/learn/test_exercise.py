@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from attngrad.cli.learn import add_exercise, add_grade
+from attngrad.cli.exercise import add_exercise
+from attngrad.cli.grade import add_grade
 from attngrad.learn.exercise import SKELETON, write_exercise
 from attngrad.learn.grade import grade
 

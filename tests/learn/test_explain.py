@@ -12,7 +12,7 @@ import torch
 
 import attngrad
 from attngrad.cli import app as cli
-from attngrad.cli.report import explain_text
+from attngrad.cli.explain import explain_text
 from attngrad.core.contract import Shapes
 from attngrad.learn.explain import BASELINES, NodeReport, PathReport, backward_order, explain
 from attngrad.strategies import MODULES

@@ -8,13 +8,16 @@ grades four mistakes; styles vary (``@``, torch.matmul, torch.einsum, .mT,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import textwrap
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
-from attngrad.cli.learn import add_grade
+from attngrad.cli.grade import add_grade
 from attngrad.core import ops
 from attngrad.learn.exercise import skeleton
 from attngrad.learn.grade import grade
@@ -55,6 +58,118 @@ def test_attention_stage_in_process() -> None:
     from attngrad.learn.chapter import CustomAttention
 
     assert grade_attention(CustomAttention, [])["passed"]
+
+
+# ------------------------------------------- the chapter's own solution and its contract
+
+# the course chapter's reference solution (its "参考代码"), messages in English: the grader
+# asks for the input checks its forward makes and for nothing else
+CHAPTER_SOLUTION = """
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def value_gradient(p, dout):
+    return torch.matmul(p.transpose(-2, -1), dout)
+
+
+def probability_gradient(dout, v):
+    return torch.matmul(dout, v.transpose(-2, -1))
+
+
+def softmax_backward(p, dp):
+    weighted_sum = (dp * p).sum(dim=-1, keepdim=True)
+    return p * (dp - weighted_sum)
+
+
+def query_key_gradients(ds, q, k, scale):
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    return dq, dk
+
+
+class CustomAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:  # check: ndim
+            raise ValueError("q, k, v must be [batch, seq_len, head_dim] tensors")
+        if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:  # check: lengths
+            raise ValueError("q, k, v must share batch and seq_len")
+        if q.size(-1) != k.size(-1) or v.size(-1) != q.size(-1):  # check: head_dim
+            raise ValueError("q, k, v must share head_dim")
+        if q.device != k.device or k.device != v.device:  # check: device
+            raise ValueError("q, k, v must be on one device")
+        if q.dtype != k.dtype or k.dtype != v.dtype:  # check: dtype
+            raise TypeError("q, k, v must share a dtype")
+        scale = 1.0 / math.sqrt(q.size(-1))
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        p = F.softmax(scores, dim=-1)
+        out = torch.matmul(p, v)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p = ctx.saved_tensors
+        if dout.shape != q.shape:
+            raise ValueError("dout must have the output's shape")
+        dv = value_gradient(p, dout)
+        dp = probability_gradient(dout, v)
+        ds = softmax_backward(p, dp)
+        dq, dk = query_key_gradients(ds, q, k, ctx.scale)
+        return dq, dk, dv
+"""
+# each input check of the chapter's forward, with the grader's bad call that it refuses
+CHAPTER_CHECKS = {
+    "ndim": "a 2-D input",
+    "lengths": "sequence lengths differ",
+    "head_dim": "head dims differ",
+    "device": "devices differ",
+    "dtype": "dtypes differ",
+}
+
+
+def _chapter_module(tmp_path: Path, drop: str | None = None) -> ModuleType:
+    """The chapter's solution as a module, without the input check ``drop`` (if/raise)."""
+    lines = CHAPTER_SOLUTION.splitlines()
+    if drop is not None:
+        at = next(i for i, line in enumerate(lines) if line.endswith(f"# check: {drop}"))
+        del lines[at : at + 2]
+    path = tmp_path / f"chapter_without_{drop}.py"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chapter_solution_passes(tmp_path: Path) -> None:
+    path = tmp_path / "chapter_solution.py"
+    path.write_text(CHAPTER_SOLUTION, encoding="utf-8")
+    report = grade(path, timeout=20)
+    assert report.passed, report.table()
+
+
+def test_torch_refusing_integer_inputs_is_no_contract_violation(tmp_path: Path) -> None:
+    # the chapter checks no dtype but sameness: its integer inputs reach torch.matmul of the
+    # float P and the integer v, which raises RuntimeError; the grader must not ask for more
+    attention = _chapter_module(tmp_path).CustomAttention
+    with pytest.raises(RuntimeError):
+        attention.apply(*(torch.ones(2, 3, 4, dtype=torch.long),) * 3)
+    result = grade_attention(attention, [])
+    assert result["passed"], result
+
+
+@pytest.mark.parametrize(("drop", "bad_call"), CHAPTER_CHECKS.items())
+def test_dropping_a_chapter_check_is_caught(tmp_path: Path, drop: str, bad_call: str) -> None:
+    result = grade_attention(_chapter_module(tmp_path, drop).CustomAttention, [])
+    assert not result["passed"]
+    assert result["diagnosis"] == "contract-violated", result
+    assert result["message"].startswith(bad_call + ":"), result
 
 
 # ------------------------------------------------------------ planted files, graded

@@ -3,7 +3,7 @@
 The distributed tests start real gloo process groups (spawned processes, a
 FileStore in tmp_path): one group per world size runs every case in a loop and
 writes its shards to a file; the parent reassembles them with `unshard` and
-judges them by the rule of `attngrad.conformance.check` against the float64 reference.
+judges them by the rule of `attngrad.conformance.rule` against the float64 reference.
 Spawning costs ~2 s per group.  The same groups run dropout and sinks, judged
 against single-process flash attention under the same seed (`ExtraCase`).
 """
@@ -22,15 +22,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attngrad
-from attngrad.conformance.check import Case, judge_outputs, make_inputs
+from attngrad.conformance.cases import Case, make_inputs
 from attngrad.conformance.reference import reference_attention, reference_lse
+from attngrad.conformance.rule import judge_outputs
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed
 from attngrad.ring import ring_attention, shard, unshard
-from attngrad.ring.attention import block_strategy, merge_partial_
+from attngrad.ring.attention import merge_partial_
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, Block, step_blocks
-from attngrad.strategies import MODULES, unavailable_reason
+from attngrad.strategies import MODULES, tiled_default, unavailable_reason
 from helpers import assert_rule, case
 
 NEG_INF = float("-inf")
@@ -155,7 +156,7 @@ def test_zigzag_merges_across_a_gap_only_without_dropout():
     merged = step_blocks(0, 1, 3, "zigzag", 4, False)
     assert [(b.rows, b.cols, b.origin) for b in merged] == [(slice(0, 4), slice(0, 4), None)]
     with pytest.raises(ValueError, match=r"not adjacent in the sequence.*positional=True"):
-        merged[0].mask(2, dropout=Dropout(0.5, 1, 2))
+        merged[0].score_mods(2, dropout=Dropout(0.5, 1, 2))
     split = step_blocks(0, 1, 3, "zigzag", 4, False, positional=True)
     assert [b.origin for b in split] == [(0, 2), (0, 8), (10, 2), (10, 8)]
     # rank 2 holds chunks (2, 3), adjacent: its blocks merge, origin and all
@@ -193,7 +194,7 @@ DEAD = (0.0, float("inf"))  # the stats (m, log l) of a row that attends nothing
 
 
 def _flash_block(q, k, v, causal=False, scale=0.5, kernel="flash"):
-    mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).mask(k.shape[1])
+    mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).score_mods(k.shape[1])
     impl = MODULES[kernel]
     o, saved = impl.forward(
         q, k, v, mask, scale, impl.tiles(Shapes.of(q, k, v), q.dtype, None, None)
@@ -210,7 +211,7 @@ def _block_backward(kernel, inputs, o, stats, cols, scale=0.5):
         kc, vc = k[:, :, c], v[:, :, c]
         impl.backward_into(
             (dq, dk[:, :, c], dv[:, :, c], None), dout, None, q, kc, vc, {"o": o, "stats": stats},
-            Block(slice(0, q.shape[2]), c, False).mask(k.shape[1]), scale,
+            Block(slice(0, q.shape[2]), c, False).score_mods(k.shape[1]), scale,
             impl.tiles(Shapes.of(q, kc, vc), q.dtype, None, None),
         )  # fmt: skip
     return {"dq": dq, "dk": dk, "dv": dv}
@@ -233,9 +234,9 @@ by_kernel = pytest.mark.parametrize(
 
 
 def test_the_default_block_kernel_is_flash_on_cpu():
-    assert block_strategy(torch.device("cpu"), 64, 64) == "flash"
+    assert tiled_default(torch.device("cpu"), 64, 64) == "flash"
     # and on CUDA, flash past the triton kernels' head dims
-    assert block_strategy(torch.device("cuda"), 300, 64) == "flash"
+    assert tiled_default(torch.device("cuda"), 300, 64) == "flash"
 
 
 @by_kernel
@@ -730,7 +731,7 @@ def _launch(world: int, tmp_path: Path, deadline: float = 60.0) -> list[int | No
 
 
 def _case_failures(rc: RingCase, got: dict[str, torch.Tensor], full: dict) -> list[str]:
-    """Out and every gradient against the float64 reference, by the rule of `attngrad.conformance.check`."""
+    """Out and every gradient against the float64 reference, by the rule of `attngrad.conformance.rule`."""
     c = rc.case
     failures = [f"{rc.id} {name} is {t.dtype}" for name, t in got.items() if t.dtype != c.dtype]
     return failures + [f"{rc.id} {v}" for v in judge_outputs(c, full, got) if not v.passed]
@@ -767,11 +768,11 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
         kind, message = res["create_graph"]
         assert kind == "NotImplementedError" and "attngrad.attention" in message, (r, message)
         kind, message = res["unequal"]
-        assert kind == "ValueError" and "seq_len: rank 0 4, rank 1 6" in message, (r, message)
+        assert kind == "ArgumentError" and "seq_len: rank 0 4, rank 1 6" in message, (r, message)
         kind, message = res["heads"]
-        assert kind == "ValueError" and "heads_q: rank 0 2, rank 1 4" in message, (r, message)
+        assert kind == "ArgumentError" and "heads_q: rank 0 2, rank 1 4" in message, (r, message)
         kind, message = res["dropout_p"]
-        assert kind == "ValueError" and "dropout_p: rank 0 0.25, rank 1 0.5" in message, (
+        assert kind == "ArgumentError" and "dropout_p: rank 0 0.25, rank 1 0.5" in message, (
             r,
             message,
         )

@@ -6,21 +6,22 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import make_inputs, outputs_and_grads, strategy_fn
+from attngrad.conformance.cases import make_inputs, outputs_and_grads
+from attngrad.conformance.check import strategy_fn
 from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
-from attngrad.core.masks import Mask
+from attngrad.core.scores import ScoreMods
 from attngrad.core.tiling import key_schedule, schedule
 from attngrad.strategies.flash import backward_into, forward, tiles
 from helpers import assert_rule, case
 
 
-def _mask(nq: int, nk: int, causal: bool = False, window=None) -> Mask:
+def _mask(nq: int, nk: int, causal: bool = False, window=None) -> ScoreMods:
     shapes = Shapes(lead=(1,), heads_q=1, heads_kv=1, seq_q=nq, seq_k=nk, head_dim=8, value_dim=8)
-    return Mask.build(None, causal, window, shapes)
+    return ScoreMods.build(None, causal, window, shapes)
 
 
-def _tiles(mask: Mask, blocks: tuple[int, int]) -> int:
+def _tiles(mask: ScoreMods, blocks: tuple[int, int]) -> int:
     return sum(len(cols) for _, cols in schedule(mask, blocks))
 
 
@@ -163,7 +164,7 @@ def test_backward_into_adds_to_what_the_accumulators_hold():
     c = case((1,), 4, 2, 30, 21, 8, 5, "causal", scale=0.3)
     inputs = make_inputs(c)
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
-    mask = Mask(None, None, Band.of(30, 21, None, 0), 2, 30, 21)  # causal: right = 0
+    mask = ScoreMods(None, None, Band.of(30, 21, None, 0), 2, 30, 21)  # causal: right = 0
     o, saved = forward(q, k, v, mask, 0.3, (8, 8))
     assert saved["stats"].shape == (1, 4, 30, 2) and saved["o"] is o
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))

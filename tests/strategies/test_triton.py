@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import Case, make_inputs, outputs_and_grads
+from attngrad.conformance.cases import Case, make_inputs, outputs_and_grads
 from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
@@ -373,7 +373,7 @@ def _recorded(dtype=torch.float32, nq=20, nk=5, d=16, arch=90, **tiles):
     """{kernel name: recorded launch} of one forward and backward, as chosen for sm_<arch>."""
     q = torch.randn(1, 2, nq, d, dtype=dtype)
     k = v = torch.randn(1, 2, nk, d, dtype=dtype)
-    mask = attngrad.core.masks.Mask.none(2, nq, nk)
+    mask = attngrad.core.scores.ScoreMods.none(2, nq, nk)
     blocks = triton_strategy.tiles(Shapes.of(q, k, v), dtype, tiles.get("bq"), tiles.get("bk"))
     with triton_strategy.dry_run(arch) as launches:
         o, saved = triton_strategy.forward(q, k, v, mask, 0.25, blocks)

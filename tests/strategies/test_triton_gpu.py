@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.check import make_inputs, outputs_and_grads, strategy_fn
+from attngrad.conformance.cases import make_inputs, outputs_and_grads
+from attngrad.conformance.check import strategy_fn
 from attngrad.strategies import unavailable_reason
 from helpers import assert_rule, case
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from attngrad.cli import app as cli
-from attngrad.cli.report import features_table
+from attngrad.cli.bench_features import features_table
+from attngrad.tools import bench_features as feature_bench
 from attngrad.tools.bench_features import (
     DROPOUT_P,
     FEATURES,
@@ -179,6 +180,6 @@ def test_features_defaults_to_flash_at_4096_and_leaves_plain_bench_alone(
         asked.append((seqs, strategies, kw["heads"], kw["device"]))
         return []
 
-    monkeypatch.setattr(cli.feature_bench, "run_features", run)
+    monkeypatch.setattr(feature_bench, "run_features", run)
     assert cli.main(["bench", "--features", "--csv", "", "--plot", "", *FAST_GEMM]) == 0
     assert asked == [([TARGET_SEQ], [TARGET_STRATEGY], 8, torch.device("cpu"))]

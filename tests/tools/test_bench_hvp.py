@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from attngrad.cli import app as cli
-from attngrad.tools.bench_hvp import BASELINE, MEASURES, hvp, order2_table, run_order2
-from attngrad.tools.ledger import path_fn
+from attngrad.cli.bench_hvp import order2_table
+from attngrad.tools.bench_hvp import BASELINE, MEASURES, hvp, run_order2
 from attngrad.tools.machine import Machine
+from attngrad.tools.paths import path_fn
 from helpers import TENSOR_STRATEGIES
 
 FAST_GEMM = ["--gemm-time", "0.01"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attngrad.cli import app as cli
-from attngrad.cli.report import bench_table
+from attngrad.cli.bench import bench_table
 from attngrad.tools.bench_step import PASSES, BenchRow, auto_choice, crossover, flops, run_bench
 from attngrad.tools.machine import Machine
 from helpers import TENSOR_STRATEGIES
@@ -66,7 +66,10 @@ def test_defaults_match_the_reference_shape() -> None:
     args = cli._parser().parse_args(["bench"])
     assert (args.batch, args.heads, args.head_dim, args.seq) == (1, 8, 64, [1024, 2048, 4096])
     assert (args.causal, args.dtype, args.repeats) == ("both", "float32", 5)
-    assert (args.strategy, args.baseline) == (None, None)  # all strategies, math and flash
+    assert (args.strategy, args.baseline) == (
+        None,
+        None,
+    )  # all strategies, sdpa-math and sdpa-flash
     assert (args.csv, args.plot) == (None, None)  # results/bench.csv and .png
 
 
@@ -145,7 +148,7 @@ def _machine(gemm_gflops: float, dtype: str = "float32") -> Machine:
 def test_run_bench_rows_and_table() -> None:
     notes: list[str] = []
     rows = run_bench(
-        [16], [True], ["auto", "flash"], ["flash"], 1, 2, 8, repeats=2, gemm_gflops=1e6,
+        [16], [True], ["auto", "flash"], ["sdpa-flash"], 1, 2, 8, repeats=2, gemm_gflops=1e6,
         step=notes.append,
     )  # fmt: skip
     assert [(r.pass_, r.contender) for r in rows] == [

@@ -10,17 +10,16 @@ import torch
 
 from attngrad.api import attention
 from attngrad.cli import app as cli
-from attngrad.conformance.check import Case
+from attngrad.conformance.cases import Case
 from attngrad.core.contract import Shapes
 from attngrad.tools.ledger import (
     ledger_row,
-    measure_peak_bytes,
-    measure_saved_bytes,
     predicted_saved_bytes,
     run_ledger,
     run_second_order_ledger,
     second_order_row,
 )
+from attngrad.tools.memory import measure_peak_bytes, measure_saved_bytes
 from helpers import TENSOR_STRATEGIES
 
 # the calibration's GEMM, kept tiny: these tests check the wiring, not the rate

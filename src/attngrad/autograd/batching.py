@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._C._functorch import is_legacy_batchedtensor
 
-from attngrad.core.masks import Mask
+from attngrad.core.scores import ScoreMods
 
 __all__ = ["apply", "fold_all", "unfold", "unfold_mask_gradient", "vmap_rule"]
 
@@ -103,8 +103,8 @@ def vmap_rule(
 
 
 def _keep_dropout(arg: object, batch: int) -> object:
-    """A Mask whose dropout still draws the per-sample mask of a ``batch``-entry call."""
-    if isinstance(arg, Mask) and arg.dropout is not None:
+    """A ScoreMods whose dropout still draws the per-sample mask of a ``batch``-entry call."""
+    if isinstance(arg, ScoreMods) and arg.dropout is not None:
         return replace(arg, dropout=arg.dropout.folded(batch))
     return arg
 

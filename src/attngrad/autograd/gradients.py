@@ -34,8 +34,8 @@ from torch.autograd.function import FunctionCtx
 from attngrad.autograd import batching
 from attngrad.autograd.second_order import second_order
 from attngrad.core.amp import no_autocast
-from attngrad.core.masks import Mask
 from attngrad.core.ops import compute_dtype
+from attngrad.core.scores import ScoreMods
 
 __all__ = ["AttentionGradients", "SecondOrder", "saved_dict"]
 
@@ -59,7 +59,7 @@ def first_order(
     bias: torch.Tensor | None,
     keep: torch.Tensor | None,
     saved: dict[str, torch.Tensor],
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     tiles: object,
     impl: ModuleType,

@@ -28,8 +28,8 @@ import torch
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.masks import Mask
 from attngrad.core.ops import capped_tanh
+from attngrad.core.scores import ScoreMods
 from attngrad.core.tiling import tile_sizes
 
 __all__ = ["Direction", "blocks_for", "dropout_multipliers", "softcap_tanh"]
@@ -52,20 +52,20 @@ class Direction:
     """A direction (a_q, a_k, a_bias) in the scores' inputs, ready to apply tile by tile.
 
     a_q: scale * (like q) grouped to [B, Hkv, G, Nq, d]; a_k: scale * (like k);
-    a_bias: like the bias [Bm, Hm, Nqm, Nkm], held as a `Mask` (no band) so
+    a_bias: like the bias [Bm, Hm, Nqm, Nkm], held as a `ScoreMods` (no band) so
     it broadcasts onto tiles exactly as the bias does.  None = zero.
     """
 
     a_q: torch.Tensor | None
     a_k: torch.Tensor | None
-    a_bias: Mask | None
+    a_bias: ScoreMods | None
 
     @staticmethod
     def of(
         a_q: torch.Tensor | None,
         a_k: torch.Tensor | None,
         a_bias: torch.Tensor | None,
-        mask: Mask,
+        mask: ScoreMods,
         scale: float,
         dtype: torch.dtype,
     ) -> Direction:
@@ -75,7 +75,7 @@ class Direction:
         gk = None if a_k is None else a_k.to(dtype) * scale
         gb = None
         if a_bias is not None:
-            gb = Mask(a_bias.to(dtype), None, None, hkv, mask.seq_q, mask.seq_k)
+            gb = ScoreMods(a_bias.to(dtype), None, None, hkv, mask.seq_q, mask.seq_k)
         return Direction(gq, gk, gb)
 
     @property
@@ -134,7 +134,7 @@ class Direction:
 
 
 def softcap_tanh(
-    mask: Mask, q_rows: torch.Tensor, k: torch.Tensor, keys: slice, scale: float
+    mask: ScoreMods, q_rows: torch.Tensor, k: torch.Tensor, keys: slice, scale: float
 ) -> torch.Tensor | None:
     """tanh(S / c) of the tile's raw scores under the mask's softcap c, or None without one."""
     if mask.softcap is None:
@@ -143,7 +143,7 @@ def softcap_tanh(
 
 
 def dropout_multipliers(
-    mask: Mask, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
+    mask: ScoreMods, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
 ) -> Callable[[slice, slice], torch.Tensor] | None:
     """(rows, keys) -> M = Z / (1 - p) on the tile [B, Hkv, G*r, c], or None without dropout.
 

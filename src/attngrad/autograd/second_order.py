@@ -61,8 +61,8 @@ from attngrad.autograd.linearized import (
     softcap_tanh,
 )
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.masks import Mask, add_bias_gradient_
 from attngrad.core.ops import cap_slope, compute_dtype
+from attngrad.core.scores import ScoreMods, add_bias_gradient_
 from attngrad.core.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
@@ -85,7 +85,7 @@ def second_order(
     k: torch.Tensor,
     v: torch.Tensor,
     saved: dict[str, torch.Tensor],
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     tiles: object,
     need: tuple[bool, ...],

@@ -47,8 +47,8 @@ from attngrad.autograd.linearized import (
     softcap_tanh,
 )
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.masks import Mask
 from attngrad.core.ops import cap_slope, compute_dtype
+from attngrad.core.scores import ScoreMods
 from attngrad.core.tiling import schedule
 
 __all__ = ["OutputTangent", "output_tangent"]
@@ -62,7 +62,7 @@ def output_tangent(
     v: torch.Tensor,
     o: torch.Tensor,
     saved: dict[str, torch.Tensor],
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     tiles: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:

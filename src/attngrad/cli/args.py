@@ -1,4 +1,5 @@
-"""What the ``attngrad`` commands accept: argparse types and the strategy refusals.
+"""What the ``attngrad`` commands accept: argparse types, the flags several commands
+share, the strategy refusals and the machine calibration they run first.
 
 An argparse type raises `argparse.ArgumentTypeError`; argparse then exits 2 with
 ``argument --NAME: <message>``, so each message shows the value and a fix.  A strategy
@@ -8,16 +9,30 @@ that exists but cannot run here is refused after parsing, also with exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable
-from typing import TextIO, TypeVar
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
 
 import torch
 
+from attngrad.core.contract import DTYPES, dtype_name
 from attngrad.strategies import STRATEGIES, available, unavailable_reason
+from attngrad.tools.machine import Machine, probe
+from attngrad.tools.paths import baseline_name
 
-__all__ = ["chosen_strategies", "measure_device", "positive_float", "positive_int"]
+__all__ = [
+    "add_machine_and_files",
+    "add_size",
+    "add_sizes",
+    "add_strategy",
+    "calibrate",
+    "chosen_strategies",
+    "measure_device",
+    "positive_float",
+    "positive_int",
+    "sdpa_baseline",
+    "sizes",
+]
 
 N = TypeVar("N", int, float)
 
@@ -45,6 +60,14 @@ def positive_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """A duration in seconds: a finite float > 0, e.g. ``--gemm-time 0.2``."""
     return _positive(text, float, "a positive number of seconds, e.g. 0.2")
+
+
+def sdpa_baseline(text: str) -> str:
+    """An SDPA baseline: ``sdpa-math`` or ``sdpa-flash``, also taken as ``math``, ``flash``."""
+    try:
+        return baseline_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def measure_device(text: str) -> torch.device:
@@ -86,12 +109,56 @@ def chosen_strategies(
     return list(chosen)
 
 
-def write_json(payload: object, path: str, out: TextIO) -> None:
-    """``payload`` as indented JSON to ``path``, or to stdout when it is "-" (notes go to ``out``)."""
-    text = json.dumps(payload, indent=2, ensure_ascii=False)
-    if path == "-":
-        print(text)
-        return
-    with open(path, "w", encoding="utf-8") as f:  # utf-8: the grader's hints and Chinese text
-        f.write(text)
-    print(f"wrote {path}", file=out)
+# ---------------------------------------------------------- flags shared by commands
+
+
+def add_size(p: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    p.add_argument(flag, type=positive_int, default=default, help=help)
+
+
+def add_strategy(p: argparse.ArgumentParser, choices: Collection[str], help: str) -> None:
+    p.add_argument("--strategy", action="append", choices=choices, help=help)
+
+
+def add_sizes(p: argparse.ArgumentParser, heads: int, head_dim: int) -> None:
+    """``--batch``, ``--heads``, ``--head-dim`` and ``--dtype``, alike on every command."""
+    add_size(p, "--batch", 1, "batch B (default 1)")
+    add_size(p, "--heads", heads, f"query heads H (default {heads})")
+    add_size(p, "--head-dim", head_dim, f"head dim d (default {head_dim})")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default float32)")
+
+
+def add_machine_and_files(p: argparse.ArgumentParser, stem: str, when: str) -> None:
+    """``--gemm-time``, ``--csv`` and ``--plot``, alike on bench and ledger."""
+    p.add_argument(
+        "--gemm-time",
+        type=positive_float,
+        default=0.2,
+        metavar="SECONDS",
+        help="grow the GEMM that measures the matmul rate until one product takes about "
+        "this long (default 0.2)",
+    )
+    p.add_argument(
+        "--csv", metavar="PATH", help=f"write the rows here ('' to skip; default {when}{stem}.csv)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help=f"write a PNG plot here ('' to skip; default {when}{stem}.png)",
+    )
+
+
+def sizes(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The size flags ``names`` as keyword arguments (``--head-dim`` is ``head_dim``)."""
+    return {name: getattr(args, name) for name in names}
+
+
+def calibrate(dtype: torch.dtype, device: torch.device, budget: float) -> Machine:
+    """`attngrad.tools.machine.probe`, each calibration step shown on stderr."""
+    name = dtype_name(dtype)
+    print(f"calibrating the {name} matmul rate ({budget:g} s per GEMM)...", file=sys.stderr)
+
+    def note(text: str) -> None:
+        print(f"  {text}", file=sys.stderr, flush=True)
+
+    return probe(dtype, device, budget, note=note)

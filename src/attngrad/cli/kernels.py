@@ -5,7 +5,7 @@ triton strategy launches, compiled for the target without a GPU.  Exit 0 when
 every configuration is ok, 1 when one spills or overruns shared memory (or
 does not compile), 2 when the report cannot run here (no Triton, or Triton's
 interpreter: the report needs the compiler).  Wired into the ``attngrad``
-command by `add_kernels`.
+command by `add_kernels`; `kernels_table` shows the rows.
 """
 
 from __future__ import annotations
@@ -14,11 +14,59 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from attngrad.cli.args import positive_int, write_json
+from attngrad.cli import table
+from attngrad.cli.args import positive_int
+from attngrad.cli.table import write_json
 from attngrad.core.progress import Progress
 
-__all__ = ["add_kernels", "run_kernels"]
+if TYPE_CHECKING:
+    from attngrad.tools.kernel_report import Row
+
+__all__ = ["add_kernels", "kernels_table", "run_kernels"]
+
+_COLUMNS = (
+    "kernel", "dtype", "d", "mask", "tiles", "warps", "stages", "shared B", "regs", "spill B", "verdict",
+)  # fmt: skip
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    v, r = row.variant, row.resources
+    tiles = f"{row.block_m}" if row.kernel == "delta" else f"{row.block_m}x{row.block_n}"
+    if 0 < row.chunk < v.head_dim:
+        tiles += f"/{row.chunk}"  # the dots over d in slices of this many columns
+    return (
+        row.kernel,
+        "float32+tf32" if v.precision == "tf32" else v.dtype,
+        str(v.head_dim),
+        v.mask
+        + (f" gqa{v.groups}" if v.groups > 1 else "")
+        + (f" N={v.seq}" if v.seq != 1024 else ""),
+        tiles,
+        str(row.num_warps),
+        str(row.num_stages),
+        str(r.shared_bytes),
+        str(r.registers),
+        str(r.spill_stores),
+        row.verdict,
+    )
+
+
+def kernels_table(rows: list[Row], markdown: bool = False) -> str:
+    """The rows as an aligned text table (or a Markdown one), then a summary line."""
+    cells = [_cells(row) for row in rows]
+    if markdown:
+        lines = table.markdown(_COLUMNS, cells)
+    else:
+        head, body = table.columns(_COLUMNS, cells, left=len(_COLUMNS))
+        lines = [head, *body]
+    failed = sum(not row.ok for row in rows)
+    target = rows[0].target if rows else None
+    name = target.name if target else "?"
+    limit = f", shared limit {target.shared_limit} B per block" if target else ""
+    lines.append(f"\n{name}: {len(rows)} rows, {failed} not ok{limit}")
+    return "\n".join(lines)
 
 
 def _cannot_run() -> str | None:
@@ -57,7 +105,7 @@ def run_kernels(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout is the JSON alone
     print(f"attngrad kernels --target {target.name}", file=out)
     shown = kernel_report.summary(rows) if args.summary else rows
-    print(kernel_report.table(shown, markdown=args.markdown), file=out)
+    print(kernels_table(shown, markdown=args.markdown), file=out)
     if args.summary:
         failed = sum(not row.ok for row in rows)
         print(f"over all {len(rows)} configurations: {failed} not ok", file=out)

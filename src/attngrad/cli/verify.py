@@ -4,22 +4,52 @@ Judges any function with SDPA's signature (`attngrad.conformance.verify`): the c
 grid against float64, gradcheck, determinism and no input modified, after probing
 which features the function takes.  Exit 0 when everything that ran passed, 1 on a
 failure, 2 when the function cannot be loaded.  Wired into the ``attngrad`` command by
-`add_verify`.
+`add_verify`; `verify_table` shows the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 
 import attngrad
-from attngrad.cli.args import write_json
+from attngrad.cli.table import columns, write_json
 from attngrad.conformance import verify as external
+from attngrad.conformance.verify import Result
 from attngrad.core.progress import Progress
 
-__all__ = ["add_verify", "run_verify"]
+__all__ = ["add_verify", "run_verify", "verify_table"]
+
+
+def verify_table(result: Result) -> str:
+    """The cases (id, status, worst error/bound, what failed), the checks and a summary line."""
+    word = {None: "unsupported", True: "pass", False: "FAIL"}
+    rows = []
+    for c in result.cases:
+        worst = "NaN" if any(math.isnan(e) for e in c.errors.values()) else "-"
+        if c.ratios and worst == "-":
+            worst = f"{max(c.ratios.values()):.3g}"
+        rows.append([c.id, word[c.passed], worst, c.message if c.passed is not True else ""])
+    head, lines = columns(["case", "verdict", "worst err/bound", "what failed"], rows, left=4)
+    lines = [head, *lines, ""]
+    checks = [[k.name, word[k.passed], k.message] for k in result.checks]
+    head, check_lines = columns(["check", "verdict", "detail"], checks, left=3)
+    lines += [head, *check_lines]
+    counts = {
+        w: sum(word[c.passed] == w for c in result.cases) for w in ("pass", "FAIL", "unsupported")
+    }
+    failed_checks = sum(k.passed is False for k in result.checks)
+    lines.append("")
+    lines.append(
+        f"{'PASSED' if result.passed else 'FAILED'}: {counts['pass']} cases pass, "
+        f"{counts['FAIL']} fail, {counts['unsupported']} unsupported"
+        + (f" ({', '.join(result.unsupported)})" if result.unsupported else "")
+        + f"; {failed_checks} checks fail"
+    )
+    return "\n".join(lines)
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -35,7 +65,7 @@ def run_verify(args: argparse.Namespace) -> int:
     # with --json -, stdout carries the JSON alone
     out = sys.stderr if args.json == "-" else sys.stdout
     print(f"attngrad verify {args.spec}", file=out)
-    print(external.table(result), file=out)
+    print(verify_table(result), file=out)
     if args.json:
         payload = {
             "spec": args.spec,
@@ -60,7 +90,7 @@ def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "Nq != Nk, dv != d, 3-d and 5-d inputs: a probe that raises marks the feature "
             "unsupported), then run the conformance grid on what it takes, element by element "
             "against float64 (at most 2x the error of plain PyTorch plus a floor from the "
-            "magnitudes: attngrad.conformance.check), gradcheck on float64, a bitwise determinism check "
+            "magnitudes: attngrad.conformance.rule), gradcheck on float64, a bitwise determinism check "
             "and a check that no input is modified.  Exit 0 when everything that ran passed, "
             "1 on a failure, 2 when the function cannot be loaded."
         ),

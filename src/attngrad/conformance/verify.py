@@ -17,10 +17,10 @@ teaching implementation.  `verify` runs, in order:
    gradient": a float mask whose gradient the function does not give (the
    backward raises, or the mask is not in the graph) is unsupported; its
    cases then judge out, dq, dk and dv only.
-2. The conformance grid: `attngrad.conformance.check.default_cases` restricted to SDPA's
+2. The conformance grid: `attngrad.conformance.cases.default_cases` restricted to SDPA's
    options (no softcap, sinks, packed segments, window, bottom-right
    alignment or dropout: attngrad's extensions), each judged against the
-   float64 reference by `attngrad.conformance.check`'s rule (at most 2x plain PyTorch's
+   float64 reference by `attngrad.conformance.rule` (at most 2x plain PyTorch's
    error in the same dtype plus the floor of the magnitudes).
 3. ``gradcheck`` (fast mode) on each float64 case the function takes.
 4. Determinism: forward and backward `DETERMINISM_RUNS` times on one case
@@ -46,19 +46,17 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
-from attngrad.conformance.check import (
+from attngrad.conformance.cases import (
+    AttentionFn,
     Case,
     Inputs,
-    Verdict,
-    as_attention,
-    case_floors,
     default_cases,
-    judge,
+    input_tensor,
     make_inputs,
-    outputs_and_grads,
+    make_leaves,
 )
-from attngrad.conformance.reference import plain_attention, reference_attention
-from attngrad.core.contract import Shapes
+from attngrad.conformance.rule import judge_outputs
+from attngrad.core.contract import DTYPES, Shapes, dtype_name
 
 __all__ = [
     "DETERMINISM_RUNS",
@@ -74,7 +72,6 @@ __all__ = [
     "verify",
 ]
 
-AttentionFn = Callable[..., torch.Tensor]
 Step = Callable[[str], None]
 
 DTYPE_FEATURES = ("float32", "float64", "bfloat16", "float16")
@@ -89,13 +86,7 @@ REFUSALS: tuple[type[BaseException], ...] = (
     NotImplementedError, RuntimeError, ValueError, TypeError, AssertionError,
 )  # fmt: skip
 DETERMINISM_RUNS = 5
-_DTYPES = {
-    "float32": torch.float32, "float64": torch.float64,
-    "bfloat16": torch.bfloat16, "float16": torch.float16,
-}  # fmt: skip
 _BASE = Shapes((1,), 2, 2, 5, 5, 4, 4)
-_REFERENCE = as_attention(reference_attention)
-_PLAIN = as_attention(plain_attention)
 
 
 # ---------------------------------------------------------------------------- load
@@ -183,7 +174,7 @@ def case_features(case: Case) -> list[str]:
     """What a case exercises: its dtype, mask kind and layout (``dead rows``: a bool mask
     with a query row that attends nothing; ``nk=1``: a single key)."""
     sh = case.shapes
-    features = [str(case.dtype).removeprefix("torch.")]
+    features = [dtype_name(case.dtype)]
     if case.mask == "bool":
         features.append("bool mask")
         if sh.seq_q > 1:
@@ -209,8 +200,8 @@ def case_features(case: Case) -> list[str]:
 
 def _probe_case(feature: str, dtype: torch.dtype) -> Case:
     """The simplest case with ``feature`` and nothing else."""
-    if feature in _DTYPES:
-        return Case(_BASE, _DTYPES[feature])
+    if feature in DTYPES:
+        return Case(_BASE, DTYPES[feature])
     masks = {"bool mask": "bool", "float mask": "float", "float mask gradient": "float"}
     shapes = {
         "gqa": replace(_BASE, heads_q=4),
@@ -286,21 +277,6 @@ def _json_number(x: float) -> float | str:
 # ------------------------------------------------------------------------- running
 
 
-def _leaves(inputs: Inputs, dtype: torch.dtype, mask_grad: bool) -> dict[str, torch.Tensor]:
-    """Fresh leaves in ``dtype``: q, k, v, and the float mask when ``mask_grad``."""
-    names = ["q", "k", "v"]
-    mask = inputs["mask"]
-    if mask_grad and mask is not None and mask.dtype != torch.bool:
-        names.append("mask")
-    return {n: _get(inputs, n).detach().to(dtype).clone().requires_grad_() for n in names}
-
-
-def _get(inputs: Inputs, name: str) -> torch.Tensor:
-    t = inputs[name]
-    assert t is not None
-    return t
-
-
 def _mask(
     inputs: Inputs, leaves: Mapping[str, torch.Tensor], dtype: torch.dtype
 ) -> torch.Tensor | None:
@@ -322,7 +298,7 @@ def _run(fn: AttentionFn, case: Case, inputs: Inputs, mask_grad: bool) -> dict[s
     Raises `_Modified` naming each input whose value or ``_version`` changed.
     """
     dtype = case.dtype
-    leaves = _leaves(inputs, dtype, mask_grad)
+    leaves = make_leaves(inputs, dtype, mask_grad)
     mask = _mask(inputs, leaves, dtype)
     given = {**leaves, **({"mask": mask} if mask is not None else {})}
     before = {n: (t.detach().clone(), t._version) for n, t in given.items()}
@@ -331,7 +307,7 @@ def _run(fn: AttentionFn, case: Case, inputs: Inputs, mask_grad: bool) -> dict[s
     changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
     if changed:
         raise _Modified(f"{', '.join(changed)} modified in place by the call")
-    dout = _get(inputs, "dout").to(out.dtype)
+    dout = input_tensor(inputs, "dout").to(out.dtype)
     grads = torch.autograd.grad(out, list(leaves.values()), dout, allow_unused=True)
     changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
     if changed:
@@ -356,14 +332,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.equal(a, b))
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return bool(torch.equal(a.contiguous().view(width), b.contiguous().view(width)))
-
-
-def _judge(case: Case, inputs: Inputs, got: Mapping[str, torch.Tensor]) -> list[Verdict]:
-    """`attngrad.conformance.check`'s rule on the quantities in ``got`` (dmask may be missing)."""
-    ref = outputs_and_grads(_REFERENCE, case, inputs, torch.float64)
-    plain = outputs_and_grads(_PLAIN, case, inputs, case.dtype)
-    floors = case_floors(case, inputs)
-    return [judge(n, got[n], ref[n], floors[n], plain[n]) for n in ref if n in got]
 
 
 def _error(exc: BaseException) -> str:
@@ -405,7 +373,7 @@ def _grid_case(
         report.message = f"{_names(features)}: raised {_error(e)}"
         return report
     try:
-        verdicts = _judge(case, inputs, got)
+        verdicts = judge_outputs(case, inputs, got, names=got.keys())
     except ValueError as e:  # a shape that differs from the reference's
         report.message = f"{_names(features)}: {e}"
         return report
@@ -439,7 +407,7 @@ _GRADCHECK_CALLS = 64
 def _gradcheck(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> str:
     """ "" when gradcheck (fast mode) passes on the float64 case, else what failed."""
     inputs = make_inputs(case, seed)
-    leaves = _leaves(inputs, torch.float64, mask_grad)
+    leaves = make_leaves(inputs, torch.float64, mask_grad)
     names = list(leaves)
     fixed = _mask(inputs, leaves, torch.float64)
 
@@ -478,7 +446,7 @@ def _determinism(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> Che
 def _no_grad_call(fn: AttentionFn, case: Case, seed: int) -> str:
     """ "" when a call without grad leaves q, k, v and the mask alone, else which it changed."""
     inputs = make_inputs(case, seed)
-    given = {n: _get(inputs, n).to(case.dtype).clone() for n in ("q", "k", "v")}
+    given = {n: input_tensor(inputs, n).to(case.dtype).clone() for n in ("q", "k", "v")}
     mask = _mask(inputs, {}, case.dtype)
     if mask is not None:
         given["mask"] = mask
@@ -521,8 +489,8 @@ def verify(
         step(f"probe {feature}")
 
     for feature in DTYPE_FEATURES:
-        record(feature, *_probe(fn, feature, _DTYPES[feature], seed))
-    base = next((_DTYPES[f] for f in DTYPE_FEATURES if status[f]), None)
+        record(feature, *_probe(fn, feature, DTYPES[feature], seed))
+    base = next((DTYPES[f] for f in DTYPE_FEATURES if status[f]), None)
     for feature in SHAPE_FEATURES:
         if base is None:
             record(feature, None, "no dtype runs")
@@ -604,46 +572,3 @@ def steps(cases: Sequence[Case] | None = None, gradcheck: bool = True) -> int:
     """How many times `verify` calls ``progress``."""
     n = len(sdpa_cases() if cases is None else cases)
     return len(FEATURES) + n + int(gradcheck) + 2
-
-
-# --------------------------------------------------------------------------- table
-
-
-def table(result: Result) -> str:
-    """The cases (id, status, worst error/bound, what failed), the checks and a summary line."""
-    word = {None: "unsupported", True: "pass", False: "FAIL"}
-    rows = []
-    for c in result.cases:
-        worst = "NaN" if any(math.isnan(e) for e in c.errors.values()) else "-"
-        if c.ratios and worst == "-":
-            worst = f"{max(c.ratios.values()):.3g}"
-        rows.append([c.id, word[c.passed], worst, c.message if c.passed is not True else ""])
-    lines = _columns(["case", "verdict", "worst err/bound", "what failed"], rows)
-    lines.append("")
-    lines += _columns(
-        ["check", "verdict", "detail"], [[k.name, word[k.passed], k.message] for k in result.checks]
-    )
-    counts = {
-        w: sum(word[c.passed] == w for c in result.cases) for w in ("pass", "FAIL", "unsupported")
-    }
-    failed_checks = sum(k.passed is False for k in result.checks)
-    lines.append("")
-    lines.append(
-        f"{'PASSED' if result.passed else 'FAILED'}: {counts['pass']} cases pass, "
-        f"{counts['FAIL']} fail, {counts['unsupported']} unsupported"
-        + (f" ({', '.join(result.unsupported)})" if result.unsupported else "")
-        + f"; {failed_checks} checks fail"
-    )
-    return "\n".join(lines)
-
-
-def _columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Left-aligned columns, each as wide as its widest cell (the last one free)."""
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            [*(f"{c:<{w}}" for c, w in zip(cells, widths, strict=False)), cells[-1]]
-        ).rstrip()
-
-    return [line(header), *(line(r) for r in rows)]

@@ -34,18 +34,245 @@ A row that sees nothing gets lo = Nk, hi = 0, so it never widens a span.
 Over rows that see something, lo and hi are non-decreasing (each
 segment's keys come after the last one's), so the rows that see a given
 key are contiguous too (`query_span`).
+
+This module is the one place the band is decided: it checks the keywords
+that state it (``window``, ``align``, a ``CausalBias`` attn_mask,
+``cu_seqlens_q`` / ``cu_seqlens_k``; each error is an
+`attngrad.core.contract.ArgumentError` or ``ArgumentTypeError`` that names
+the argument, shows the value and suggests a fix), folds ``is_causal`` into the window's edges
+(`BandSpec`), and builds the per-row intervals (`Band`).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
-__all__ = ["ALIGNMENTS", "Band"]
+from attngrad.core.contract import ArgumentError, ArgumentTypeError, Shapes, is_int
+
+__all__ = [
+    "ALIGNMENTS",
+    "Band",
+    "BandSpec",
+    "causal_bias_alignment",
+    "validate_align",
+    "validate_band",
+    "validate_segments",
+    "validate_window",
+]
 
 ALIGNMENTS = ("top-left", "bottom-right")
+
+Segments = tuple[tuple[int, ...], tuple[int, ...]]
+
+# -- checking the keywords that state the band ------------------------------------
+
+_WINDOW_HINT = (
+    "Query i attends key j when i - left <= j <= i + right; e.g. window=(128, 0) "
+    "for the last 129 keys, or window=(128, None) for everything from i - 128 on."
+)
+
+
+def validate_window(window: object) -> tuple[int | None, int | None] | None:
+    """``window=(left, right)``: ints >= 0 or None (unbounded on that side)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ArgumentError(f"window must be a pair (left, right), got {window!r}. {_WINDOW_HINT}")
+    bounds: list[int | None] = []
+    for side, w in zip(("left", "right"), window, strict=True):
+        if w is not None and not is_int(w):
+            raise ArgumentTypeError(
+                f"window's {side} side must be an int >= 0 or None, got {w!r} of type "
+                f"{type(w).__name__} in window={window!r}. {_WINDOW_HINT}"
+            )
+        if w is not None and w < 0:
+            raise ArgumentError(
+                f"window's {side} side must be >= 0 or None, got {w} in window={window!r}. "
+                + _WINDOW_HINT
+            )
+        bounds.append(None if w is None else int(w))
+    return bounds[0], bounds[1]
+
+
+def validate_align(align: object) -> str:
+    """``align``: "top-left" (SDPA's) or "bottom-right" (FlashAttention 2's)."""
+    if not isinstance(align, str) or align not in ALIGNMENTS:
+        raise ArgumentError(
+            f"align must be 'top-left' or 'bottom-right', got {align!r}. 'bottom-right' "
+            "places query i at key i + Nk - Nq (decoding with a KV cache); 'top-left' at key i."
+        )
+    return align
+
+
+def causal_bias_alignment(bias: CausalBias, shapes: Shapes, is_causal: bool, align: str) -> str:
+    """The alignment an SDPA ``CausalBias`` attn_mask stands for (it means is_causal=True)."""
+    if is_causal:
+        raise ArgumentError(
+            "attn_mask is a CausalBias and is_causal=True was given too; pass one of them "
+            "(the CausalBias already makes the call causal)."
+        )
+    if (bias.seq_len_q, bias.seq_len_kv) != (shapes.seq_q, shapes.seq_k):
+        raise ArgumentError(
+            f"attn_mask is a CausalBias for seq_len_q={bias.seq_len_q}, seq_len_kv="
+            f"{bias.seq_len_kv}, but query has Nq={shapes.seq_q} and key Nk={shapes.seq_k}; "
+            "build it with causal_upper_left(Nq, Nk) or causal_lower_right(Nq, Nk)."
+        )
+    variant = "bottom-right" if bias.variant == CausalVariant.LOWER_RIGHT else "top-left"
+    if align != "top-left" and align != variant:
+        raise ArgumentError(
+            f"attn_mask is a {variant} CausalBias but align={align!r}; drop align (the "
+            "CausalBias sets the alignment) or pass is_causal=True with the alignment you want."
+        )
+    return variant
+
+
+def _check_cu(
+    name: str, cu: object, length: int, device: torch.device, read: bool = True
+) -> tuple[int, ...]:
+    """The cumulative lengths as ints; with ``read=False`` only the tensor's type, dtype,
+    shape and device are checked (no host read: under torch.compile) and () returned."""
+    if not isinstance(cu, torch.Tensor):
+        raise ArgumentTypeError(
+            f"{name} must be a 1-D integer torch.Tensor, got {type(cu).__name__}"
+        )
+    if cu.ndim != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.numel() < 2:
+        raise ArgumentError(
+            f"{name} must be a 1-D int32/int64 tensor [0, ..., N] of at least 2 entries, got "
+            f"dtype {cu.dtype}, shape {tuple(cu.shape)}. Build it with "
+            "torch.cumsum(lengths, 0) and a leading 0."
+        )
+    if cu.device != device:
+        raise ArgumentError(f"{name} is on {cu.device} but query is on {device}; move it there.")
+    if not read:
+        return ()
+    values = tuple(int(x) for x in cu.tolist())
+    steps = [b - a for a, b in itertools.pairwise(values)]
+    if values[0] != 0 or min(steps) < 0 or values[-1] != length:
+        shown = list(values) if len(values) <= 12 else [*values[:6], "...", *values[-3:]]
+        raise ArgumentError(
+            f"{name} must start at 0, never decrease and end at the sequence length {length}, "
+            f"got {shown}. It holds the cumulative segment lengths [0, n0, n0 + n1, ..., {length}]."
+        )
+    return values
+
+
+def validate_segments(
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    shapes: Shapes,
+    device: torch.device,
+    read: bool = True,
+) -> Segments | None:
+    """Packed segments (cu_seqlens_q, cu_seqlens_k) as tuples of ints, or None.
+
+    ``cu_seqlens_k`` may be left out when Nq == Nk (self-attention: the same
+    segments); both need the same number of segments.  ``read=False`` checks
+    only what needs no host read (type, dtype, shape, device, pairing) and
+    returns None: under torch.compile the values are read when the op runs.
+    """
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        given, missing = (
+            ("cu_seqlens_q", "cu_seqlens_k")
+            if cu_seqlens_k is None
+            else ("cu_seqlens_k", "cu_seqlens_q")
+        )
+        if shapes.seq_q != shapes.seq_k or cu_seqlens_q is None:
+            raise ArgumentError(
+                f"{given} was given without {missing}; pass both (the same tensor when queries "
+                "and keys are the same packed sequences)."
+            )
+        cu_seqlens_k = cu_seqlens_q
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, shapes.seq_q, device, read)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, shapes.seq_k, device, read)
+    if not read:
+        return None
+    if len(cu_q) != len(cu_k):
+        raise ArgumentError(
+            f"cu_seqlens_q has {len(cu_q) - 1} segments but cu_seqlens_k has {len(cu_k) - 1}; "
+            "segment s of the queries attends segment s of the keys, so they must pair up."
+        )
+    return cu_q, cu_k
+
+
+def validate_band(
+    attn_mask: object,
+    is_causal: bool,
+    window: object,
+    align: object,
+    cu_seqlens: tuple[object, object],
+    shapes: Shapes,
+    device: torch.device,
+    read: bool = True,
+) -> BandSpec:
+    """The band of `attngrad.attention`'s arguments, checked (``is_causal`` already is).
+
+    ``attn_mask``: a ``CausalBias`` makes the call causal with its own
+    alignment; any other mask is no part of the band.  ``cu_seqlens``: the raw
+    (cu_seqlens_q, cu_seqlens_k); with ``read=False`` (under torch.compile)
+    their values are left to the op that runs the call, and the spec has no
+    segments yet (`BandSpec.with_segments`).
+    """
+    align = validate_align(align)
+    if isinstance(attn_mask, CausalBias):  # SDPA's causal masks: is_causal with their alignment
+        align = causal_bias_alignment(attn_mask, shapes, is_causal, align)
+        is_causal = True
+    edges = validate_window(window)
+    segments = validate_segments(*cu_seqlens, shapes, device, read=read)
+    return BandSpec.of(edges, is_causal, align, segments)
+
+
+# -- the band ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BandSpec:
+    """The band as a call states it, before its rows are laid out (`build`).
+
+    left, right: query i, at key position p (its alignment), sees keys
+    p - left .. p + right; None is unbounded on that side, and is_causal is
+    folded in as right <= 0.  align: one of `ALIGNMENTS`.  segments:
+    (cu_seqlens_q, cu_seqlens_k) as ints, or None for one segment of everything.
+    """
+
+    left: int | None = None
+    right: int | None = None
+    align: str = "top-left"
+    segments: Segments | None = None
+
+    @staticmethod
+    def of(
+        window: tuple[int | None, int | None] | None,
+        is_causal: bool,
+        align: str = "top-left",
+        segments: Segments | None = None,
+    ) -> BandSpec:
+        """From a (checked) window and is_causal, which caps the window's right edge at 0."""
+        left, right = window if window is not None else (None, None)
+        if is_causal:
+            right = 0 if right is None else min(right, 0)
+        return BandSpec(left, right, align, segments)
+
+    @property
+    def bounded(self) -> bool:
+        """False when every query sees every key (no band to build)."""
+        return self.left is not None or self.right is not None or self.segments is not None
+
+    def with_segments(self, segments: Segments | None) -> BandSpec:
+        """The same band over segments read later (the compiled route reads them in its op)."""
+        return BandSpec(self.left, self.right, self.align, segments)
+
+    def build(self, seq_q: int, seq_k: int, device: torch.device | None = None) -> Band | None:
+        """The per-row intervals for Nq = seq_q, Nk = seq_k on ``device``; None when unbounded."""
+        if not self.bounded:
+            return None
+        return Band.of(seq_q, seq_k, self.left, self.right, self.align, self.segments, device)
 
 
 @dataclass(frozen=True)
@@ -66,7 +293,7 @@ class Band:
         left: int | None,
         right: int | None,
         align: str = "top-left",
-        segments: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        segments: Segments | None = None,
         device: torch.device | None = None,
     ) -> Band:
         """The band of a (window, causal right, alignment, packed segments) call.

@@ -1,7 +1,10 @@
-"""Input checks for `attngrad.attention`.
+"""Input checks for `attngrad.attention`, and the errors they raise.
 
-Every check raises ``ValueError`` or ``TypeError`` that names the argument,
-shows the value it got and suggests a fix.  Nothing here modifies a tensor.
+Every check raises `ArgumentError` (a ``ValueError``) or `ArgumentTypeError`
+(a ``TypeError``) that names the argument, shows the value it got and
+suggests a fix.  Both are also ``RuntimeError``s, which is what PyTorch's
+``scaled_dot_product_attention`` raises on bad arguments, so code written
+for either catches them.  Nothing here modifies a tensor.
 """
 
 from __future__ import annotations
@@ -15,13 +18,40 @@ import torch
 
 __all__ = [
     "DTYPES",
+    "ArgumentError",
+    "ArgumentTypeError",
     "Shapes",
     "check_flag",
+    "dtype_name",
+    "is_int",
     "validate_attention",
     "validate_blocks",
     "validate_strategy",
-    "validate_window",
 ]
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument value: a shape that does not fit, a size or a name out of range.
+
+    ``except ValueError`` catches it, and so does ``except RuntimeError``, which
+    is what PyTorch's ``scaled_dot_product_attention`` raises on bad arguments.
+
+    >>> import attngrad
+    >>> q = torch.randn(1, 2, 8, 16)
+    >>> try:
+    ...     attngrad.attention(q, q, q, strategy="fast")
+    ... except RuntimeError as e:
+    ...     print(type(e).__name__, isinstance(e, ValueError))
+    ArgumentError True
+    """
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """An argument of the wrong type or dtype.
+
+    ``except TypeError`` catches it, and so does ``except RuntimeError``, as for
+    PyTorch's ``scaled_dot_product_attention``.
+    """
 
 
 # The floating dtypes attention accepts, by the names the CLI takes.
@@ -33,11 +63,18 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a dtype goes by in `DTYPES`, tables and files: ``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Shapes:
     """The sizes of one attention call.
 
-    q: [*lead, Hq, Nq, d], k: [*lead, Hkv, Nk, d], v: [*lead, Hkv, Nk, dv].
+    q: [*lead, Hq, Nq, d], k: [*lead, Hkv, Nk, d], v: [*lead, Hkv, Nk, dv];
+    ``headless``: the inputs were SDPA's 2-D q: [Nq, d], k: [Nk, d], v: [Nk, dv]
+    (lead = (), one head), so the output is [Nq, dv] and lse [Nq].
     """
 
     lead: tuple[int, ...]
@@ -47,6 +84,7 @@ class Shapes:
     seq_k: int
     head_dim: int
     value_dim: int
+    headless: bool = False
 
     @staticmethod
     def of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Shapes:
@@ -66,54 +104,69 @@ class Shapes:
 
     @property
     def score_shape(self) -> tuple[int, ...]:
-        """[*lead, Hq, Nq, Nk], the shape a mask must broadcast to."""
-        return (*self.lead, self.heads_q, self.seq_q, self.seq_k)
+        """[*lead, Hq, Nq, Nk] ([Nq, Nk] headless), the shape a mask must broadcast to."""
+        return (*self._lead_and_heads, self.seq_q, self.seq_k)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """[*lead, Hq, Nq, dv] ([Nq, dv] headless), the output's shape."""
+        return (*self._lead_and_heads, self.seq_q, self.value_dim)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        """[*lead, Hq, Nq] ([Nq] headless), lse's shape."""
+        return (*self._lead_and_heads, self.seq_q)
+
+    @property
+    def _lead_and_heads(self) -> tuple[int, ...]:
+        return self.lead if self.headless else (*self.lead, self.heads_q)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}: {t!r:.80}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}: {t!r:.80}")
     if t.dtype not in DTYPES.values():
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} has dtype {t.dtype}; attention takes float64, float32, float16 or "
             f"bfloat16 tensors. Try {name}.float()."
         )
-    if t.ndim < 3:
-        raise ValueError(
-            f"{name} must have at least 3 dims [..., heads, seq_len, head_dim], got shape "
-            f"{tuple(t.shape)}. For a single head and batch use {name}.unsqueeze(0)."
+    if t.ndim < 2:
+        raise ArgumentError(
+            f"{name} must have at least 2 dims [..., seq_len, head_dim] (SDPA's [..., heads, "
+            f"seq_len, head_dim], or [seq_len, head_dim] for one head), got shape "
+            f"{tuple(t.shape)}. For a single position use {name}.unsqueeze(0)."
         )
     return t
 
 
 def check_flag(name: str, value: object) -> None:
-    """TypeError unless ``value`` is True or False (``name`` is the argument's)."""
+    """ArgumentTypeError unless ``value`` is True or False (``name`` is the argument's)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_scale(scale: object) -> None:
     if scale is None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"scale must be a real number or None, got {scale!r:.80} of type "
             f"{type(scale).__name__}. Pass float(scale), or None for 1/sqrt(head_dim)."
         )
     if not math.isfinite(scale):
-        raise ValueError(
+        raise ArgumentError(
             f"scale must be finite, got {scale!r}. Pass None for the default 1/sqrt(head_dim)."
         )
 
 
 def _check_dropout(dropout_p: object) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"dropout_p must be a float in [0, 1], got {dropout_p!r:.80} of type "
             f"{type(dropout_p).__name__}. Pass 0.0 to disable dropout."
         )
     if not 0.0 <= float(dropout_p) <= 1.0:  # NaN fails too
-        raise ValueError(
+        raise ArgumentError(
             f"dropout_p must be in [0, 1], got {dropout_p!r}: the probability of dropping each "
             "attention weight. Use 0.0 to disable dropout (e.g. in eval mode)."
         )
@@ -122,17 +175,17 @@ def _check_dropout(dropout_p: object) -> None:
 def _check_same_kind(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} has dtype {t.dtype} but query has {query.dtype}; all three must match. "
                 f"Try {name}.to(query.dtype)."
             )
         if t.device != query.device:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} is on {t.device} but query is on {query.device}; all three must be on "
                 f"one device. Try {name}.to(query.device)."
             )
         if t.ndim != query.ndim:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} has {t.ndim} dims (shape {tuple(t.shape)}) but query has {query.ndim} "
                 f"(shape {tuple(query.shape)}); q, k, v must all be [..., heads, seq_len, head_dim]."
             )
@@ -142,42 +195,43 @@ def _shapes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
 ) -> Shapes:
     q, k, v = query.shape, key.shape, value.shape
+    headless = query.ndim == 2  # SDPA's [N, d]: one head, no batch
     if not q[:-3] == k[:-3] == v[:-3]:
-        raise ValueError(
+        raise ArgumentError(
             f"batch dims differ: query {tuple(q)}, key {tuple(k)}, value {tuple(v)}; "
             "the dims before [heads, seq_len, head_dim] must be equal."
         )
-    if k[-3] != v[-3]:
-        raise ValueError(
+    if not headless and k[-3] != v[-3]:
+        raise ArgumentError(
             f"key has {k[-3]} heads but value has {v[-3]} (key {tuple(k)}, value {tuple(v)}); "
             "key and value must have the same number of heads."
         )
     if k[-2] != v[-2]:
-        raise ValueError(
+        raise ArgumentError(
             f"key has seq_len {k[-2]} but value has {v[-2]} (key {tuple(k)}, value {tuple(v)}); "
             "each key needs one value."
         )
     if q[-1] != k[-1]:
-        raise ValueError(
+        raise ArgumentError(
             f"query head_dim {q[-1]} differs from key head_dim {k[-1]} (query {tuple(q)}, key "
             f"{tuple(k)}); q @ k^T needs them equal."
         )
     if q[-1] == 0 or v[-1] == 0:
-        raise ValueError(f"head_dim must be at least 1, got query {tuple(q)}, value {tuple(v)}.")
-    hq, hkv = q[-3], k[-3]
+        raise ArgumentError(f"head_dim must be at least 1, got query {tuple(q)}, value {tuple(v)}.")
+    hq, hkv = (1, 1) if headless else (q[-3], k[-3])
     if hq == 0 or hkv == 0:
-        raise ValueError(
+        raise ArgumentError(
             f"heads (dim -3) must be at least 1, got query {tuple(q)}, key {tuple(k)}."
         )
     if enable_gqa:
         if hq % hkv != 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"with enable_gqa=True, query heads ({hq}) must be a multiple of key/value heads "
                 f"({hkv}); query {tuple(q)}, key {tuple(k)}."
             )
     elif hq != hkv:
         hint = " Try enable_gqa=True." if hkv and hq % hkv == 0 else ""
-        raise ValueError(
+        raise ArgumentError(
             f"query has {hq} heads but key/value have {hkv} (query {tuple(q)}, key {tuple(k)})."
             + hint
         )
@@ -189,6 +243,7 @@ def _shapes(
         seq_k=k[-2],
         head_dim=q[-1],
         value_dim=v[-1],
+        headless=headless,
     )
 
 
@@ -196,9 +251,11 @@ def _check_mask(attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causa
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        raise ArgumentTypeError(
+            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
+        )
     if is_causal:
-        raise ValueError(
+        raise ArgumentError(
             "is_causal=True and an attn_mask were both given; pass one of them. To combine "
             "them, build the causal part into the mask: with causal = torch.ones(Nq, Nk, "
             "dtype=torch.bool).tril(), a bool mask becomes attn_mask & causal and a float mask "
@@ -206,13 +263,13 @@ def _check_mask(attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causa
             "a causal band with any mask.)"
         )
     if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = attend) or the "
             f"query's dtype {query.dtype} (added to the scores). "
             f"Try attn_mask.to(torch.bool) or attn_mask.to({query.dtype})."
         )
     if attn_mask.device != query.device:
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask is on {attn_mask.device} but query is on {query.device}. "
             "Try attn_mask.to(query.device)."
         )
@@ -223,7 +280,7 @@ def _check_mask(attn_mask: object, query: torch.Tensor, shapes: Shapes, is_causa
         for m, t in zip(reversed(shape), reversed(target[len(target) - len(shape) :]), strict=True)
     )
     if not fits:
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask has shape {shape}, which does not broadcast to the scores' shape "
             f"{target} ([..., heads, seq_q, seq_k]); each mask dim must be 1 or equal the "
             "matching score dim."
@@ -258,74 +315,44 @@ def validate_strategy(strategy: object, available: tuple[str, ...]) -> str:
     """Check the strategy name against ``available`` (plus "auto")."""
     if not isinstance(strategy, str) or strategy not in (*available, "auto"):
         choices = ", ".join(repr(s) for s in ("auto", *available))
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {choices}.")
+        raise ArgumentError(f"unknown strategy {strategy!r}; choose one of {choices}.")
     return strategy
 
 
-def _is_int(x: object) -> TypeGuard[numbers.Integral]:
+def is_int(x: object) -> TypeGuard[numbers.Integral]:
     """An integer of any kind (Python, numpy, ...), but not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-_WINDOW_HINT = (
-    "Query i attends key j when i - left <= j <= i + right; e.g. window=(128, 0) "
-    "for the last 129 keys, or window=(128, None) for everything from i - 128 on."
-)
-
-
-def validate_window(window: object) -> tuple[int | None, int | None] | None:
-    """``window=(left, right)``: ints >= 0 or None (unbounded on that side)."""
-    if window is None:
-        return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window must be a pair (left, right), got {window!r}. {_WINDOW_HINT}")
-    bounds: list[int | None] = []
-    for side, w in zip(("left", "right"), window, strict=True):
-        if w is not None and not _is_int(w):
-            raise TypeError(
-                f"window's {side} side must be an int >= 0 or None, got {w!r} of type "
-                f"{type(w).__name__} in window={window!r}. {_WINDOW_HINT}"
-            )
-        if w is not None and w < 0:
-            raise ValueError(
-                f"window's {side} side must be >= 0 or None, got {w} in window={window!r}. "
-                + _WINDOW_HINT
-            )
-        bounds.append(None if w is None else int(w))
-    return bounds[0], bounds[1]
-
-
 def validate_blocks(
-    block_q: object, block_k: object, strategy: str
+    block_q: object, block_k: object, strategy: str, tiled: tuple[str, ...]
 ) -> tuple[int | None, int | None]:
-    """Tile sizes: positive ints, only for the tiled strategies; powers of two >= 16 for triton.
+    """Tile sizes: positive ints, and only for the tiled strategies ``tiled``.
 
-    Returns them as Python ints (or None).
+    ``strategy`` is the resolved one (not "auto"); ``tiled`` comes from the
+    registry (`attngrad.strategies.TILED`).  What sizes a strategy takes
+    beyond that is its own `tiles`' check.  Returns them as Python ints (or None).
     """
     sizes: list[int | None] = []
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is None:
             sizes.append(None)
             continue
-        if not _is_int(value):
-            raise TypeError(
+        if not is_int(value):
+            raise ArgumentTypeError(
                 f"{name} must be an int or None (chosen from the shape), got {value!r} of type "
                 f"{type(value).__name__}. Try {name}=int({value!r})."
             )
         size = int(value)
         if size < 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} must be a positive int or None (chosen from the shape), got {size}"
             )
-        if strategy not in ("flash", "triton", "auto"):
-            raise ValueError(
-                f"{name}={size} only applies to the tiled strategies 'flash' and 'triton', "
-                f"not {strategy!r}. Drop it or pass strategy='flash'."
-            )
-        if strategy == "triton" and (size < 16 or size > 256 or size & (size - 1)):
-            raise ValueError(
-                f"{name}={size}: Triton tiles must be a power of two from 16 to 256, e.g. 16, "
-                "32, 64 or 128 (or None to choose from the shape)."
+        if strategy not in tiled:
+            raise ArgumentError(
+                f"{name}={size} only applies to the tiled strategies "
+                f"{' and '.join(repr(s) for s in tiled)}, not {strategy!r}. "
+                f"Drop it or pass strategy={tiled[0]!r}."
             )
         sizes.append(size)
     return sizes[0], sizes[1]

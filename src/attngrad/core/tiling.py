@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from attngrad.core.contract import Shapes
-from attngrad.core.masks import Mask
+from attngrad.core.scores import ScoreMods
 
 __all__ = ["key_schedule", "schedule", "tile_sizes"]
 
@@ -34,7 +34,7 @@ def tile_sizes(
     return bq, bk
 
 
-def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[slice]]]:
+def schedule(mask: ScoreMods, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[slice]]]:
     """The tiles to visit: each block of query rows with the key tiles it needs.
 
     Key tiles outside ``mask.key_span(rows)`` (entirely masked by the causal or
@@ -48,7 +48,7 @@ def schedule(mask: Mask, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[
 
 
 def key_schedule(
-    mask: Mask, blocks: tuple[int, int]
+    mask: ScoreMods, blocks: tuple[int, int]
 ) -> Iterator[tuple[slice, list[tuple[slice, slice]]]]:
     """The tiles to visit key block by key block (backward's order).
 

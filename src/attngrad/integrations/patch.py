@@ -13,7 +13,7 @@ inside already holds attngrad's nodes.  The patch replaces the attribute of
 ``torch.nn.functional``, so it reaches calls that look SDPA up there when
 they run (``F.scaled_dot_product_attention(...)``), not a name bound earlier
 by ``from torch.nn.functional import scaled_dot_product_attention``.
-torch.compile inside the block traces attngrad's ops (`attngrad.integrations.torch_compile`).
+torch.compile inside the block traces attngrad's ops (`attngrad.call.compiled`).
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from attngrad.core.contract import Shapes
-from attngrad.core.masks import Mask
 from attngrad.core.ops import compute_dtype
-from attngrad.strategies import explicit
+from attngrad.core.scores import ScoreMods
+from attngrad.strategies import MODULES
 
 __all__ = ["CustomAttention"]
+
+_EXPLICIT = MODULES["explicit"]  # the strategy it runs, taken from the registry
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -60,10 +62,10 @@ class CustomAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         _check(q, k, v)
         scale = 1.0 / math.sqrt(q.size(-1))
-        mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
+        mask = ScoreMods.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, N, d)
-        rows = explicit.tiles(Shapes.of(q4, k4, v4), q.dtype, None, None)
-        o, saved = explicit.forward(q4, k4, v4, mask, scale, rows)
+        rows = _EXPLICIT.tiles(Shapes.of(q4, k4, v4), q.dtype, None, None)
+        o, saved = _EXPLICIT.forward(q4, k4, v4, mask, scale, rows)
         ctx.save_for_backward(q, k, v, saved["p"])
         ctx.scale, ctx.rows = scale, rows
         return o.squeeze(1)
@@ -75,14 +77,14 @@ class CustomAttention(torch.autograd.Function):
             raise ValueError(
                 f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
             )
-        mask = Mask.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
+        mask = ScoreMods.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
         dq, dk, dv = (
             torch.zeros_like(t, dtype=compute_dtype(t.dtype)) if need else None
             for t, need in zip((q, k, v), ctx.needs_input_grad, strict=True)
         )
         with torch.no_grad():  # the hand-written backward is not itself differentiated
-            explicit.backward_into(
+            _EXPLICIT.backward_into(
                 (dq, dk, dv, None), dout, None, q, k, v, {"p": p}, mask, ctx.scale, ctx.rows
             )
         return tuple(None if g is None else g.squeeze(1).to(q.dtype) for g in (dq, dk, dv))

@@ -17,7 +17,7 @@ then lists, per grad_fn node reachable from O, each saved tensor: shape, dtype, 
 forward (P, the row statistics m and log l, O, ...), cross-checked against the bytes
 `torch.autograd.graph.saved_tensors_hooks` packed.  Backward then runs once, numbering
 the nodes in the order the engine runs them (`backward_order`).  The text:
-`attngrad.cli.report.explain_text`.
+`attngrad.cli.explain.explain_text`.
 
 With ``order=2`` the graph shown is the double-backward one: the first-order
 gradients dq, dk, dv are built with ``create_graph=True`` (upstream gradient dO =
@@ -35,7 +35,6 @@ gradient ones: a Hessian-vector product).
 from __future__ import annotations
 
 import importlib
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,8 @@ from torch.autograd.graph import Node, saved_tensors_hooks
 
 from attngrad.core.contract import DTYPES
 from attngrad.strategies import STRATEGIES, available
-from attngrad.tools.ledger import path_fn
+from attngrad.tools.paths import BASELINES as PATH_BASELINES
+from attngrad.tools.paths import PYTORCH_MATH, SDPA_MATH, path_fn
 
 __all__ = [
     "BASELINES",
@@ -58,7 +58,7 @@ __all__ = [
     "explain",
 ]
 
-BASELINES: tuple[str, ...] = ("pytorch-math", "sdpa-math")
+BASELINES: tuple[str, ...] = (PYTORCH_MATH, SDPA_MATH)
 
 
 _INPUTS = ("q", "k", "v")
@@ -319,22 +319,9 @@ def _saved_of(node: Node) -> tuple[list[tuple[str, torch.Tensor]], int]:
 # --- the paths -------------------------------------------------------------------------
 
 
-def _pytorch_math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None
-) -> torch.Tensor:
-    """softmax(q @ k^T * scale) @ v in plain torch ops; ``blocked``: [Nq, Nk] bool, True = -inf."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = q @ k.transpose(-2, -1) * scale  # (B, H, Nq, Nk)
-    if blocked is not None:
-        s = s.masked_fill(blocked, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v  # (B, H, Nq, d)
-
-
 def _description(path: str) -> str:
-    if path == "pytorch-math":
-        return "softmax(q @ k^T * scale) @ v written with plain torch ops"
-    if path == "sdpa-math":
-        return "F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH)"
+    if path in PATH_BASELINES:
+        return PATH_BASELINES[path].about
     try:
         doc = importlib.import_module(f"attngrad.strategies.{path}").__doc__ or ""
     except ImportError:
@@ -355,8 +342,6 @@ def _run_path(
     q, k, v = (x.detach().clone().requires_grad_() for x in base)
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    # True above the diagonal: key j > query i is masked (top-left aligned, as in SDPA)
-    mask = torch.ones(nq, nk, dtype=torch.bool).triu(1) if is_causal else None
     packed: list[torch.Tensor] = []
     before: list[torch.Tensor] = []  # order 2: what forward packed
 
@@ -365,9 +350,7 @@ def _run_path(
         return t
 
     def forward() -> torch.Tensor:
-        if path == "pytorch-math":
-            return _pytorch_math(q, k, v, mask)
-        return path_fn(path, is_causal)(q, k, v)  # sdpa-math and the strategies, as in ledger
+        return path_fn(path, is_causal)(q, k, v)  # the baselines and strategies, as in ledger
 
     if order == 1:
         with saved_tensors_hooks(pack, lambda t: t):
@@ -387,8 +370,6 @@ def _run_path(
     named[_storage(o)] = "O"
     if order == 2:
         named[_storage(dout)] = "dO"
-    if mask is not None:
-        named[_storage(mask)] = "mask"
     leaves = {id(x): name for name, x in inputs.items()}
     # unpacking hands back a new Python tensor over the same memory: match by layout
     unmatched = Counter(_layout(t) for t in packed)

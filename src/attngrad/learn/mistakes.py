@@ -393,7 +393,10 @@ def _attention_ref(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 # [B, N, d]: batched, d != N, d = N, B = 1
 ATTENTION_PROBES = ((2, 5, 3), (3, 4, 4), (1, 3, 6), (2, 2, 5))
-# bad calls the chapter's contract refuses, with the exception each must raise
+# the chapter's input contract: one bad call for each check its CustomAttention.forward
+# makes (3-D inputs; batch and sequence lengths shared; head dims shared; one device; one
+# dtype), with the exception the chapter raises there.  Only those: a call outside them
+# (integer inputs, say, which torch itself refuses with a RuntimeError) is not graded.
 CONTRACT: tuple[tuple[str, Callable[[], tuple[Tensor, ...]], type[Exception]], ...] = (
     (
         "sequence lengths differ",
@@ -412,13 +415,19 @@ CONTRACT: tuple[tuple[str, Callable[[], tuple[Tensor, ...]], type[Exception]], .
         ValueError,
     ),
     (
-        "dtypes differ",
-        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4).double(), torch.randn(2, 3, 4)),
-        TypeError,
+        "value head dim differs",
+        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 5)),
+        ValueError,
     ),
     (
-        "integer inputs",
-        lambda: (torch.ones(2, 3, 4, dtype=torch.long),) * 3,
+        # the meta device stands for a second device on a machine with one
+        "devices differ",
+        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4, device="meta"), torch.randn(2, 3, 4)),
+        ValueError,
+    ),
+    (
+        "dtypes differ",
+        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4).double(), torch.randn(2, 3, 4)),
         TypeError,
     ),
 )

@@ -51,19 +51,18 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
-from attngrad.core.contract import Shapes, check_flag, validate_attention
+from attngrad.core.contract import ArgumentTypeError, Shapes, check_flag, validate_attention
 from attngrad.core.dropout import Dropout, draw_seed
 from attngrad.core.keywords import validate_generator, validate_sinks
-from attngrad.core.masks import Mask
 from attngrad.core.ops import compute_dtype, log_normalizer, lse
+from attngrad.core.scores import ScoreMods
 from attngrad.core.sinks import merge_sinks
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
-from attngrad.strategies import MODULES, unavailable_reason
-from attngrad.strategies.triton import strategy as triton_strategy
+from attngrad.strategies import MODULES, TILED, tiled_default, unavailable_reason
 
-__all__ = ["BLOCK_STRATEGIES", "block_strategy", "merge_partial_", "ring_attention"]
+__all__ = ["BLOCK_STRATEGIES", "merge_partial_", "ring_attention"]
 
 _NEG_INF = float("-inf")
 
@@ -73,19 +72,11 @@ _NEG_INF = float("-inf")
 # The strategies that compute one block (a rank's query rows against one k/v
 # block): the tiled ones, whose forward returns O and the row statistics and
 # whose backward takes the rows' final O and statistics over every key.
-BLOCK_STRATEGIES = ("flash", "triton")
+BLOCK_STRATEGIES = TILED
 
 
 def _tiles(impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
     return impl.tiles(Shapes.of(q, k, v), q.dtype, None, None)
-
-
-def block_strategy(device: torch.device, head_dim: int, value_dim: int) -> str:
-    """The default per-block kernel: triton on CUDA when Triton is installed and the
-    head dims fit its kernels, else flash."""
-    fits = max(head_dim, value_dim) <= triton_strategy.MAX_HEAD_DIM
-    usable = device.type == "cuda" and fits and unavailable_reason("triton", device) is None
-    return "triton" if usable else "flash"
 
 
 # -- forward: partial outputs merged through their stats --------------------------
@@ -139,9 +130,9 @@ class _Ring:
             for s in range(world)
         ]
 
-    def mask(self, blk: Block, heads_kv: int, device: torch.device) -> Mask:
-        """The block kernel's mask of ``blk``: its band, the dropout at its global origin."""
-        return blk.mask(heads_kv, device, self.dropout)
+    def score_mods(self, blk: Block, heads_kv: int, device: torch.device) -> ScoreMods:
+        """The block kernel's `ScoreMods` of ``blk``: its band, the dropout at its global origin."""
+        return blk.score_mods(heads_kv, device, self.dropout)
 
 
 def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
@@ -169,7 +160,12 @@ def ring_forward(
         for blk in blocks:
             qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
             o_b, saved = ring.impl.forward(
-                qb, kb, vb, ring.mask(blk, hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb)
+                qb,
+                kb,
+                vb,
+                ring.score_mods(blk, hkv, q.device),
+                scale,
+                _tiles(ring.impl, qb, kb, vb),
             )
             stats_b = saved["stats"]
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
@@ -265,7 +261,7 @@ def _ring_backward_group(
             dlse_b = None if dlse is None else _rows(dlse, blk.rows)
             ring.impl.backward_into(
                 grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final,
-                ring.mask(blk, hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb),
+                ring.score_mods(blk, hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb),
             )  # fmt: skip
 
     incoming: Exchange | None = ring.comm.send_recv((k, v))
@@ -418,12 +414,12 @@ def ring_attention(
     sink = validate_sinks(sinks, q, shapes)
     generator = validate_generator(generator, q.device)
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"group must be a torch.distributed.ProcessGroup or None (the default group), "
             f"got {type(group).__name__}; make one with dist.new_group(ranks)."
         )
     if strategy is None:
-        strategy = block_strategy(q.device, shapes.head_dim, shapes.value_dim)
+        strategy = tiled_default(q.device, shapes.head_dim, shapes.value_dim)
     validate_ring(shapes, layout, timeout, strategy, BLOCK_STRATEGIES)
     reason = unavailable_reason(strategy, q.device)
     if reason is not None:
@@ -451,4 +447,5 @@ def ring_attention(
     lse_ = lse_.reshape(*shapes.lead, hq, n)
     if sink is not None:  # once per row, after every key's partial has been merged
         out, lse_ = merge_sinks(out, lse_, sink)
+    out, lse_ = out.reshape(shapes.out_shape), lse_.reshape(shapes.lse_shape)  # headless: [n, ...]
     return (out, lse_) if return_lse else out

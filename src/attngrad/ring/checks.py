@@ -1,7 +1,7 @@
 """Input checks of `ring_attention`: on this rank's shard, then across the ring.
 
-Like `attngrad.core.contract`: ValueError/TypeError naming the argument, its value
-and a fix.  The cross-rank check is one small all_gather of what every rank
+Like `attngrad.core.contract`: `ArgumentError`/`ArgumentTypeError` (ValueError/
+TypeError, and RuntimeError as SDPA's) naming the argument, its value and a fix.  The cross-rank check is one small all_gather of what every rank
 must agree on; all ranks see the same table and raise the same error.
 """
 
@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from attngrad.core.contract import DTYPES, Shapes
+from attngrad.core.contract import DTYPES, ArgumentError, ArgumentTypeError, Shapes
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, validate_layout
 
@@ -41,26 +41,26 @@ def validate_ring(
     """This rank's own arguments: one sequence shard, a layout that can split it, a timeout."""
     validate_layout(layout)
     if shapes.seq_q != shapes.seq_k:
-        raise ValueError(
+        raise ArgumentError(
             f"query has {shapes.seq_q} positions but key and value have {shapes.seq_k}; "
             "ring_attention is self-attention over one sharded sequence, so q, k and v are "
             "this rank's shards of it and have one length."
         )
     if layout == "zigzag" and shapes.seq_q % 2:
-        raise ValueError(
+        raise ArgumentError(
             f"layout='zigzag' splits each rank's shard into two equal chunks, but the shard "
             f"has odd length {shapes.seq_q}. Use a sequence length N divisible by 2 * world "
             "size, or layout='contiguous'."
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r:.80}.")
+        raise ArgumentTypeError(f"timeout must be a number of seconds, got {timeout!r:.80}.")
     if not (math.isfinite(timeout) and timeout > 0):
-        raise ValueError(
+        raise ArgumentError(
             f"timeout must be a finite number of seconds > 0, got {timeout!r}; it bounds how "
             "long a rank waits on its ring neighbours (default 60)."
         )
     if strategy not in kernels:
-        raise ValueError(
+        raise ArgumentError(
             f"strategy must be one of {', '.join(map(repr, kernels))} for ring_attention's "
             f"per-block compute, got {strategy!r}."
         )
@@ -138,12 +138,12 @@ def check_same_shards(
         if f in differ
     )
     if differ == ["seq_len"]:
-        raise ValueError(
+        raise ArgumentError(
             f"ring_attention needs shards of equal length on every rank, got {per_rank}. "
             "Cut the sequence with attngrad.ring.shard(x, rank, world, layout), which needs "
             "N divisible by the world size (by twice it for 'zigzag')."
         )
-    raise ValueError(
+    raise ArgumentError(
         f"ring_attention got different shards or settings on different ranks: {per_rank}. "
         "Every rank passes its shard of the same q, k, v (same batch, heads, head dims and "
         "dtype) and the same is_causal, layout, scale and dropout_p."

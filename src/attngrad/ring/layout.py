@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from attngrad.core.band import Band
+from attngrad.core.band import BandSpec
+from attngrad.core.contract import ArgumentError
 from attngrad.core.dropout import Dropout
-from attngrad.core.masks import Mask
+from attngrad.core.scores import ScoreMods
 
 __all__ = ["LAYOUTS", "Block", "chunks_of", "shard", "step_blocks", "unshard", "validate_layout"]
 
@@ -43,7 +44,7 @@ LAYOUTS = ("contiguous", "zigzag")
 def validate_layout(layout: object) -> str:
     """The layout name, or ValueError naming the choices."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(
+        raise ArgumentError(
             f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}. "
             "'zigzag' balances the causal work across ranks; 'contiguous' is the plain split."
         )
@@ -57,7 +58,7 @@ def chunks_of(rank: int, world: int, layout: str) -> tuple[int, ...]:
 
 def _check_split(name: str, length: int, parts: int, layout: str, fix: str) -> int:
     if length % parts != 0:
-        raise ValueError(
+        raise ArgumentError(
             f"{name} has sequence length {length} (dim -2), which layout={layout!r} cannot cut "
             f"into {parts} equal chunks. {fix}"
         )
@@ -73,14 +74,14 @@ def shard(x: torch.Tensor, rank: int, world: int, layout: str = "contiguous") ->
     validate_layout(layout)
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(
+        raise ArgumentError(
             f"x must be a tensor [..., N, d] with the sequence at dim -2, got {got}; "
             "unsqueeze a 1-D sequence to [N, 1]."
         )
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int):
-        raise ValueError(f"world must be an int >= 1, got {world!r} (rank {rank!r}).")
+        raise ArgumentError(f"world must be an int >= 1, got {world!r} (rank {rank!r}).")
     if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}) for world={world}, got {rank!r}.")
+        raise ArgumentError(f"rank must be in [0, {world}) for world={world}, got {rank!r}.")
     chunks = chunks_of(rank, world, layout)
     m = _check_split(
         "x",
@@ -101,10 +102,10 @@ def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous") -> torch
     validate_layout(layout)
     world = len(shards)
     if world == 0:
-        raise ValueError("shards is empty; pass one shard per rank, in rank order.")
+        raise ArgumentError("shards is empty; pass one shard per rank, in rank order.")
     shapes = {tuple(s.shape) for s in shards}
     if len(shapes) != 1:
-        raise ValueError(
+        raise ArgumentError(
             f"shards must all have one shape, got {[tuple(s.shape) for s in shards]}; "
             "each rank holds N/P positions of the same tensor."
         )
@@ -137,17 +138,18 @@ class Block:
     causal: bool
     origin: tuple[int, int] | None = (0, 0)
 
-    def mask(
+    def score_mods(
         self, heads_kv: int, device: torch.device | None = None, dropout: Dropout | None = None
-    ) -> Mask:
-        """The block's band (causal, right = 0, or none) and ``dropout`` moved to its origin.
+    ) -> ScoreMods:
+        """The block's scores' modifiers: its band (causal, or none) and ``dropout`` moved to
+        its origin.
 
         ``dropout`` indexes its mask by global position: the block kernel then
         draws exactly the bits single-process attention draws for these
         (query, key) pairs.  It needs a block with an origin.
         """
         seq_q, seq_k = _extent(self.rows), _extent(self.cols)
-        band = Band.of(seq_q, seq_k, None, 0, device=device) if self.causal else None
+        band = BandSpec.of(None, self.causal).build(seq_q, seq_k, device)
         if dropout is not None:
             if self.origin is None:
                 raise ValueError(
@@ -156,7 +158,7 @@ class Block:
                     "positional=True)."
                 )
             dropout = dropout.shifted(*self.origin)
-        return Mask(None, None, band, heads_kv, seq_q, seq_k, dropout=dropout)
+        return ScoreMods(None, None, band, heads_kv, seq_q, seq_k, dropout=dropout)
 
 
 def _extent(s: slice) -> int:

@@ -1,12 +1,18 @@
-"""Execution strategies: the same formulas along different paths.
+"""Execution strategies: the same formulas along different paths; this is their registry.
 
 Each strategy module implements the interface of `attngrad.strategies.base`
 (tile choice, forward returning O and what it saves, a backward that adds
 into given accumulators, a declaration of what it saves, a reason when it
 cannot run here) over the canonical layout q: [B, Hq, Nq, d],
-k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv] and a `attngrad.core.masks.Mask`.
-`MODULES` maps each name to its module; only "triton" ever has a reason not
-to run.
+k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv] and a `attngrad.core.scores.ScoreMods`,
+and declares its traits (``TILED``: it takes block sizes).  No strategy
+imports another; what they share is `attngrad.strategies.common`.
+
+This module alone knows which strategies exist (`MODULES`, `STRATEGIES`),
+which are tiled (`TILED`, collected from the modules), which run here
+(`available`, `unavailable_reason`; only "triton" ever has a reason not to
+run) and what "auto" stands for (`resolve`, and `tiled_default` among the
+tiled ones).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ __all__ = [
     "TILED",
     "available",
     "resolve",
+    "tiled_default",
     "unavailable_reason",
 ]
 
@@ -37,7 +44,8 @@ MODULES: dict[str, ModuleType] = {
 
 STRATEGIES: tuple[str, ...] = tuple(MODULES)
 
-TILED = frozenset({"flash", "triton"})
+# The strategies that take block sizes (block_q, block_k), in `STRATEGIES` order.
+TILED: tuple[str, ...] = tuple(name for name, module in MODULES.items() if module.TILED)
 
 # "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32, N = 128
 # ... 4096): with is_causal, flash's forward+backward beats explicit's from
@@ -87,11 +95,26 @@ def resolve(
     """
     if strategy != "auto":
         return strategy
-    fits = max(shapes.head_dim, shapes.value_dim) <= triton.MAX_HEAD_DIM
-    gpu = device if device is not None and device.type == "cuda" else None
-    if gpu is not None and fits and unavailable_reason("triton", gpu) is None:
+    if _triton_runs(device, shapes.head_dim, shapes.value_dim):
         return "triton"
     threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
     if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
         return "flash"
     return "explicit"
+
+
+def tiled_default(device: torch.device, head_dim: int, value_dim: int) -> str:
+    """The tiled strategy for ``device`` tensors with head dims d, dv (ring attention's blocks).
+
+    triton on CUDA when Triton is installed and the head dims fit its kernels
+    (as "auto" picks), else flash.
+    """
+    return "triton" if _triton_runs(device, head_dim, value_dim) else "flash"
+
+
+def _triton_runs(device: torch.device | None, head_dim: int, value_dim: int) -> bool:
+    """Whether "auto" takes triton: CUDA tensors, Triton installed, head dims that fit."""
+    if device is None or device.type != "cuda":
+        return False
+    fits = max(head_dim, value_dim) <= triton.MAX_HEAD_DIM
+    return fits and unavailable_reason("triton", device) is None

@@ -1,7 +1,7 @@
 """The interface every strategy module implements, and the one autograd.Function over it.
 
 Over the canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d],
-v: [B, Hkv, Nk, dv] and a `attngrad.core.masks.Mask`, a strategy module ``m`` has:
+v: [B, Hkv, Nk, dv] and a `attngrad.core.scores.ScoreMods`, a strategy module ``m`` has:
 
     m.unavailable_reason(device) -> str | None        why it cannot run here, or None
     m.tiles(shapes, dtype, block_q, block_k) -> tiles  its tile choice (raises on bad sizes)
@@ -22,6 +22,7 @@ v: [B, Hkv, Nk, dv] and a `attngrad.core.masks.Mask`, a strategy module ``m`` ha
     m.saves(shapes) -> {name: (shape, kind)}           the declaration of ``saved``:
         kind "input" is stored in the input dtype, "stats" in the compute dtype
     m.KEEPS_MASK                                       whether backward reads the mask again
+    m.TILED                                            whether it takes block_q, block_k
     m.Function                                         its named `AttentionFunction`
 
 `AttentionFunction` saves q, k, v, the strategy's ``saved`` and (when
@@ -29,7 +30,8 @@ v: [B, Hkv, Nk, dv] and a `attngrad.core.masks.Mask`, a strategy module ``m`` ha
 `attngrad.autograd.gradients.AttentionGradients`, itself differentiable,
 so every strategy has double backward, forward mode and vmap.  Each strategy
 names a subclass of its own so the autograd graph says which path ran
-(``FlashAttentionBackward``).  `saved_bytes` turns a declaration into bytes:
+(``FlashAttentionBackward``); a call's eager route applies it
+(`attngrad.call.eager.run`).  `saved_bytes` turns a declaration into bytes:
 the one place the saved-memory formula lives.
 """
 
@@ -46,10 +48,10 @@ from attngrad.autograd import batching, tangent
 from attngrad.autograd.gradients import AttentionGradients
 from attngrad.core.amp import no_autocast
 from attngrad.core.contract import Shapes
-from attngrad.core.masks import Mask
 from attngrad.core.ops import compute_dtype, lse
+from attngrad.core.scores import ScoreMods
 
-__all__ = ["AttentionFunction", "Grads", "attention", "saved_bytes"]
+__all__ = ["AttentionFunction", "Grads", "saved_bytes"]
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -97,7 +99,7 @@ class AttentionFunction(torch.autograd.Function):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         keep: torch.Tensor | None,
-        mask: Mask,
+        mask: ScoreMods,
         scale: float,
         tiles: object,
         impl: ModuleType,
@@ -155,27 +157,3 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
         return batching.vmap_rule(args[-1].Function, info, in_dims, args)
-
-
-def attention(
-    impl: ModuleType,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    scale: float,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O: [B, Hq, Nq, dv], lse: [B, Hq, Nq]) of strategy ``impl`` for q: [B, Hq, Nq, d], k, v.
-
-    lse is in the compute dtype, -inf on rows that attend nothing.
-
-    RuntimeError when the strategy cannot run on these tensors here.
-    """
-    reason = impl.unavailable_reason(q.device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    tiles = impl.tiles(Shapes.of(q, k, v), q.dtype, block_q, block_k)
-    o, lse_, *_ = impl.Function.apply(q, k, v, *mask.tensors, mask, scale, tiles, impl)
-    return o, lse_

@@ -35,14 +35,15 @@ import torch
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.masks import Mask, add_bias_gradient_
 from attngrad.core.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
+from attngrad.core.scores import ScoreMods, add_bias_gradient_
 from attngrad.core.tiling import key_schedule, schedule, tile_sizes
 from attngrad.strategies.base import AttentionFunction, Grads
-from attngrad.strategies.recompute import probabilities
+from attngrad.strategies.common import declare, rebuilt_probabilities, runs_anywhere
 
 __all__ = [
     "KEEPS_MASK",
+    "TILED",
     "FlashAttention",
     "Function",
     "backward_into",
@@ -56,11 +57,10 @@ __all__ = [
 _NEG_INF = float("-inf")
 
 KEEPS_MASK = True  # backward masks each rebuilt tile again
+TILED = True  # takes block sizes (block_q, block_k)
 
-
-def unavailable_reason(device: torch.device) -> str | None:
-    """Plain tensor ops: runs on every device."""
-    return None
+unavailable_reason = runs_anywhere
+probabilities = rebuilt_probabilities  # P from the saved stats: forward mode, second order
 
 
 def tiles(
@@ -72,8 +72,7 @@ def tiles(
 
 def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
     """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
-    rows = (shapes.batch, shapes.heads_q, shapes.seq_q)
-    return {"o": ((*rows, shapes.value_dim), "input"), "stats": ((*rows, 2), "stats")}
+    return declare(shapes, "o", "stats")
 
 
 def _scratch(buf: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -90,7 +89,7 @@ def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     blocks: tuple[int, int],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -147,7 +146,7 @@ def backward_into(
     k: torch.Tensor,
     v: torch.Tensor,
     saved: dict[str, torch.Tensor],
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     blocks: tuple[int, int],
 ) -> None:

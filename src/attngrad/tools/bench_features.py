@@ -1,7 +1,7 @@
 """``attngrad bench --features``: what each of attention's features costs, as a ratio.
 
 For q, k, v: [B, H, N, d] (requires_grad), each strategy times forward+backward (O,
-then dq, dk, dv in one call, `attngrad.tools.bench_step`'s ``forward+backward`` pass; the sinks'
+then dq, dk, dv in one call, `attngrad.tools.timing.timed_pass`'s ``forward+backward``; the sinks'
 own gradient is not asked for) of six variants of the same call::
 
     none     attention(q, k, v)
@@ -19,7 +19,7 @@ baseline's fastest round (`FEATURES`: dropout, softcap and sinks against ``none`
 packed against ``causal``); the ratio of the medians is kept beside it.  Two ratios
 have targets, for flash at N = 4096 (`TARGET_SEQ`): dropout <= 1.15 and packed <= 0.25
 (8 segments of N/8 hold 1/8 of the causal scores).  Tables, CSV and plot:
-`attngrad.cli.report` (``features_*``).
+`attngrad.cli.bench_features`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from functools import partial
 import torch
 
 from attngrad.api import attention
-from attngrad.tools.bench_step import _timed_call
-from attngrad.tools.timing import Spread, interleaved, spreads
+from attngrad.core.contract import dtype_name
+from attngrad.tools.timing import Spread, interleaved, spreads, timed_pass
 
 __all__ = [
     "DROPOUT_P",
@@ -181,9 +181,9 @@ def feature_calls(
 def _forward_backward(
     fn: Attention, inputs: Inputs, do: torch.Tensor, device: torch.device
 ) -> Callable[[], object]:
-    """One call of `attngrad.tools.bench_step`'s forward+backward pass (O, then dq, dk, dv), on
+    """One call of the forward+backward pass (`attngrad.tools.timing.timed_pass`), on
     CUDA waiting for the device at its end so a timer around it sees the work."""
-    call = _timed_call("forward+backward", fn, inputs, do, [])
+    call = timed_pass("forward+backward", fn, inputs, do, [])
     if device.type != "cuda":
         return call
 
@@ -252,8 +252,8 @@ def run_features(
                 step(f"N={n} round {r + 1}/{repeats}")
 
         times = spreads(interleaved(calls, repeats=repeats, warmup=1, on_round=end_round))
-        dtype_name = str(dtype).removeprefix("torch.")
-        where = (batch, heads, n, head_dim, dtype_name, str(device), repeats)
+        dtype_label = dtype_name(dtype)
+        where = (batch, heads, n, head_dim, dtype_label, str(device), repeats)
         rows += _rows(times, strategies, where)
     return rows
 

@@ -14,7 +14,7 @@ Two measurements per (N, causal), on q, k, v: [B, H, N, d]:
   differentiates the first backward with respect to its dO (and runs a first-order
   backward through O for it): the whole of a real loss's Hessian.  "dot" holds dO
   fixed, random: only attention's own second derivative, contracted with dO.
-  Beside its time, the call's ``peak`` memory (`attngrad.tools.ledger.measure_peak_bytes`)
+  Beside its time, the call's ``peak`` memory (`attngrad.tools.memory.measure_peak_bytes`)
   and ``beyond I/O``: the peak less the bytes of O and the three HVP results, which
   the call hands back (as the ledger counts O and the three gradients).
 
@@ -31,12 +31,12 @@ sdpa-math`` = median / sdpa-math's median (below 1: faster).
 
 A contender whose peak memory (from its peak at the previous N, scaled by N², so at
 least 2x too high for the O(N) strategies) would not fit in the memory available is
-skipped at that N with a note rather than run out of memory.
+skipped at that N with a note rather than run out of memory.  Tables, CSV and
+plot: `attngrad.cli.bench_hvp`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -44,21 +44,19 @@ from typing import Literal
 
 import torch
 
-from attngrad.cli.report import _columns, _figure, format_bytes
-from attngrad.tools.ledger import hessian_vector_product, measure_peak_bytes, path_fn
-from attngrad.tools.machine import Machine
+from attngrad.core.contract import dtype_name
+from attngrad.tools.memory import format_bytes, measure_peak_bytes
+from attngrad.tools.paths import SDPA_MATH, hessian_vector_product, path_fn
 from attngrad.tools.timing import Spread, interleaved, spreads
 
 __all__ = [
     "BASELINE",
     "LOSSES",
+    "LOSS_TEXT",
     "MEASURES",
     "Order2Row",
     "available_bytes",
     "hvp",
-    "order2_plot",
-    "order2_records",
-    "order2_table",
     "peak_only",
     "run_order2",
     "steps",
@@ -67,7 +65,7 @@ __all__ = [
 Loss = Literal["square", "dot"]
 LOSSES: tuple[Loss, ...] = ("square", "dot")
 MEASURES = ("hvp", "forward", "jvp")
-BASELINE = "sdpa-math"
+BASELINE = SDPA_MATH  # the one SDPA backend with a double backward on CPU
 LOSS_TEXT = {"square": "L = sum(O**2)/2", "dot": "L = <O, dO>, dO fixed"}
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -216,7 +214,7 @@ def run_order2(
     """
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_label = dtype_name(dtype)
     generator = torch.Generator().manual_seed(seed)
     rows: list[Order2Row] = []
     previous: dict[tuple[str, bool], tuple[int, int]] = {}  # (name, causal) -> (N, peak)
@@ -260,7 +258,7 @@ def run_order2(
             hvp_times, fj = _time(fns, inputs, w, dout, plain, tangents, loss, repeats, tell)
             base = hvp_times.get(BASELINE)
             io = _io_bytes(inputs)
-            where = (batch, heads, n, head_dim, dtype_name, causal, loss, repeats)
+            where = (batch, heads, n, head_dim, dtype_label, causal, loss, repeats)
             for name, t in hvp_times.items():
                 p = peaks.get(name)
                 ratio = None if base is None else t.median / base.median
@@ -321,126 +319,3 @@ def peak_only(
         p = _hvp_peak(path_fn(name, causal), inputs, (w[0], w[1], w[2]), loss, dout)
         out[name] = (p, max(0, p - _io_bytes(inputs)))
     return out
-
-
-# ------------------------------------------------------------ tables, CSV and plot
-
-
-def _ms(t: float) -> str:
-    return f"{t * 1e3:.1f}"
-
-
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def order2_table(rows: Sequence[Order2Row], machine: Machine) -> str:
-    """The machine, then per (N, causal) the hvp rows (time, ratio, peaks) and the
-    forward/jvp rows (both times, jvp/forward, jvp vs sdpa-math's jvp)."""
-    if not rows:
-        return machine.line() + "\n(no measurements)"
-    first = rows[0]
-    out = [
-        machine.line(),
-        f"B={first.batch} H={first.heads} d={first.head_dim} {first.dtype}, median and "
-        f"min–max of {first.repeats} rounds (after 1 warm-up), contenders interleaved",
-        f"hvp: {LOSS_TEXT[first.loss]}; g = grad(L, (q,k,v), create_graph=True); "
-        "hvp = grad(<g, w>, (q,k,v)), one call",
-        "jvp: torch.func.jvp(attention, (q,k,v), tangents) vs attention(q,k,v) alone, "
-        "no autograd graph",
-        f"vs {BASELINE} = median / {BASELINE}'s median (below 1: faster), (min) = the same "
-        "of the fastest rounds; beyond I/O = peak - (O + the 3 HVP results)",
-    ]
-    blocks = list(dict.fromkeys((r.seq, r.causal) for r in rows))
-    for n, causal in blocks:
-        mine = [r for r in rows if (r.seq, r.causal) == (n, causal)]
-        hv = [r for r in mine if r.measure == "hvp"]
-        cells = [
-            [r.contender, _ms(r.time_s), f"{_ms(r.low_s)}–{_ms(r.high_s)}", _ratio(r.ratio),
-             _ratio(r.ratio_of_min), format_bytes(r.peak), format_bytes(r.peak_beyond_io)]
-            for r in hv
-        ]  # fmt: skip
-        header = ["hvp", "median ms", "min–max ms", f"vs {BASELINE}", "(min)", "peak"]
-        header.append("beyond I/O")
-        head, lines = _columns(header, cells, left=1)
-        out += ["", f"N={n} causal={'yes' if causal else 'no'}", head, *lines]
-        fwd = {r.contender: r for r in mine if r.measure == "forward"}
-        jv = [r for r in mine if r.measure == "jvp"]
-        if jv:
-            cells = [
-                [r.contender, _ms(fwd[r.contender].time_s), _ms(r.time_s),
-                 _ratio(r.jvp_over_forward), _ratio(fwd[r.contender].ratio), _ratio(r.ratio)]
-                for r in jv
-            ]  # fmt: skip
-            header = ["jvp", "forward ms", "jvp ms", "jvp/forward"]
-            header += [f"fwd vs {BASELINE}", f"jvp vs {BASELINE}"]
-            head, lines = _columns(header, cells, left=1)
-            out += ["", head, *lines]
-    return "\n".join(out)
-
-
-def order2_records(rows: Sequence[Order2Row]) -> list[dict[str, object]]:
-    """CSV records: one per row, times in ms, bytes as integers ('' when absent)."""
-
-    def opt(x: float | int | None, fmt: str = ".6g") -> str:
-        return "" if x is None else format(x, fmt)
-
-    return [
-        {
-            "batch": r.batch, "heads": r.heads, "seq": r.seq, "head_dim": r.head_dim,
-            "dtype": r.dtype, "causal": r.causal, "loss": r.loss, "measure": r.measure,
-            "contender": r.contender, "repeats": r.repeats,
-            "median_ms": f"{r.time_s * 1e3:.6g}", "min_ms": f"{r.low_s * 1e3:.6g}",
-            "max_ms": f"{r.high_s * 1e3:.6g}", "ratio_vs_sdpa_math": opt(r.ratio),
-            "ratio_of_min_vs_sdpa_math": opt(r.ratio_of_min),
-            "jvp_over_forward": opt(r.jvp_over_forward), "peak_bytes": opt(r.peak, "d"),
-            "peak_beyond_io_bytes": opt(r.peak_beyond_io, "d"),
-        }
-        for r in rows
-    ]  # fmt: skip
-
-
-def order2_plot(rows: Sequence[Order2Row], path: str | os.PathLike[str], machine: Machine) -> None:
-    """A PNG, one column per causal mode: HVP time, HVP peak (when measured) and
-    jvp/forward against N, one line per contender."""
-    if not rows:
-        raise ValueError("order2_plot needs at least one Order2Row, got none")
-    causal_modes = sorted({r.causal for r in rows})
-    contenders = list(dict.fromkeys(r.contender for r in rows))
-    seqs = sorted({r.seq for r in rows})
-    panels: list[tuple[str, str, Callable[[Order2Row], float | None]]] = [
-        ("hvp", "HVP median time (s)", lambda r: r.time_s),
-    ]
-    if any(r.peak is not None for r in rows):
-        panels.append(("hvp", "HVP peak memory (MiB)", lambda r: (r.peak or 0) / 2**20 or None))
-    panels.append(("jvp", "jvp time / forward time", lambda r: r.jvp_over_forward))
-    with _figure(path, 4.5 * len(causal_modes) + 0.5, 3.3 * len(panels) + 0.6) as fig:
-        axes = fig.subplots(len(panels), len(causal_modes), squeeze=False)
-        for j, causal in enumerate(causal_modes):
-            for i, (measure, label, value) in enumerate(panels):
-                ax = axes[i][j]
-                for name in contenders:
-                    pts = [
-                        (r.seq, y)
-                        for r in rows
-                        if r.causal == causal and r.measure == measure and r.contender == name
-                        and (y := value(r)) is not None
-                    ]  # fmt: skip
-                    if pts:
-                        style = "--" if name.startswith("sdpa-") else "-"
-                        ax.plot(*zip(*sorted(pts), strict=True), style, marker="o", label=name)
-                ax.set_xscale("log", base=2)
-                if measure == "hvp":
-                    ax.set_yscale("log")
-                ax.set_xticks(seqs, labels=[str(n) for n in seqs])
-                ax.minorticks_off()
-                ax.set_title(f"causal={'yes' if causal else 'no'}")
-                ax.set_xlabel("N")
-                ax.set_ylabel(label)
-                ax.grid(True, alpha=0.3)
-        axes[0][0].legend(fontsize="small")
-        r = rows[0]
-        fig.suptitle(
-            f"attngrad bench --order 2 ({LOSS_TEXT[r.loss]}): B={r.batch} H={r.heads} "
-            f"d={r.head_dim} {r.dtype}\n{machine.line()}"
-        )

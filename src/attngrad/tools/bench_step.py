@@ -21,47 +21,33 @@ is contender time / baseline time (below 1: faster).
 
 The CPU rule of ``strategy="auto"`` (explicit for short sequences, flash from a number
 of scores Nq·Nk on) is read off the ``forward+backward`` rows: `crossover` finds the N
-from which flash beats explicit.  Tables, CSV and plots: `attngrad.cli.report`.
+from which flash beats explicit.  Tables, CSV and plots: `attngrad.cli.bench`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from torch.nn.attention import SDPBackend
 
-from attngrad.core.contract import Shapes
+from attngrad.core.contract import Shapes, dtype_name
 from attngrad.strategies import resolve
-from attngrad.tools.ledger import path_fn
-from attngrad.tools.timing import Spread, interleaved, spreads
+from attngrad.tools.paths import SDPA_BASELINES, path_fn
+from attngrad.tools.timing import PASSES, Spread, interleaved, spreads, timed_pass
 
 __all__ = [
-    "BASELINES",
     "PASSES",
     "BenchRow",
     "auto_choice",
-    "baseline_label",
     "crossover",
     "flops",
     "run_bench",
     "steps",
 ]
 
-Pass = Literal["forward", "backward", "forward+backward"]
-PASSES: tuple[Pass, ...] = ("forward", "backward", "forward+backward")
-
 # FLOPs of each pass in units of the forward's 4·B·H·Nq·Nk·d.
 _PASS_FACTOR: dict[str, float] = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
-
-BASELINES: dict[str, SDPBackend] = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
-
-
-def baseline_label(name: str) -> str:
-    """``"math"`` -> ``"sdpa-math"``: the contender name of an SDPA backend."""
-    return f"sdpa-{name}"
 
 
 def flops(
@@ -134,26 +120,6 @@ def auto_choice(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _timed_call(
-    pass_: str,
-    fn: Attention,
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    do: torch.Tensor,
-    kept: list[object],
-) -> Callable[[], object]:
-    """A no-argument call that runs ``pass_`` of ``fn`` once.
-
-    inputs q, k, v: [B, H, N, d] (requires_grad), do: [B, H, N, d].  Forward outputs
-    go to ``kept``, for the caller to free outside the timed region.
-    """
-    if pass_ == "forward":
-        return lambda: kept.append(fn(*inputs))
-    if pass_ == "backward":
-        o = fn(*inputs)  # the graph of o is built here, untimed, and reused by every call
-        return lambda: torch.autograd.grad(o, inputs, do, retain_graph=True)
-    return lambda: torch.autograd.grad(fn(*inputs), inputs, do)
-
-
 def _time_passes(
     contenders: dict[str, Attention],
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -165,7 +131,7 @@ def _time_passes(
     result: dict[str, dict[str, Spread]] = {}
     for pass_ in PASSES:
         kept: list[object] = []
-        fns = {name: _timed_call(pass_, fn, inputs, do, kept) for name, fn in contenders.items()}
+        fns = {name: timed_pass(pass_, fn, inputs, do, kept) for name, fn in contenders.items()}
         for fn in fns.values():  # the warm-up round, by hand so its outputs are freed untimed
             fn()
         kept.clear()
@@ -203,17 +169,18 @@ def run_bench(
 
     q, k, v: [batch, heads, N, head_dim] in ``dtype``, the same for every
     contender.  ``strategies`` are names for ``attention(strategy=...)``
-    (``"auto"`` included); ``baselines`` are keys of `BASELINES`;
+    (``"auto"`` included); ``baselines`` are names of
+    `attngrad.tools.paths.SDPA_BASELINES` (``"sdpa-math"``);
     ``gemm_gflops`` is the machine's matmul rate in ``dtype``
     (`attngrad.tools.machine.probe`).  Returns one `BenchRow` per (N, causal, pass,
     contender), in that order, each with its ratio against each baseline.
     ``step`` hears a note after each timed round (`steps` of them).
     """
     for name in baselines:
-        if name not in BASELINES:
-            raise ValueError(f"baseline must be one of {tuple(BASELINES)}, got {name!r}")
-    names = [*strategies, *(baseline_label(b) for b in baselines)]
-    dtype_name = str(dtype).removeprefix("torch.")
+        if name not in SDPA_BASELINES:
+            raise ValueError(f"baseline must be one of {SDPA_BASELINES}, got {name!r}")
+    names = [*strategies, *baselines]
+    dtype_label = dtype_name(dtype)
     rows: list[BenchRow] = []
     generator = torch.Generator().manual_seed(seed)
     for n in seqs:
@@ -231,13 +198,10 @@ def run_bench(
             auto = auto_choice(batch, heads, n, head_dim, causal)
             for pass_, by_name in times.items():
                 for name, t in by_name.items():
-                    ratios = {
-                        baseline_label(b): t.median / by_name[baseline_label(b)].median
-                        for b in baselines
-                    }
+                    ratios = {b: t.median / by_name[b].median for b in baselines}
                     row = BenchRow(
                         batch=batch, heads=heads, seq_q=n, seq_k=n, head_dim=head_dim,
-                        dtype=dtype_name, causal=causal, pass_=pass_, contender=name,
+                        dtype=dtype_label, causal=causal, pass_=pass_, contender=name,
                         repeats=repeats, time_s=t.median, low_s=t.low, high_s=t.high,
                         gemm_gflops=gemm_gflops, auto=auto, ratios=ratios,
                     )  # fmt: skip

@@ -26,7 +26,8 @@ light tier of the table: float16 and float32 (both precisions) at head dims
 
 Verdict per configuration: ok when nothing spills (float64: at most
 `FLOAT64_SPILL_BYTES` of spill stores, reported) and shared memory stays at
-most 90% of the target's per-block limit (`TARGETS`).
+most 90% of the target's per-block limit (`TARGETS`).  The table of the
+rows: `attngrad.cli.kernels`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
-from attngrad.core.masks import Mask
+from attngrad.core.scores import ScoreMods
 from attngrad.strategies.triton import ptxas as cross_compile
 from attngrad.strategies.triton.ptxas import Bound, Resources
 
@@ -62,7 +63,6 @@ __all__ = [
     "plan",
     "report",
     "summary",
-    "table",
 ]
 
 
@@ -126,14 +126,14 @@ def grid(quick: bool = False) -> list[Variant]:
     return out
 
 
-def _mask(variant: Variant, hq: int, hkv: int) -> tuple[Mask, bool]:
-    """The call's Mask, and whether the bias needs its gradient."""
+def _mask(variant: Variant, hq: int, hkv: int) -> tuple[ScoreMods, bool]:
+    """The call's ScoreMods, and whether the bias needs its gradient."""
     mode, n = variant.mask, variant.seq
     dtype = getattr(torch, variant.dtype)
     shapes = Shapes((1,), hq, hkv, n, n, variant.head_dim, variant.head_dim)
     bias = torch.zeros(hq, n, n, dtype=dtype) if mode in ("bias", "masks", "all") else None
     keep = torch.ones(n, n, dtype=torch.bool) if mode in ("bool", "masks", "all") else None
-    mask = Mask.build(
+    mask = ScoreMods.build(
         bias if bias is not None else keep,
         is_causal=mode in ("causal", "masks", "all"),
         window=(128, 0) if mode == "window" else None,
@@ -305,33 +305,6 @@ def _compile_all(
     return results
 
 
-_COLUMNS = (
-    "kernel", "dtype", "d", "mask", "tiles", "warps", "stages", "shared B", "regs", "spill B", "verdict",
-)  # fmt: skip
-
-
-def _cells(row: Row) -> tuple[str, ...]:
-    v, r = row.variant, row.resources
-    tiles = f"{row.block_m}" if row.kernel == "delta" else f"{row.block_m}x{row.block_n}"
-    if 0 < row.chunk < v.head_dim:
-        tiles += f"/{row.chunk}"  # the dots over d in slices of this many columns
-    return (
-        row.kernel,
-        "float32+tf32" if v.precision == "tf32" else v.dtype,
-        str(v.head_dim),
-        v.mask
-        + (f" gqa{v.groups}" if v.groups > 1 else "")
-        + (f" N={v.seq}" if v.seq != 1024 else ""),
-        tiles,
-        str(row.num_warps),
-        str(row.num_stages),
-        str(r.shared_bytes),
-        str(r.registers),
-        str(r.spill_stores),
-        row.verdict,
-    )
-
-
 _HEAVY_MODES = ("softcap", "dropout", "all")
 
 
@@ -355,23 +328,6 @@ def summary(rows: list[Row]) -> list[Row]:
 def _rank(row: Row) -> tuple[int, int, int]:
     r = row.resources
     return r.spill_stores, r.registers, r.shared_bytes
-
-
-def table(rows: list[Row], markdown: bool = False) -> str:
-    """The rows as an aligned text table (or a Markdown one), then a summary line."""
-    cells = [_COLUMNS, *(_cells(row) for row in rows)]
-    if markdown:
-        lines = ["| " + " | ".join(c) + " |" for c in cells]
-        lines.insert(1, "|" + "|".join("---" for _ in _COLUMNS) + "|")
-    else:
-        widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
-        lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(c))).rstrip() for c in cells]
-    failed = sum(not row.ok for row in rows)
-    target = rows[0].target if rows else None
-    name = target.name if target else "?"
-    limit = f", shared limit {target.shared_limit} B per block" if target else ""
-    lines.append(f"\n{name}: {len(rows)} rows, {failed} not ok{limit}")
-    return "\n".join(lines)
 
 
 def as_json(target: Target, rows: list[Row]) -> dict[str, object]:

@@ -11,11 +11,10 @@ its max m and log l, its log normalizer)::
     triton     as flash
 
 (recompute and flash also keep the caller's mask, when given, to re-apply it).
-Measured saved bytes add up every tensor autograd packs during forward, seen
-through `torch.autograd.graph.saved_tensors_hooks`.  Peak memory of
-forward+backward is measured on CPU by replaying the allocator's events that
-the profiler records (every allocation and free, in order), and on CUDA by the
-allocator's own peak counter.  Tables, CSV and plots: `attngrad.cli.report`.
+Measured saved bytes add up every tensor autograd packs during forward, and the
+peak memory of forward+backward is the allocator's (`attngrad.tools.memory`).
+Beside the strategies run SDPA's own backends (`attngrad.tools.paths.SDPA_BASELINES`).
+Tables, CSV and plots: `attngrad.cli.ledger`.
 
 Second order (`second_order_row`, ``attngrad ledger --order 2``): what a
 gradient penalty keeps.  g = grad(O, (q, k, v), dO, create_graph=True) saves
@@ -31,37 +30,27 @@ kernel has no derivative of its backward: its row says so.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attngrad.api import attention
-from attngrad.conformance.check import Case
+from attngrad.conformance.cases import Case
+from attngrad.core.contract import dtype_name
 from attngrad.strategies import MODULES, base
+from attngrad.tools.memory import measure_peak_bytes, measure_saved_bytes, measure_saved_storages
+from attngrad.tools.paths import SDPA_BASELINES, hessian_vector_product, path_fn
 
 __all__ = [
-    "BASELINES",
     "LedgerRow",
     "SecondOrderRow",
-    "hessian_vector_product",
     "ledger_row",
-    "measure_peak_bytes",
-    "measure_saved_bytes",
-    "measure_saved_storages",
     "predicted_saved_bytes",
     "run_ledger",
     "run_second_order_ledger",
     "second_order_row",
 ]
-
-BASELINES = {"sdpa-math": SDPBackend.MATH, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
 T = TypeVar("T")
 
@@ -85,83 +74,6 @@ def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
     v = randn(sh.batch, sh.heads_kv, sh.seq_k, sh.value_dim).requires_grad_()
     dout = randn(sh.batch, sh.heads_q, sh.seq_q, sh.value_dim)
     return q, k, v, dout
-
-
-def path_fn(path: str, causal: bool, gqa: bool = False) -> Callable[..., torch.Tensor]:
-    """q, k, v -> O along one path: a strategy or an SDPA backend (a key of `BASELINES`)."""
-    if path not in BASELINES:
-        return lambda q, k, v: attention(q, k, v, is_causal=causal, enable_gqa=gqa, strategy=path)
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        with sdpa_kernel(BASELINES[path]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-
-    return sdpa
-
-
-def measure_saved_bytes(fn: Callable[[], T]) -> tuple[int, T]:
-    """Bytes of every tensor autograd saves while ``fn`` runs forward, and its output."""
-    total, _, out = measure_saved_storages(fn)
-    return total, out
-
-
-def measure_saved_storages(fn: Callable[[], T]) -> tuple[int, dict[int, int], T]:
-    """What autograd saves while ``fn`` runs: the bytes of every pack (as
-    `measure_saved_bytes`), {storage address: its bytes} with each storage once however
-    many views of it are saved (the memory the graph holds), and ``fn``'s output."""
-    total = 0
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return total, storages, out
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2: the profiler's C++ side logs a start and a stop line."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _cpu_peak(run: Callable[[], object]) -> int:
-    """Peak of live bytes allocated on CPU while ``run`` runs, above the start."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-def measure_peak_bytes(run: Callable[[], object], device: str = "cpu") -> int:
-    """Peak bytes allocated by ``run`` beyond what was live before it."""
-    if device == "cpu":
-        return _cpu_peak(run)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 @dataclass(frozen=True)
@@ -215,7 +127,7 @@ def ledger_row(path: str, case: Case, device: str = "cpu", peak: bool = True) ->
     return LedgerRow(
         path=path,
         **{name: getattr(case.shapes, name) for name in sizes},
-        dtype=str(case.dtype).removeprefix("torch."),
+        dtype=dtype_name(case.dtype),
         causal=case.mask == "causal",
         predicted_saved=predicted_saved_bytes(path, case),
         measured_saved=saved,
@@ -255,7 +167,7 @@ def _rows(
             try:
                 rows.append(row(path, case, device, peak))
             except RuntimeError as e:
-                if path not in BASELINES:
+                if path not in SDPA_BASELINES:
                     raise
                 notes.append(f"{path}: not available for this case ({str(e).splitlines()[0]})")
             if step is not None:
@@ -297,14 +209,6 @@ class SecondOrderRow:
     note: str = ""
 
 
-def hessian_vector_product(
-    grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], w: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, ...]:
-    """grad(sum_i <g_i, w_i>, inputs) for g built with create_graph=True: H w, one per input."""
-    inner = sum((g * wi).sum() for g, wi in zip(grads, w, strict=True))
-    return torch.autograd.grad(inner, list(inputs))  # type: ignore[arg-type]
-
-
 def second_order_row(
     path: str, case: Case, device: str = "cpu", peak: bool = True
 ) -> SecondOrderRow:
@@ -329,7 +233,7 @@ def second_order_row(
     common = dict(
         path=path,
         **{name: getattr(case.shapes, name) for name in sizes},
-        dtype=str(case.dtype).removeprefix("torch."),
+        dtype=dtype_name(case.dtype),
         causal=case.mask == "causal",
         forward_saved=forward_saved,
     )

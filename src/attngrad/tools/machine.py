@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attngrad.core.contract import dtype_name
+
 __all__ = ["MAX_GEMM_SIZE", "Machine", "gemm_rate", "probe", "processor_name"]
 
 # Growth stops here: on a GPU even 8192³ takes milliseconds, and the rate has long
@@ -133,7 +135,7 @@ def probe(
     return Machine(
         processor=processor_name(device),
         threads=torch.get_num_threads(),
-        gemm_dtype=str(dtype).removeprefix("torch."),
+        gemm_dtype=dtype_name(dtype),
         gemm_size=size,
         gemm_gflops=gflops,
     )

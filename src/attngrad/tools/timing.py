@@ -3,7 +3,7 @@
 Interleaving spreads the machine's noise (other processes, frequency changes)
 over all contenders alike, so their ratio is stable even when absolute times
 are not.  Times are wall-clock seconds; on CUDA, callers synchronize inside
-the timed function.
+the timed function.  `timed_pass` makes the call that one of the `PASSES` times.
 """
 
 from __future__ import annotations
@@ -12,8 +12,37 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["Spread", "interleaved", "medians", "spreads"]
+import torch
+
+__all__ = ["PASSES", "Spread", "interleaved", "medians", "spreads", "timed_pass"]
+
+Pass = Literal["forward", "backward", "forward+backward"]
+PASSES: tuple[Pass, ...] = ("forward", "backward", "forward+backward")
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def timed_pass(
+    pass_: str,
+    fn: Attention,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    do: torch.Tensor,
+    kept: list[object],
+) -> Callable[[], object]:
+    """A no-argument call that runs ``pass_`` (one of `PASSES`) of ``fn`` once.
+
+    inputs q, k, v: [B, H, N, d] (requires_grad), do: [B, H, N, d].  ``forward`` builds
+    the autograd graph, as training does, and hands O to ``kept``, for the caller to free
+    outside the timed region; ``backward`` reuses one graph built here, untimed;
+    ``forward+backward`` is O, then dq, dk, dv in one call.
+    """
+    if pass_ == "forward":
+        return lambda: kept.append(fn(*inputs))
+    if pass_ == "backward":
+        o = fn(*inputs)  # the graph of o is built here, untimed, and reused by every call
+        return lambda: torch.autograd.grad(o, inputs, do, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(*inputs), inputs, do)
 
 
 def interleaved(

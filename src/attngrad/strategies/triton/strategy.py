@@ -31,16 +31,17 @@ from typing import Any
 
 import torch
 
-from attngrad.core.contract import Shapes
-from attngrad.core.masks import Mask
+from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.ops import LOG2E, compute_dtype
-from attngrad.strategies import flash, recompute
+from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction, Grads
+from attngrad.strategies.common import declare, rebuilt_probabilities
 from attngrad.strategies.triton import configs as kernel_configs
 
 __all__ = [
     "KEEPS_MASK",
     "MAX_HEAD_DIM",
+    "TILED",
     "Function",
     "Launch",
     "Tiles",
@@ -57,13 +58,17 @@ __all__ = [
 ]
 
 KEEPS_MASK = True  # the backward kernels mask each rebuilt tile again
-saves = flash.saves  # the same O and stats as flash
-probabilities = recompute.probabilities  # P rebuilt from them, for forward mode and second order
+TILED = True  # takes block sizes (block_q, block_k): powers of two up to MAX_BLOCK
+probabilities = rebuilt_probabilities  # P from the saved stats: forward mode, second order
 
 MAX_HEAD_DIM = 256
-MAX_BLOCK = (
-    256  # the largest tile side: the table's, or a caller's (`attngrad.core.contract` checks)
-)
+MAX_BLOCK = 256  # the largest tile side: the table's, or a caller's (`tiles` checks)
+MIN_BLOCK = 16  # tl.dot's smallest operand side: the least tile side and padded head dim
+
+
+def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
+    """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
+    return declare(shapes, "o", "stats")
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -83,9 +88,9 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def check_head_dims(head_dim: int, value_dim: int) -> None:
-    """ValueError unless both head dims fit the kernels (<= MAX_HEAD_DIM)."""
+    """ArgumentError (a ValueError) unless both head dims fit the kernels (<= MAX_HEAD_DIM)."""
     if max(head_dim, value_dim) > MAX_HEAD_DIM:
-        raise ValueError(
+        raise ArgumentError(
             f"strategy='triton' supports head dims up to {MAX_HEAD_DIM}, got "
             f"d={head_dim}, dv={value_dim}; use strategy='flash' for larger heads."
         )
@@ -106,8 +111,8 @@ def _kernels() -> ModuleType:
 
 
 def _pow2(n: int) -> int:
-    """n padded to a power of two, at least 16 (tl.dot's smallest operand side)."""
-    return max(16, 1 << max(0, n - 1).bit_length())
+    """n padded to a power of two, at least MIN_BLOCK."""
+    return max(MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
 def _cdiv(n: int, block: int) -> int:
@@ -193,7 +198,7 @@ def _config(
     dtype: torch.dtype,
     head_dim: int,
     seq: tuple[int, int],
-    mask: Mask,
+    mask: ScoreMods,
     tiles: Tiles,
     arch: int | None,
 ) -> tuple[dict[str, int], dict[str, object]]:
@@ -263,13 +268,23 @@ def _dots(dtype: torch.dtype, arch: int | None) -> dict[str, object]:
 
 
 def tiles(shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> Tiles:
-    """The caller's block sizes, kept for the launchers; ValueError for head dims the kernels do not take."""
+    """The caller's block sizes, kept for the launchers.
+
+    ArgumentError for head dims the kernels do not take, or block sizes that are
+    not powers of two from MIN_BLOCK to MAX_BLOCK.
+    """
     check_head_dims(shapes.head_dim, shapes.value_dim)
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None and (size < MIN_BLOCK or size > MAX_BLOCK or size & (size - 1)):
+            raise ArgumentError(
+                f"{name}={size}: Triton tiles must be a power of two from {MIN_BLOCK} to "
+                f"{MAX_BLOCK}, e.g. 16, 32, 64 or 128 (or None to choose from the shape)."
+            )
     return Tiles(block_q, block_k)
 
 
 def _mask_args(
-    mask: Mask, shape: tuple[int, int, int, int], device: torch.device
+    mask: ScoreMods, shape: tuple[int, int, int, int], device: torch.device
 ) -> dict[str, object]:
     """The kernels' mask arguments by name, for scores of shape [B, Hq, Nq, Nk] on ``device``.
 
@@ -290,7 +305,7 @@ def _mask_args(
     }
 
 
-def _tensor_args(mask: Mask, shape: tuple[int, int, int, int]) -> dict[str, object]:
+def _tensor_args(mask: ScoreMods, shape: tuple[int, int, int, int]) -> dict[str, object]:
     """Bias and Keep with their strides broadcast to the scores' shape (sbb..sbn, seb..sen).
 
     WIDE_TILES when a tile of 256 x 256 scores could span 2**31 elements of
@@ -308,7 +323,7 @@ def _tensor_args(mask: Mask, shape: tuple[int, int, int, int]) -> dict[str, obje
 
 
 def _dropout_args(
-    mask: Mask, shape: tuple[int, int, int, int], device: torch.device
+    mask: ScoreMods, shape: tuple[int, int, int, int], device: torch.device
 ) -> dict[str, object]:
     """RowWords (int32 [B*Hq, Nq]), ColWords (int32 [Nk]) and the threshold of mask.dropout.
 
@@ -326,7 +341,7 @@ def _dropout_args(
     }
 
 
-def _query_span_args(mask: Mask, device: torch.device) -> dict[str, object]:
+def _query_span_args(mask: ScoreMods, device: torch.device) -> dict[str, object]:
     """First, Stop: int64 [Nk], the query rows first <= i < stop that attend each key (dK/dV)."""
     if mask.band is None:
         return {"First": None, "Stop": None}
@@ -334,7 +349,7 @@ def _query_span_args(mask: Mask, device: torch.device) -> dict[str, object]:
     return {"First": first.to(device), "Stop": stop.to(device)}
 
 
-def _scales(scale: float, mask: Mask, like: torch.Tensor) -> torch.Tensor:
+def _scales(scale: float, mask: ScoreMods, like: torch.Tensor) -> torch.Tensor:
     """[scale, log2 e, softcap c, 1 / (1 - p)] in the accumulation dtype of ``like`` (see kernels).
 
     c and 1 / (1 - p) are 1 where the mask has no softcap or no dropout (then unread).
@@ -364,7 +379,7 @@ def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     tiles: Tiles,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -397,7 +412,7 @@ def backward_into(
     k: torch.Tensor,
     v: torch.Tensor,
     saved: dict[str, torch.Tensor],
-    mask: Mask,
+    mask: ScoreMods,
     scale: float,
     tiles: Tiles,
 ) -> None:

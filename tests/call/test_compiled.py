@@ -1,4 +1,4 @@
-"""torch.compile: attention traces as two opaque ops (`attngrad.integrations.torch_compile`), with no graph break.
+"""torch.compile: attention traces as two opaque ops (`attngrad.call.compiled`), with no graph break.
 
 ``fullgraph=True`` raises on any graph break, so compiling at all is the
 check that there is none.  The ops run the eager strategy code, so with the
@@ -202,11 +202,31 @@ def test_only_some_inputs_need_grad(strategy: str, dtype: torch.dtype) -> None:
 def test_opcheck_of_the_backward_op() -> None:
     q = torch.randn(B, N, HQ, D, dtype=torch.bfloat16).transpose(1, 2)
     k, v = (torch.randn(B, HKV, N, D, dtype=torch.bfloat16) for _ in range(2))
+    # strategy, scale, (left, right, align: causal), softcap, dropout_p, block_q, block_k
     options = ("flash", 0.3, None, 0, "top-left", None, 0.2, None, None)
-    o, _, seed, *saved = torch.ops.attngrad.forward(q, k, v, None, None, None, None, *options)
+    o, _, seed, lo, hi, *saved = torch.ops.attngrad.forward(
+        q, k, v, None, None, None, None, *options
+    )
     dout = torch.randn_like(o)
     for need in ([True, True, True, False], [True, False, False, False]):
-        args = (dout, None, q, k, v, o, None, None, None, None, seed, saved, *options, need)
+        # the forward op's band (lo, hi) stands in for (left, right, align)
+        args = (
+            dout,
+            None,
+            q,
+            k,
+            v,
+            o,
+            None,
+            None,
+            lo,
+            hi,
+            seed,
+            saved,
+            *options[:2],
+            *options[5:],
+            need,
+        )
         torch.library.opcheck(torch.ops.attngrad.backward.default, args)
 
 

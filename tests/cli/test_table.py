@@ -1,4 +1,4 @@
-"""`attngrad.cli.report`: the pieces every command's output shares."""
+"""`attngrad.cli.table` and `attngrad.cli.check`: the pieces every command's output shares."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import csv
 
 import pytest
 
-from attngrad.cli.report import check_records, check_summary, check_table, format_bytes, write_csv
+from attngrad.cli.check import check_records, check_summary, check_table
+from attngrad.cli.table import columns, markdown, write_csv
 from attngrad.conformance.check import CaseResult
 from attngrad.tools.machine import Machine
+from attngrad.tools.memory import format_bytes
 
 MACHINE = Machine("a test CPU", 4, "float32", 1024, 99.5)
 
@@ -70,3 +72,12 @@ def test_check_records_carry_the_higher_derivatives(tmp_path) -> None:
     assert row["second_order_error"] == "3e-16" and row["jvp_error"] == ""
     assert row["gradgradcheck_passed"] == "" and row["passed"] == "True"
     assert row["error_out"] == "1e-16" and row["error_dmask"] == ""
+
+
+def test_columns_align_left_then_right() -> None:
+    head, lines = columns(["name", "ms"], [["flash", "1.5"], ["explicit", "12.25"]], left=1)
+    assert [head, *lines] == ["name         ms", "flash       1.5", "explicit  12.25"]
+
+
+def test_markdown_has_a_rule_under_the_header() -> None:
+    assert markdown(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]

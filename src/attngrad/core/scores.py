@@ -1,35 +1,21 @@
-"""Masks in one canonical form: a softcap, an additive bias, a keep mask, a band, dropout.
+"""What happens to the scores S = scale q k^T before the softmax and to P after it, in one form.
 
 `attention` accepts SDPA's conventions (a bool mask, True = attend; a float
 mask added to the scores; ``is_causal``) and beyond them a sliding
 ``window=(left, right)``, its ``align``-ment, packed segments, ``softcap``
-and ``dropout_p``.  `Mask.build` turns them into:
+and ``dropout_p``.  A `ScoreMods` holds them as every strategy applies them:
 
 * ``softcap``: scores S = scale q k^T become c tanh(S / c) first (Gemma 2);
 * ``bias`` / ``keep``: 4-D tensors ``[Bm, Hm, Nqm, Nkm]``, each dim 1 or the
-  full size, so they stay broadcast views of what the caller passed;
+  full size, so they stay broadcast views of what the caller passed
+  (`split_mask`);
 * a band (`attngrad.core.band.Band`): query i attends keys lo(i) <= j < hi(i),
-  from ``is_causal``, the window, the alignment and the segments;
+  from ``is_causal``, the window, the alignment and the segments (decided in
+  `attngrad.core.band`, which draws its pictures);
 * ``dropout`` (`attngrad.core.dropout.Dropout`), applied to P after the softmax.
 
 Every strategy applies them the same way, to the whole score matrix or to one
 tile of it; the band also tells the tiled strategies which tiles to skip.
-
-Causal, top-left aligned, Nq=3, Nk=5 (x = attend)::
-
-    j:   0 1 2 3 4
-    i=0  x . . . .
-    i=1  x x . . .
-    i=2  x x x . .
-
-Window (left=1, right=1), Nq=Nk=5, alone and with is_causal::
-
-    j:   0 1 2 3 4          j:   0 1 2 3 4
-    i=0  x x . . .          i=0  x . . . .
-    i=1  x x x . .          i=1  x x . . .
-    i=2  . x x x .          i=2  . x x . .
-    i=3  . . x x x          i=3  . . x x .
-    i=4  . . . x x          i=4  . . . x x
 """
 
 from __future__ import annotations
@@ -38,13 +24,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attngrad.core.band import Band
+from attngrad.core.band import Band, BandSpec
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads
 from attngrad.core.ops import cap_slope
 
-__all__ = ["Mask", "add_bias_gradient_", "causal_band", "split_mask", "tile"]
+__all__ = ["ScoreMods", "add_bias_gradient_", "split_mask", "tile"]
 
 _ALL = slice(None)
 
@@ -57,7 +43,7 @@ def _to_4d(attn_mask: torch.Tensor, shapes: Shapes) -> torch.Tensor:
     reshape: autograd carries a float mask's gradient back through them,
     summing over the dims that were broadcast.
     """
-    ndim = len(shapes.score_shape)
+    ndim = len(shapes.lead) + 3  # [*lead, Hq, Nq, Nk], also for headless [Nq, d] inputs
     m = attn_mask.reshape((1,) * (ndim - attn_mask.ndim) + tuple(attn_mask.shape))
     lead = m.shape[:-3]
     if all(n == 1 for n in lead):
@@ -75,24 +61,15 @@ def split_mask(
     return (None, m) if m.dtype == torch.bool else (m, None)
 
 
-def causal_band(
-    window: tuple[int | None, int | None] | None, is_causal: bool
-) -> tuple[int | None, int | None]:
-    """(left, right) of the band: the window's, with is_causal capping right at 0."""
-    left, right = window if window is not None else (None, None)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
 def tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
     """t[..., rows, cols], leaving broadcast (size-1) dims whole; a view."""
     return t[..., rows if t.shape[-2] > 1 else _ALL, cols if t.shape[-1] > 1 else _ALL]
 
 
 @dataclass(frozen=True)
-class Mask:
-    """What each query may attend to, and what happens to its scores, as every strategy applies it.
+class ScoreMods:
+    """The scores' mask and modifiers: what each query may attend to, and what happens to
+    its scores and probabilities, as every strategy applies them.
 
     bias: [Bm, Hm, Nqm, Nkm] float added to the scores, or None.
     keep: [Bm, Hm, Nqm, Nkm] bool, True where a score is kept, or None.
@@ -124,26 +101,28 @@ class Mask:
         softcap: float | None = None,
         dropout: Dropout | None = None,
         device: torch.device | None = None,
-    ) -> Mask:
-        """From `attention`'s (already validated) arguments."""
+    ) -> ScoreMods:
+        """From (already validated) `attention`-style arguments, for tools and tests;
+        `attngrad.call` builds a call's from its `attngrad.call.Call`."""
+        band = BandSpec.of(window, is_causal, align, segments).build(
+            shapes.seq_q, shapes.seq_k, device
+        )
         bias, keep = split_mask(attn_mask, shapes)
-        left, right = causal_band(window, is_causal)
-        band = None
-        if left is not None or right is not None or segments is not None:
-            band = Band.of(shapes.seq_q, shapes.seq_k, left, right, align, segments, device)
-        return Mask(bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout)
+        return ScoreMods(
+            bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout
+        )
 
     @staticmethod
-    def none(heads_kv: int, seq_q: int, seq_k: int) -> Mask:
+    def none(heads_kv: int, seq_q: int, seq_k: int) -> ScoreMods:
         """Attend everything."""
-        return Mask(None, None, None, heads_kv, seq_q, seq_k)
+        return ScoreMods(None, None, None, heads_kv, seq_q, seq_k)
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(bias, keep): what a strategy passes to autograd and saves for backward."""
         return self.bias, self.keep
 
-    def with_tensors(self, bias: torch.Tensor | None, keep: torch.Tensor | None) -> Mask:
+    def with_tensors(self, bias: torch.Tensor | None, keep: torch.Tensor | None) -> ScoreMods:
         """The same mask over other (e.g. saved) bias and keep tensors."""
         return replace(self, bias=bias, keep=keep)
 

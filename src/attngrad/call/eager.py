@@ -1,0 +1,40 @@
+"""The eager route of a `Call`: its strategy's autograd.Function, applied once.
+
+Dropout's (seed, offset) is drawn here, from the call's generator, and the
+band laid out here, once per call; the strategy's `AttentionFunction` then
+saves what its backward needs (`attngrad.strategies.base`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attngrad.call.call import Call
+from attngrad.core.contract import Shapes
+from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.strategies import MODULES
+
+__all__ = ["run"]
+
+
+def run(
+    call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O: [B, Hq, Nq, dv], lse: [B, Hq, Nq]) of ``call`` over q: [B, Hq, Nq, d], k, v
+    (`Call.inputs`).
+
+    lse is in the compute dtype, -inf on rows that attend nothing.
+    RuntimeError when the strategy cannot run on these tensors here.
+    """
+    impl = MODULES[call.strategy]
+    reason = impl.unavailable_reason(q.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    dropout = None
+    if call.dropout_p > 0:
+        dropout = Dropout(call.dropout_p, *draw_seed(q.device, call.generator))
+    band = call.band.build(call.shapes.seq_q, call.shapes.seq_k, q.device)
+    mods = call.score_mods(band, dropout)
+    tiles = impl.tiles(Shapes.of(q, k, v), q.dtype, call.block_q, call.block_k)
+    o, lse, *_ = impl.Function.apply(q, k, v, *mods.tensors, mods, call.scale, tiles, impl)
+    return o, lse

@@ -1,0 +1,208 @@
+"""``attngrad check [--strategy NAME ...] [--json PATH|-] [--csv PATH] [--failures] [--seed N]
+[--no-gradcheck]``.
+
+The conformance grid (`attngrad.conformance.check`): every strategy over dtypes, masks
+and layouts, each quantity judged against float64.  This module runs it and shows it:
+the table (`check_table`), the per-strategy counts (`check_summary`) and the CSV
+records (`check_records`).  Exit 1 on a failed case, 2 on a strategy that cannot run
+here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+import attngrad
+from attngrad.cli.args import add_strategy, chosen_strategies
+from attngrad.cli.table import columns, verdict, write_csv, write_json
+from attngrad.conformance.cases import default_cases
+from attngrad.conformance.check import CaseResult, format_error, run_case
+from attngrad.conformance.derivatives import DERIVATIVE_TOLERANCE
+from attngrad.conformance.rule import GRADIENTS
+from attngrad.core.progress import Progress
+from attngrad.strategies import STRATEGIES
+
+__all__ = ["add_check", "check_records", "check_summary", "check_table", "run_check"]
+
+_RULE = (
+    "max abs error vs float64; ratio: worst error / bound of the rule, <= 2x plain PyTorch "
+    "+ a floor from the magnitudes (attngrad.conformance.rule), at most 1 passes"
+)
+_DERIVATIVES = (
+    "float64 only: d2 (double backward, a Hessian-vector product) and jvp (forward mode) "
+    "against autograd through the float64 reference, max abs error / max(1, max |reference|), "
+    f"at most {DERIVATIVE_TOLERANCE:g} passes; gradgrad: torch.autograd.gradgradcheck"
+)
+
+
+def _failure(r: CaseResult) -> str:
+    """What failed: the verifier's message, else each quantity over its bound."""
+    if r.message:
+        return r.message
+    over = [
+        f"{name}: error {format_error(e)} > bound {format_error(r.bounds[name])}"
+        for name, e in r.errors.items()
+        if name in r.bounds and not e <= r.bounds[name]
+    ]
+    if r.nan:
+        over.append("NaN in the output or a gradient")
+    if r.gradcheck_passed is False:
+        over.append("gradcheck failed")
+    for name, e in (("second_order", r.second_order_error), ("jvp", r.jvp_error)):
+        if e is not None and not e <= DERIVATIVE_TOLERANCE:
+            over.append(f"{name}: relative error {format_error(e)} > {DERIVATIVE_TOLERANCE:g}")
+    if r.gradgradcheck_passed is False:
+        over.append("gradgradcheck failed")
+    return "; ".join(over)
+
+
+def _worst_ratio(r: CaseResult) -> str:
+    return f"{max(r.ratios.values(), default=0.0):.2f}" if r.ratios else "-"
+
+
+def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> str:
+    """One row per result (only the failing ones with ``failures_only``): the max error
+    of each quantity, the worst error/bound ratio of the rule over all of them (at most 1
+    passes: how much of the allowance the case used) and the verdicts; on float64 cases
+    also the relative errors of double backward (d2) and forward mode (jvp) and the
+    gradgradcheck verdict; under a failing row, what failed and its bound."""
+    shown = [r for r in results if not (failures_only and r.passed)]
+    if not shown:
+        return "no failing cases" if failures_only else "no cases"
+    cells = [
+        [
+            r.strategy,
+            r.case,
+            *(format_error(r.errors.get(g)) for g in GRADIENTS),
+            _worst_ratio(r),
+            "NaN" if r.nan else ("pass" if r.rule_passed else "FAIL"),
+            verdict(r.gradcheck_passed),
+            format_error(r.second_order_error),
+            format_error(r.jvp_error),
+            verdict(r.gradgradcheck_passed),
+        ]
+        for r in shown
+    ]
+    header = ["strategy", "case", *GRADIENTS, "ratio", "rule", "gradcheck", "d2", "jvp"]
+    header.append("gradgrad")
+    head, lines = columns(header, cells, left=2)
+    out = [head]
+    for r, line in zip(shown, lines, strict=True):
+        out.append(line)
+        if not r.passed:
+            out.append(f"    {_failure(r)}")
+    return "\n".join(out)
+
+
+def check_summary(results: Sequence[CaseResult]) -> str:
+    """Passed and failed counts per strategy, then in all."""
+    lines = []
+    for strategy in dict.fromkeys(r.strategy for r in results):
+        mine = [r for r in results if r.strategy == strategy]
+        failed = sum(not r.passed for r in mine)
+        lines.append(f"{strategy}: {len(mine) - failed} passed, {failed} failed")
+    failed = sum(not r.passed for r in results)
+    lines.append(f"{len(results) - failed} passed, {failed} failed ({_RULE})")
+    if any(r.second_order_error is not None for r in results):
+        lines.append(f"({_DERIVATIVES})")
+    return "\n".join(lines)
+
+
+def check_records(results: Sequence[CaseResult]) -> list[dict[str, object]]:
+    """CSV records: strategy, case, dtype, the verdicts, the worst ratio, ``error_<x>`` and
+    ``ratio_<x>`` per quantity of `attngrad.conformance.rule.GRADIENTS` (empty where the case has
+    none), the higher-derivative errors and the message."""
+    return [
+        {
+            "strategy": r.strategy,
+            "case": r.case,
+            "dtype": r.dtype,
+            "passed": r.passed,
+            "rule_passed": r.rule_passed,
+            "ratio": max(r.ratios.values(), default=""),
+            **{f"error_{g}": r.errors.get(g, "") for g in GRADIENTS},
+            **{f"ratio_{g}": r.ratios.get(g, "") for g in GRADIENTS},
+            "gradcheck_passed": r.gradcheck_passed,
+            "second_order_error": r.second_order_error,
+            "jvp_error": r.jvp_error,
+            "gradgradcheck_passed": r.gradgradcheck_passed,
+            "message": r.message,
+        }
+        for r in results
+    ]
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """The ``check`` command: returns the exit status."""
+    strategies = chosen_strategies("check", args.strategy, torch.device("cpu"), interpreted=True)
+    if strategies is None:
+        return 2
+    cases = default_cases()
+    results: list[CaseResult] = []
+    torch.manual_seed(args.seed)
+    with Progress(len(strategies) * len(cases), "check") as bar:
+        for strategy in strategies:
+            for case in cases:
+                results.append(run_case(strategy, case, args.seed, gradcheck=args.gradcheck))
+                bar.step(f"{strategy} {case.id}")
+    # with --json -, stdout carries the JSON alone
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(check_table(results, failures_only=args.failures), file=out)
+    print(check_summary(results), file=out)
+    failed = any(not r.passed for r in results)
+    if args.json:
+        payload = {
+            "torch": torch.__version__,
+            "attngrad": attngrad.__version__,
+            "strategies": strategies,
+            "passed": not failed,
+            "results": [r.as_dict() for r in results],
+        }
+        write_json(payload, args.json, out)
+    if args.csv:
+        write_csv(check_records(results), args.csv)
+        print(f"wrote {args.csv}", file=out)
+    return 1 if failed else 0
+
+
+def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``check`` subcommand to ``attngrad``'s subparsers."""
+    p = sub.add_parser(
+        "check",
+        help="conformance grid of every strategy against a float64 reference",
+        description=(
+            "Run every strategy over a grid of dtypes, masks and layouts and compare the "
+            "output and every gradient with a float64 reference, element by element: at most "
+            "2x the error of plain PyTorch in the same dtype plus a floor derived from the "
+            "magnitudes that produce each quantity (attngrad.conformance.rule); on float64 cases "
+            "gradcheck, double backward and forward mode against autograd through the "
+            "reference (relative error at most 1e-9) and gradgradcheck.  Exit 1 on a failed "
+            "case, 2 when a strategy asked for cannot run here."
+        ),
+    )
+    add_strategy(p, STRATEGIES, "check only this strategy (repeatable)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH; '-' writes them to stdout (the table then goes to stderr)",
+    )
+    p.add_argument(
+        "--failures",
+        action="store_true",
+        help="list only the failing cases (the per-strategy counts still print)",
+    )
+    p.add_argument(
+        "--csv", metavar="PATH", help="also write one row per strategy and case as CSV to PATH"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument(
+        "--no-gradcheck",
+        dest="gradcheck",
+        action="store_false",
+        help="skip gradcheck and gradgradcheck (faster)",
+    )
+    p.set_defaults(run=run_check)
