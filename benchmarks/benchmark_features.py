@@ -26,7 +26,7 @@ import torch
 
 from attngrad.cli.bench_features import features_plot, features_records, features_table
 from attngrad.cli.table import write_csv
-from attngrad.tools import bench_features as feature_bench
+from attngrad.tools import bench_features
 from attngrad.tools.machine import probe
 
 
@@ -34,14 +34,14 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _verdicts(rows: list[feature_bench.FeatureRow]) -> bool:
+def _verdicts(rows: list[bench_features.FeatureRow]) -> bool:
     """Print each target's ratio and verdict; True when every one was measured and met."""
     print(
-        f"\ntargets ({feature_bench.TARGET_STRATEGY} at N={feature_bench.TARGET_SEQ}, "
+        f"\ntargets ({bench_features.TARGET_STRATEGY} at N={bench_features.TARGET_SEQ}, "
         "ratio of the fastest rounds):"
     )
     met = True
-    for f, row in feature_bench.targets(rows):
+    for f, row in bench_features.targets(rows):
         if row is None:
             print(f"  {f.name}: not measured (target <= {f.target}): MISSED")
             met = False
@@ -61,7 +61,7 @@ def main() -> int:
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, nargs="+", default=[feature_bench.TARGET_SEQ])
+    parser.add_argument("--seq", type=int, nargs="+", default=[bench_features.TARGET_SEQ])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--strategy", action="append", help="default: flash")
     parser.add_argument("--repeats", type=int, default=5)
@@ -80,8 +80,8 @@ def main() -> int:
     device = torch.device(args.device)
     machine = probe(torch.float32, device)
     print(machine.line(), flush=True)
-    rows = feature_bench.run_features(
-        args.seq, args.strategy or [feature_bench.TARGET_STRATEGY], args.batch, args.heads,
+    rows = bench_features.run_features(
+        args.seq, args.strategy or [bench_features.TARGET_STRATEGY], args.batch, args.heads,
         args.head_dim, repeats=args.repeats, device=device, step=_note,
     )  # fmt: skip
     print(features_table(rows, machine))

@@ -27,7 +27,7 @@ import torch
 
 from attngrad.cli.bench_hvp import order2_plot, order2_records, order2_table
 from attngrad.cli.table import write_csv
-from attngrad.tools import bench_hvp as hvp
+from attngrad.tools import bench_hvp
 from attngrad.tools.machine import probe
 from attngrad.tools.memory import format_bytes
 
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--causal", choices=tuple(CAUSAL), default="both")
     parser.add_argument("--strategy", action="append", help="default: flash, explicit, recompute")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--loss", choices=hvp.LOSSES, default="square")
+    parser.add_argument("--loss", choices=bench_hvp.LOSSES, default="square")
     parser.add_argument("--no-peak", action="store_true", help="skip the sweep's peak runs")
     parser.add_argument(
         "--target-seq", type=int, default=16384, help="N of the B=1 H=1 peak runs (0: skip)"
@@ -68,10 +68,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     strategies = args.strategy or ["flash", "explicit", "recompute"]
-    contenders = [*strategies, hvp.BASELINE]
+    contenders = [*strategies, bench_hvp.BASELINE]
     machine = probe(torch.float32)
     print(machine.line(), flush=True)
-    rows = hvp.run_order2(
+    rows = bench_hvp.run_order2(
         args.seq, CAUSAL[args.causal], contenders, args.batch, args.heads, args.head_dim,
         repeats=args.repeats, loss=args.loss, peak=not args.no_peak, step=_note, note=_note,
     )  # fmt: skip
@@ -92,8 +92,8 @@ def main() -> None:
         for r in rows:  # scale each contender's largest measured peak by H·N²
             if r.measure == "hvp" and r.peak is not None and not r.causal:
                 estimates[r.contender] = int(r.peak * n * n / (r.heads * r.batch * r.seq**2))
-        targets = [c for c in ("flash", hvp.BASELINE) if c in contenders]
-        peaks = hvp.peak_only(n, targets, loss=args.loss, estimates=estimates, note=_note)
+        targets = [c for c in ("flash", bench_hvp.BASELINE) if c in contenders]
+        peaks = bench_hvp.peak_only(n, targets, loss=args.loss, estimates=estimates, note=_note)
         for name, got in peaks.items():
             if got is None:
                 print(f"  {name} HVP peak at B=1 H=1 N={n}: not measured (would not fit)")
@@ -106,7 +106,7 @@ def main() -> None:
                 line += f" (target <= {format_bytes(PEAK_TARGET)}): {verdict}"
             print(line)
             rows.append(
-                hvp.Order2Row(
+                bench_hvp.Order2Row(
                     batch=1,
                     heads=1,
                     seq=n,

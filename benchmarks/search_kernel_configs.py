@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from attngrad.core.progress import Progress
-from attngrad.strategies.triton import ptxas as cross_compile
+from attngrad.strategies.triton import ptxas
 from attngrad.strategies.triton.configs import KINDS, Config
 from attngrad.strategies.triton.ptxas import Bound, Resources
 from attngrad.tools import kernel_report
@@ -89,7 +89,7 @@ def _bound(
             tried = {**args, "BLOCK_M": block_m, "BLOCK_N": block_n}
             default = 32 if kind.startswith("fma") else 256  # the launcher's, by dot kind
             tried.update(num_warps=warps, num_stages=stages, CHUNK=chunk or default)
-            return cross_compile.bind(fn, tried, target.arch)
+            return ptxas.bind(fn, tried, target.arch)
     raise LookupError(kernel)
 
 
@@ -140,8 +140,8 @@ def search(
         for b in bounds
     }
     with Progress(len(work), "search") as bar:
-        cache = cross_compile.default_cache_dir()
-        results = kernel_report._compile_all(list(work.values()), jobs, cache, bar.step)
+        cache = ptxas.default_cache_dir()
+        results = kernel_report.compile_all(list(work.values()), jobs, cache, bar.step)
     chosen: dict = {}
     for (slot, candidate), bounds in plan.items():  # in preference order per slot
         got = [results[b.key] for b in bounds]

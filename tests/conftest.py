@@ -11,6 +11,10 @@
 * Triton's kernels run on CPU tensors in its interpreter: TRITON_INTERPRET=1
   unless the environment says otherwise (the GPU script sets 0).  Triton
   reads it when the kernels are first imported, so it is set here, first.
+* Inductor compiles into a cache of this session's own: its FX-graph cache keys
+  a graph by the custom ops' schemas, not by what their fake kernels return, so a
+  cache left by another version of attngrad could hand back a graph compiled for
+  another output layout of ``attngrad::forward``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,15 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import atexit
+import shutil
+import tempfile
+
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="attngrad-inductor-")
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
 
 import zlib
 from collections.abc import Iterator

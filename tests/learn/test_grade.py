@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from attngrad.cli.grade import add_grade
+from attngrad.cli.grade import add_grade, grade_table
 from attngrad.core import ops
 from attngrad.learn.exercise import skeleton
 from attngrad.learn.grade import grade
@@ -151,7 +151,7 @@ def test_chapter_solution_passes(tmp_path: Path) -> None:
     path = tmp_path / "chapter_solution.py"
     path.write_text(CHAPTER_SOLUTION, encoding="utf-8")
     report = grade(path, timeout=20)
-    assert report.passed, report.table()
+    assert report.passed, grade_table(report)
 
 
 def test_torch_refusing_integer_inputs_is_no_contract_violation(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
 from attngrad.strategies import available, resolve, unavailable_reason
-from attngrad.strategies.triton import configs as kernel_configs
+from attngrad.strategies.triton import configs
 from attngrad.strategies.triton import strategy as triton_strategy
 from attngrad.tools.ledger import ledger_row
 from helpers import assert_rule, case
@@ -389,13 +389,13 @@ def _blocks(launch):
 def test_default_blocks_fit_the_sequence():
     short = _recorded(nq=20, nk=5)
     for name in ("forward", "dkdv", "dq"):
-        config = kernel_configs.choose(name, "fma32", 16, 90)
+        config = configs.choose(name, "fma32", 16, 90)
         # never past the sequences padded to powers of two >= 16: 32 rows, 16 keys
         want = (min(config.block_m, 32), min(config.block_n, 16))
         assert _blocks(short["attention_" + name]) == want
     long = _recorded(nq=4096, nk=4096, bq=64)
     # a given block_q sets every kernel's rows; the keys stay the table's
-    config = kernel_configs.choose("dq", "fma32", 16, 90)
+    config = configs.choose("dq", "fma32", 16, 90)
     assert _blocks(long["attention_dq"]) == (64, config.block_n)
     assert long["attention_dq"].args["num_warps"] == config.num_warps
 

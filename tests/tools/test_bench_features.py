@@ -12,7 +12,7 @@ import torch
 
 from attngrad.cli import app as cli
 from attngrad.cli.bench_features import features_table
-from attngrad.tools import bench_features as feature_bench
+from attngrad.tools import bench_features
 from attngrad.tools.bench_features import (
     DROPOUT_P,
     FEATURES,
@@ -180,6 +180,6 @@ def test_features_defaults_to_flash_at_4096_and_leaves_plain_bench_alone(
         asked.append((seqs, strategies, kw["heads"], kw["device"]))
         return []
 
-    monkeypatch.setattr(feature_bench, "run_features", run)
+    monkeypatch.setattr(bench_features, "run_features", run)
     assert cli.main(["bench", "--features", "--csv", "", "--plot", "", *FAST_GEMM]) == 0
     assert asked == [([TARGET_SEQ], [TARGET_STRATEGY], 8, torch.device("cpu"))]

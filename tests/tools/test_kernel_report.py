@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from attngrad.cli import app as cli
-from attngrad.strategies.triton import configs as kernel_configs
+from attngrad.strategies.triton import configs
 from attngrad.strategies.triton.ptxas import Resources, parse_ptxas_log
 from attngrad.tools.kernel_report import (
     FLOAT64_SPILL_BYTES,
@@ -39,7 +39,7 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _kind(dtype: str, precision: str) -> str:
     size = torch.finfo(getattr(torch, dtype)).bits // 8
-    return kernel_configs.dot_kind(size, precision == "tf32")
+    return configs.dot_kind(size, precision == "tf32")
 
 
 def _compiled_env(cache: Path) -> dict[str, str]:
@@ -88,21 +88,21 @@ def test_quick_report_has_no_spill_and_no_shared_overrun(quick_report):
 def test_quick_report_covers_every_kernel_dtype_and_head_dim(quick_report):
     _, done, payload = quick_report
     assert payload is not None, done.stderr
-    configs = payload["configs"]
+    rows = payload["configs"]
     keys = {"kernel", "dtype", "head_dim", "mask", "shared_bytes", "registers", "spill_bytes", "ok"}
-    assert all(keys <= set(c) for c in configs)
-    assert {c["kernel"] for c in configs} == {"forward", "delta", "dkdv", "dq"}
-    assert {(c["dtype"], c["precision"]) for c in configs} == {
+    assert all(keys <= set(c) for c in rows)
+    assert {c["kernel"] for c in rows} == {"forward", "delta", "dkdv", "dq"}
+    assert {(c["dtype"], c["precision"]) for c in rows} == {
         ("float16", "ieee"),
         ("float32", "ieee"),
         ("float32", "tf32"),
     }
-    assert {c["head_dim"] for c in configs} == {64, 128, 256}
+    assert {c["head_dim"] for c in rows} == {64, 128, 256}
     # the tiles are the table's
-    for c in configs:
+    for c in rows:
         kind = _kind(c["dtype"], c["precision"])
         arch = TARGETS[payload["target"]].arch
-        want = kernel_configs.choose(c["kernel"], kind, c["head_dim"], arch)
+        want = configs.choose(c["kernel"], kind, c["head_dim"], arch)
         assert (c["num_warps"], c["num_stages"]) == (want.num_warps, want.num_stages)
     assert "rows, 0 not ok" in done.stdout
 
@@ -120,12 +120,12 @@ def test_a_spilling_configuration_is_reported_as_not_ok(cache_dir):
     # kernel needs more than 255 registers a thread and spills (not a shape the table takes)
     script = textwrap.dedent(
         """
-        from attngrad.strategies.triton import ptxas as cross_compile
+        from attngrad.strategies.triton import ptxas
         from attngrad.tools import kernel_report as kr
         variant = kr.Variant("float16", "ieee", 64, "all", 4)
         name, args, fn = kr.launches(variant, 90)[0]
         args = {**args, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-        got = cross_compile.compile_bound(cross_compile.bind(fn, args, 90), None)
+        got = ptxas.compile_bound(ptxas.bind(fn, args, 90), None)
         row = kr.Row("forward", variant, 128, 64, 4, 3, got, kr.TARGETS["sm_90"])
         print(name, got.spill_stores, got.registers, row.ok, row.verdict)
         """
@@ -196,7 +196,7 @@ def test_each_mask_mode_launches_what_it_says(mode):
     assert recorded["attention_dq"]["STORE_DS"] == (mode in ("bias", "masks", "all"))
     # a softcap or dropout takes the heavy tier of the table
     heavy = mode in ("softcap", "dropout", "all")
-    want = kernel_configs.choose("dq", "mma16", 128, 90, heavy)
+    want = configs.choose("dq", "mma16", 128, 90, heavy)
     assert (recorded["attention_dq"]["BLOCK_M"], recorded["attention_dq"]["num_warps"]) == (
         want.block_m,
         want.num_warps,
@@ -208,7 +208,7 @@ def test_each_mask_mode_launches_what_it_says(mode):
 def test_launches_take_the_tables_tiles_warps_and_stages(dtype, arch):
     for name, args, _ in launches(Variant(dtype, "ieee", 256, "none", 4), arch):
         kernel = name.removeprefix("attention_")
-        want = kernel_configs.choose(kernel, _kind(dtype, "ieee"), 256, arch)
+        want = configs.choose(kernel, _kind(dtype, "ieee"), 256, arch)
         assert (args["num_warps"], args["num_stages"]) == (want.num_warps, want.num_stages)
         assert args["BLOCK_M"] == want.block_m
         if kernel != "delta":

@@ -154,5 +154,6 @@ class Call:
         lse = lse.reshape(*sh.lead, sh.heads_q, sh.seq_q)
         if self.sinks is not None:
             out, lse = merge_sinks(out, lse, self.sinks)
-        out, lse = out.reshape(sh.out_shape), lse.reshape(sh.lse_shape)  # headless: [Nq, ...]
+        if sh.headless:  # [Nq, dv] and [Nq]: SDPA's 2-D inputs
+            out, lse = out.reshape(sh.out_shape), lse.reshape(sh.lse_shape)
         return (out, lse) if self.return_lse else out

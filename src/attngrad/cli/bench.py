@@ -34,9 +34,7 @@ from attngrad.cli.table import columns, destination, figure, write_csv, write_fi
 from attngrad.core.contract import DTYPES
 from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
-from attngrad.tools import bench_features as feature_bench
-from attngrad.tools import bench_hvp as hvp
-from attngrad.tools import bench_step as bench
+from attngrad.tools import bench_features, bench_hvp, bench_step
 from attngrad.tools.bench_step import PASSES, BenchRow
 from attngrad.tools.machine import Machine
 from attngrad.tools.paths import BASELINES, SDPA_BASELINES
@@ -184,8 +182,8 @@ def run_bench(args: argparse.Namespace) -> int:
     baselines = list(dict.fromkeys(args.baseline or SDPA_BASELINES))
     dtype = DTYPES[args.dtype]
     machine = calibrate(dtype, cpu, args.gemm_time)
-    with Progress(bench.steps(args.seq, causal_modes, args.repeats), "bench") as bar:
-        rows = bench.run_bench(
+    with Progress(bench_step.steps(args.seq, causal_modes, args.repeats), "bench") as bar:
+        rows = bench_step.run_bench(
             args.seq,
             causal_modes,
             strategies,
@@ -200,7 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if "flash" in strategies and "explicit" in strategies:
         print()
         for causal in causal_modes:
-            n = bench.crossover(rows, causal=causal)
+            n = bench_step.crossover(rows, causal=causal)
             where = f"from N={n}" if n is not None else "at no measured N"
             print(
                 f"forward+backward, causal={'yes' if causal else 'no'}: "
@@ -267,7 +265,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--loss",
-        choices=hvp.LOSSES,
+        choices=bench_hvp.LOSSES,
         default="square",
         help="with --order 2, the loss whose HVP is taken: square = sum(O**2)/2 (default), "
         "dot = <O, dO> for a fixed random dO",
@@ -275,7 +273,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--no-peak", action="store_true", help="with --order 2, skip the HVP peak-memory runs"
     )
-    fb = feature_bench
+    fb = bench_features
     targets = ", ".join(f"{f.name} <= {f.target:g}x" for f in fb.FEATURES if f.target is not None)
     p.add_argument(
         "--features",

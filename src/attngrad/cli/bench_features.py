@@ -25,7 +25,7 @@ from attngrad.cli.table import (
 )
 from attngrad.core.contract import DTYPES
 from attngrad.core.progress import Progress
-from attngrad.tools import bench_features as feature_bench
+from attngrad.tools import bench_features
 from attngrad.tools.bench_features import FEATURES, TARGET_SEQ, TARGET_STRATEGY, FeatureRow
 from attngrad.tools.machine import Machine
 
@@ -140,7 +140,7 @@ def _features_refusal(
     if "triton" in (args.strategy or ()) and device.type != "cuda":
         return "--features times triton on CUDA only: add --device cuda, or pick flash"
     try:
-        feature_bench.validate_seqs(seqs)
+        bench_features.validate_seqs(seqs)
     except ValueError as e:
         return str(e)
     return None
@@ -162,8 +162,8 @@ def run_features(args: argparse.Namespace, seq_given: bool) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     machine = calibrate(dtype, device, args.gemm_time)
-    with Progress(feature_bench.steps(seqs, args.repeats), "bench --features") as bar:
-        rows = feature_bench.run_features(
+    with Progress(bench_features.steps(seqs, args.repeats), "bench --features") as bar:
+        rows = bench_features.run_features(
             seqs,
             strategies,
             **sizes(args, "batch", "heads", "head_dim"),

@@ -18,7 +18,7 @@ from attngrad.cli.args import calibrate, sizes
 from attngrad.cli.table import columns, destination, figure, write_csv, write_file
 from attngrad.core.contract import DTYPES
 from attngrad.core.progress import Progress
-from attngrad.tools import bench_hvp as hvp
+from attngrad.tools import bench_hvp
 from attngrad.tools.bench_hvp import Order2Row
 from attngrad.tools.machine import Machine
 from attngrad.tools.memory import format_bytes
@@ -45,11 +45,11 @@ def order2_table(rows: Sequence[Order2Row], machine: Machine) -> str:
         machine.line(),
         f"B={first.batch} H={first.heads} d={first.head_dim} {first.dtype}, median and "
         f"min–max of {first.repeats} rounds (after 1 warm-up), contenders interleaved",
-        f"hvp: {hvp.LOSS_TEXT[first.loss]}; g = grad(L, (q,k,v), create_graph=True); "
+        f"hvp: {bench_hvp.LOSS_TEXT[first.loss]}; g = grad(L, (q,k,v), create_graph=True); "
         "hvp = grad(<g, w>, (q,k,v)), one call",
         "jvp: torch.func.jvp(attention, (q,k,v), tangents) vs attention(q,k,v) alone, "
         "no autograd graph",
-        f"vs {hvp.BASELINE} = median / {hvp.BASELINE}'s median (below 1: faster), (min) = the same "
+        f"vs {bench_hvp.BASELINE} = median / {bench_hvp.BASELINE}'s median (below 1: faster), (min) = the same "
         "of the fastest rounds; beyond I/O = peak - (O + the 3 HVP results)",
     ]
     blocks = list(dict.fromkeys((r.seq, r.causal) for r in rows))
@@ -61,7 +61,7 @@ def order2_table(rows: Sequence[Order2Row], machine: Machine) -> str:
              _ratio(r.ratio_of_min), format_bytes(r.peak), format_bytes(r.peak_beyond_io)]
             for r in hv
         ]  # fmt: skip
-        header = ["hvp", "median ms", "min–max ms", f"vs {hvp.BASELINE}", "(min)", "peak"]
+        header = ["hvp", "median ms", "min–max ms", f"vs {bench_hvp.BASELINE}", "(min)", "peak"]
         header.append("beyond I/O")
         head, lines = columns(header, cells, left=1)
         out += ["", f"N={n} causal={'yes' if causal else 'no'}", head, *lines]
@@ -74,7 +74,7 @@ def order2_table(rows: Sequence[Order2Row], machine: Machine) -> str:
                 for r in jv
             ]  # fmt: skip
             header = ["jvp", "forward ms", "jvp ms", "jvp/forward"]
-            header += [f"fwd vs {hvp.BASELINE}", f"jvp vs {hvp.BASELINE}"]
+            header += [f"fwd vs {bench_hvp.BASELINE}", f"jvp vs {bench_hvp.BASELINE}"]
             head, lines = columns(header, cells, left=1)
             out += ["", head, *lines]
     return "\n".join(out)
@@ -142,7 +142,7 @@ def order2_plot(rows: Sequence[Order2Row], path: str | os.PathLike[str], machine
         axes[0][0].legend(fontsize="small")
         r = rows[0]
         fig.suptitle(
-            f"attngrad bench --order 2 ({hvp.LOSS_TEXT[r.loss]}): B={r.batch} H={r.heads} "
+            f"attngrad bench --order 2 ({bench_hvp.LOSS_TEXT[r.loss]}): B={r.batch} H={r.heads} "
             f"d={r.head_dim} {r.dtype}\n{machine.line()}"
         )
 
@@ -150,7 +150,7 @@ def order2_plot(rows: Sequence[Order2Row], path: str | os.PathLike[str], machine
 def run_order2(args: argparse.Namespace, strategies: list[str], causal_modes: list[bool]) -> int:
     """``bench --order 2``: the HVP and jvp of each strategy against SDPA's MATH.
     Returns the exit status."""
-    wrong = [b for b in args.baseline or () if b != hvp.BASELINE]
+    wrong = [b for b in args.baseline or () if b != bench_hvp.BASELINE]
     if wrong:
         print(
             f"attngrad bench: error: --order 2 compares with SDPA's math backend only (the one "
@@ -158,12 +158,12 @@ def run_order2(args: argparse.Namespace, strategies: list[str], causal_modes: li
             file=sys.stderr,
         )
         return 2
-    contenders = [*strategies, hvp.BASELINE]
+    contenders = [*strategies, bench_hvp.BASELINE]
     dtype = DTYPES[args.dtype]
     machine = calibrate(dtype, torch.device("cpu"), args.gemm_time)
     notes: list[str] = []
-    with Progress(hvp.steps(args.seq, causal_modes, args.repeats), "bench --order 2") as bar:
-        rows = hvp.run_order2(
+    with Progress(bench_hvp.steps(args.seq, causal_modes, args.repeats), "bench --order 2") as bar:
+        rows = bench_hvp.run_order2(
             args.seq,
             causal_modes,
             contenders,

@@ -27,9 +27,9 @@ from attngrad.cli.args import (
     measure_device,
     positive_int,
 )
-from attngrad.cli.table import columns, destination, figure, pair, write_csv, write_file, yes
+from attngrad.cli.table import columns, destination, figure, write_csv, write_file, yes
 from attngrad.conformance.cases import Case
-from attngrad.core.contract import DTYPES, Shapes
+from attngrad.core.contract import DTYPES, Shapes, pair
 from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
 from attngrad.tools import ledger

@@ -6,7 +6,7 @@ table, CSV (`write_csv`, with the `attngrad.tools.machine.Machine` columns on ev
 row), JSON (`write_json`) and PNG figures (`figure`, which needs matplotlib: without
 it a ModuleNotFoundError whose message says how to install it, `PLOT_INSTALL`).
 `destination` and `write_file` say where a file goes and that it went; the small
-cell formats (`yes`, `pair`, `verdict`) are alike in every table.
+cell formats (`yes`, `verdict`) are alike in every table.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ __all__ = [
     "destination",
     "figure",
     "markdown",
-    "pair",
     "verdict",
     "write_csv",
     "write_file",
@@ -45,11 +44,6 @@ def yes(flag: bool) -> str:
 def verdict(passed: bool | None) -> str:
     """``pass``, ``FAIL``, or ``-`` where nothing was judged."""
     return {None: "-", True: "pass", False: "FAIL"}[passed]
-
-
-def pair(a: int, b: int, sep: str) -> str:
-    """``8`` when equal, else ``8:2`` (GQA heads, d:dv) or ``64 x 128`` (Nq x Nk)."""
-    return str(a) if a == b else f"{a}{sep}{b}"
 
 
 def columns(

@@ -23,7 +23,7 @@ from typing import cast
 import torch
 
 from attngrad.conformance.reference import Window
-from attngrad.core.contract import Shapes
+from attngrad.core.contract import Shapes, dtype_name, pair
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
 
 __all__ = [
@@ -109,10 +109,10 @@ class Case:
         batch = "x".join(map(str, sh.lead)) or "none"
         parts = [
             f"B{batch}",
-            "H" + _pair(sh.heads_q, sh.heads_kv, ":"),
-            "N" + _pair(sh.seq_q, sh.seq_k, "x"),
-            "d" + _pair(sh.head_dim, sh.value_dim, ":"),
-            str(self.dtype).removeprefix("torch."),
+            "H" + pair(sh.heads_q, sh.heads_kv, ":"),
+            "N" + pair(sh.seq_q, sh.seq_k, "x"),
+            "d" + pair(sh.head_dim, sh.value_dim, ":"),
+            dtype_name(self.dtype),
             *self._options(),
             self.mask + ("" if self.mask_shape is None else str(list(self.mask_shape))),
         ]
@@ -163,10 +163,6 @@ class Case:
 def _cumulative(lengths: tuple[int, ...]) -> torch.Tensor:
     """cu_seqlens [0, n0, n0 + n1, ...] (int64) of segment lengths."""
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-
-
-def _pair(a: int, b: int, sep: str) -> str:
-    return f"{a}" if a == b else f"{a}{sep}{b}"
 
 
 def default_cases() -> list[Case]:

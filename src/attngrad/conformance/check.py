@@ -41,6 +41,7 @@ from attngrad.conformance.cases import (
 )
 from attngrad.conformance.derivatives import DERIVATIVE_TOLERANCE, derivative_errors
 from attngrad.conformance.rule import judge_outputs
+from attngrad.core.contract import dtype_name
 
 __all__ = [
     "GRADGRADCHECK_ELEMENTS",
@@ -128,9 +129,7 @@ def run_case(
         gradgradcheck = gradcheck and strategy not in SLOW_GRADGRADCHECK
     fn = fn or strategy_fn(strategy)
     inputs = make_inputs(case, seed)
-    result = CaseResult(
-        strategy=strategy, case=case.id, dtype=str(case.dtype).removeprefix("torch.")
-    )
+    result = CaseResult(strategy=strategy, case=case.id, dtype=dtype_name(case.dtype))
     try:
         got = outputs_and_grads(fn, case, inputs, case.dtype)
     except Exception as exc:  # a crash is a failed case, reported with its message

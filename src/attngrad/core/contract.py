@@ -24,6 +24,7 @@ __all__ = [
     "check_flag",
     "dtype_name",
     "is_int",
+    "pair",
     "validate_attention",
     "validate_blocks",
     "validate_strategy",
@@ -66,6 +67,11 @@ DTYPES: dict[str, torch.dtype] = {
 def dtype_name(dtype: torch.dtype) -> str:
     """The name a dtype goes by in `DTYPES`, tables and files: ``torch.float32`` -> ``"float32"``."""
     return str(dtype).removeprefix("torch.")
+
+
+def pair(a: int, b: int, sep: str) -> str:
+    """``8`` when equal, else ``8:2`` (GQA heads, d:dv) or ``64 x 128`` (Nq x Nk)."""
+    return str(a) if a == b else f"{a}{sep}{b}"
 
 
 @dataclass(frozen=True)

@@ -70,22 +70,6 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "stages": [s.as_dict() for s in self.stages]}
 
-    def table(self) -> str:
-        rows = [("stage", "verdict", "diagnosis", "hint")]
-        rows += [
-            (s.name, "pass" if s.passed else "FAIL", s.diagnosis or "-", s.hint or "-")
-            for s in self.stages
-        ]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [
-            "  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3]
-            for r in rows
-        ]
-        lines.insert(1, "-" * max(len(line) for line in lines))
-        notes = [f"{s.name}: {s.message}" for s in self.stages if s.message]
-        verdict = "all stages pass" if self.passed else "some stages fail"
-        return "\n".join([*lines, "", *notes, "", f"{self.path}: {verdict}"])
-
 
 def _stage(d: dict[str, Any]) -> Stage:
     return Stage(

@@ -45,7 +45,7 @@ import torch
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.scores import ScoreMods
-from attngrad.strategies.triton import ptxas as cross_compile
+from attngrad.strategies.triton import ptxas
 from attngrad.strategies.triton.ptxas import Bound, Resources
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "Target",
     "Variant",
     "as_json",
+    "compile_all",
     "grid",
     "launches",
     "plan",
@@ -243,7 +244,7 @@ def plan(target: Target, variants: list[Variant]) -> Plan:
     planned = []
     for variant in variants:
         for name, args, kernel in launches(variant, target.arch):
-            planned.append((name, variant, args, cross_compile.bind(kernel, args, target.arch)))
+            planned.append((name, variant, args, ptxas.bind(kernel, args, target.arch)))
     return Plan(target, planned)
 
 
@@ -258,7 +259,7 @@ def report(
     jobs: worker processes (default: the CPUs); progress is called once per
     distinct binary, with its description.
     """
-    results = _compile_all(list(plan.distinct.values()), jobs, cache_dir, progress)
+    results = compile_all(list(plan.distinct.values()), jobs, cache_dir, progress)
     return [
         Row(
             kernel=_short(name),
@@ -275,17 +276,19 @@ def report(
     ]
 
 
-def _compile_all(
+def compile_all(
     work: list[tuple[Bound, str]],
     jobs: int | None,
     cache_dir: Path | None,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Resources]:
+    """Each bound launch's resources by its compile key, on ``jobs`` processes (default: one
+    per core), read from ``cache_dir`` where compiled before; ``progress`` hears each one done."""
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
     if jobs == 1:
         results = {}
         for bound, what in work:
-            results[bound.key] = cross_compile.compile_bound(bound, cache_dir)
+            results[bound.key] = ptxas.compile_bound(bound, cache_dir)
             if progress:
                 progress(what)
         return results
@@ -293,7 +296,7 @@ def _compile_all(
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         futures = {
-            pool.submit(cross_compile.compile_bound, bound, cache_dir): (bound.key, what)
+            pool.submit(ptxas.compile_bound, bound, cache_dir): (bound.key, what)
             for bound, what in work
         }
         results = {}

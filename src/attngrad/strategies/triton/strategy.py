@@ -36,7 +36,7 @@ from attngrad.core.ops import LOG2E, compute_dtype
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction, Grads
 from attngrad.strategies.common import declare, rebuilt_probabilities
-from attngrad.strategies.triton import configs as kernel_configs
+from attngrad.strategies.triton import configs
 
 __all__ = [
     "KEEPS_MASK",
@@ -218,8 +218,8 @@ def _config(
     if arch is None:
         config = _INTERPRETER[kernel]
     else:
-        kind = kernel_configs.dot_kind(torch.finfo(dtype).bits // 8, tf32)
-        config = kernel_configs.choose(kernel, kind, head_dim, arch, heavy)
+        kind = configs.dot_kind(torch.finfo(dtype).bits // 8, tf32)
+        config = configs.choose(kernel, kind, head_dim, arch, heavy)
     fma = dtype == torch.float64 or (dtype == torch.float32 and not tf32)
     tile = {
         "BLOCK_M": min(tiles.block_q or config.block_m, _pow2(seq[0])),
@@ -236,10 +236,10 @@ def _config(
 # The interpreter's tiles: large, so that few run (its cost is per tile operation, and the
 # GPU's register limits do not apply); tests that need many tiles pass block sizes.
 _INTERPRETER = {
-    "forward": kernel_configs.Config(128, 64, 4, 1),
-    "delta": kernel_configs.Config(64, 0, 4, 1),
-    "dkdv": kernel_configs.Config(32, 128, 4, 1),
-    "dq": kernel_configs.Config(128, 32, 4, 1),
+    "forward": configs.Config(128, 64, 4, 1),
+    "delta": configs.Config(64, 0, 4, 1),
+    "dkdv": configs.Config(32, 128, 4, 1),
+    "dq": configs.Config(128, 32, 4, 1),
 }
 
 
