@@ -6,7 +6,7 @@
 # Writes into OUTDIR: versions.txt, nvidia-smi.txt; kernels.log and kernels.json (the compile
 # report, `attngrad kernels --quick`, for this GPU's architecture: its registers, spills and
 # shared memory are what the next step checks against the driver); tests.log and tests.xml
-# (JUnit) of tests/test_triton_gpu.py (the 2x rule on compiled kernels, TF32, and the compile
+# (JUnit) of tests/strategies/test_triton_gpu.py (the 2x rule on compiled kernels, TF32, and the compile
 # report against torch.cuda's properties and the loaded kernels); then targets.log/.csv
 # (benchmark_gpu.py at the target shape, N = 8192, d = 128 and 64) and benchmark_gpu.log/.csv
 # (the sweep over N and d).  Each step has its own time limit so that the whole run stays
@@ -46,7 +46,7 @@ timeout 120 "$py" -m attngrad kernels --target "$arch" --quick --json "$out/kern
     2>&1 | tee "$out/kernels.log"
 kernels=${PIPESTATUS[0]}
 
-timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
+timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/strategies/test_triton_gpu.py \
     --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
 

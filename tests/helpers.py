@@ -25,7 +25,7 @@ from attngrad.core.contract import Shapes
 
 # "triton" runs here in Triton's interpreter at about a second per call: the
 # large grids (gradcheck, SDPA agreement, windows, properties, the ledger) run
-# over the tensor-op strategies, and tests/test_triton.py gives triton the same
+# over the tensor-op strategies, and tests/strategies/test_triton.py gives triton the same
 # checks on a smaller grid; the other strategy-parametrized tests include it.
 TENSOR_STRATEGIES = tuple(s for s in attngrad.STRATEGIES if s != "triton")
 

@@ -1,7 +1,7 @@
 """`attngrad verify`: any SDPA-signature function judged by the conformance harness.
 
 Good functions pass (SDPA, every tensor-op strategy: triton runs in Triton's
-interpreter here, too slow for the grid, and tests/test_triton.py covers it); each
+interpreter here, too slow for the grid, and tests/strategies/test_triton.py covers it); each
 planted broken kernel fails with the right name, and one that refuses a feature
 is reported unsupported, not failed.
 """

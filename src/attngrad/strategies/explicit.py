@@ -1,8 +1,7 @@
 """Strategy "explicit": forward saves q, k, v and the whole probability matrix P.
 
-Backward is the four local ops of `attngrad.core.ops` on the saved P:
-dV = P^T dO, dP = dO v^T, dS = P * (dP - rowsum(P * dP)), dq/dk = scale * dS k / dS^T q.
-Saved (`saves`): P, b * B*Hq*Nq*Nk bytes, beside q, k, v.
+Backward is the four local ops of `attngrad.core.ops` (whose docstring holds the
+formulas) on the saved P.  Saved (`saves`): P beside q, k, v.
 
 With dropout P is saved undropped and each chunk's Z is regenerated from
 its hash (`attngrad.core.dropout`); with a softcap, backward rebuilds the cap's

@@ -1,16 +1,9 @@
 """The memory ledger: what each path saves for backward, predicted and measured.
 
 Predicted saved bytes come from each strategy's declaration of what it saves
-(`attngrad.strategies.base.saved_bytes`; b = bytes per input element, l =
-bytes per softmax statistic: 4, or 8 for float64; each query row keeps two,
-its max m and log l, its log normalizer)::
-
-    explicit   b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + b*B*Hq*Nq*Nk         q, k, v, P
-    recompute  b*(B*Hq*Nq*d + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq          q, k, v, (m, log l)
-    flash      b*(B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv)) + 2*l*B*Hq*Nq   q, k, v, O, (m, log l)
-    triton     as flash
-
-(recompute and flash also keep the caller's mask, when given, to re-apply it).
+(its ``saves``, added up by `attngrad.strategies.base.saved_bytes`: the one
+place the saved-bytes formulas live; the caller's mask counts too where a
+strategy keeps it to re-apply it).
 Measured saved bytes add up every tensor autograd packs during forward, and the
 peak memory of forward+backward is the allocator's (`attngrad.tools.memory`).
 Beside the strategies run SDPA's own backends (`attngrad.tools.paths.SDPA_BASELINES`).
