@@ -1,7 +1,7 @@
 """Shared helpers of the test suite: a short `Case` builder and the one error rule.
 
-Inputs, outputs and gradients come from `attngrad.conformance.cases`, the
-judge from `attngrad.conformance.rule`; this module only adds what the tests
+Inputs, outputs and gradients come from `attngrad.verify.cases`, the
+judge from `attngrad.verify.rule`; this module only adds what the tests
 need on top: ``case(...)`` (a `Case` from positional sizes), ``assert_rule``
 (every verdict of `judge_outputs` passes, the verdicts in the message) and the lists of
 strategies.  Plain functions (not fixtures) because parametrize ids are built
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
-from attngrad.conformance.cases import Case, Inputs, as_attention, outputs_and_grads
-from attngrad.conformance.reference import reference_attention
-from attngrad.conformance.rule import Verdict, case_floors, judge, judge_outputs
 from attngrad.core.contract import Shapes
+from attngrad.verify.cases import Case, Inputs, as_attention, outputs_and_grads
+from attngrad.verify.reference import reference_attention
+from attngrad.verify.rule import Verdict, case_floors, judge, judge_outputs
 
 # "triton" runs here in Triton's interpreter at about a second per call: the
 # large grids (gradcheck, SDPA agreement, windows, properties, the ledger) run

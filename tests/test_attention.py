@@ -1,5 +1,5 @@
 """`attngrad.attention` on every strategy: gradcheck, the error rule of
-`attngrad.conformance.check` against the float64 reference in every dtype, dead rows, partial requires_grad,
+`attngrad.verify.check` against the float64 reference in every dtype, dead rows, partial requires_grad,
 dtypes, what the explicit strategy saves, dropout and causal alignment.
 """
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import make_inputs, outputs_and_grads
-from attngrad.conformance.check import run_case, strategy_fn
+from attngrad.verify.cases import make_inputs, outputs_and_grads
+from attngrad.verify.check import run_case, strategy_fn
 from helpers import TENSOR_STRATEGIES, assert_rule, case, dtype_name
 
 STRATEGIES = attngrad.STRATEGIES

@@ -3,7 +3,7 @@
 attngrad is arranged by role, from the bottom:
 
     core < autograd < strategies < call < api < ring < integrations
-         < conformance < tools < learn < cli                    (__init__, __main__ on top)
+         < verify < tools < learn < cli                    (__init__, __main__ on top)
 
 A module may import its own package and the packages below it, never one above,
 so each layer can be read, tested and replaced without the ones that use it.
@@ -32,7 +32,7 @@ LAYERS = (
     "api",
     "ring",
     "integrations",
-    "conformance",
+    "verify",
     "tools",
     "learn",
     "cli",

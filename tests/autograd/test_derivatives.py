@@ -1,7 +1,7 @@
 """Every derivative on every strategy: double backward, forward mode, torch.func, lse.
 
 Each is compared in float64 with autograd through the plain composite
-(`attngrad.conformance.reference`), whose derivatives of any order autograd takes op by
+(`attngrad.verify.reference`), whose derivatives of any order autograd takes op by
 op, and checked with gradcheck / gradgradcheck.  float64 rounding of these
 small problems is ~1e-15 relative; 1e-9 leaves room for error growth through
 two differentiations while a wrong term (O(1) relative) fails by far.
@@ -15,8 +15,8 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attngrad
-from attngrad.conformance.reference import reference_attention, reference_lse
 from attngrad.strategies import unavailable_reason
+from attngrad.verify.reference import reference_attention, reference_lse
 from helpers import TENSOR_STRATEGIES
 
 TOL = 1e-9

@@ -15,8 +15,8 @@ import attngrad
 from attngrad.cli import app as cli
 from attngrad.cli import check as check_command
 from attngrad.cli.args import measure_device, positive_float, positive_int
-from attngrad.conformance.cases import default_cases
-from attngrad.conformance.check import CaseResult
+from attngrad.verify.cases import default_cases
+from attngrad.verify.check import CaseResult
 
 
 def _read(path) -> dict:

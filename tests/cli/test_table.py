@@ -8,9 +8,9 @@ import pytest
 
 from attngrad.cli.check import check_records, check_summary, check_table
 from attngrad.cli.table import columns, markdown, write_csv
-from attngrad.conformance.check import CaseResult
 from attngrad.tools.machine import Machine
 from attngrad.tools.memory import format_bytes
+from attngrad.verify.check import CaseResult
 
 MACHINE = Machine("a test CPU", 4, "float32", 1024, 99.5)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import attngrad
-from attngrad.conformance.reference import reference_attention
+from attngrad.verify.reference import reference_attention
 from helpers import tiny_llama
 
 B, H, N, D = 2, 4, 24, 16

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import MASK_KINDS
+from attngrad.verify.cases import MASK_KINDS
 
 STRATEGIES = attngrad.STRATEGIES
 B, HQ, HKV, NQ, NK, D, DV = 2, 4, 2, 5, 7, 8, 6

@@ -4,7 +4,7 @@ Every op claims to work on any number of leading batch dims; the layouts
 below give the score matrix shapes [5, 6], [2, 5, 6] and [2, 3, 5, 6]
 (Nq=5 != Nk=6 so a transposed result cannot pass by accident).
 
-Results are judged by the error rule's floor (`attngrad.conformance.rule.rounding_floor`)
+Results are judged by the error rule's floor (`attngrad.verify.rule.rounding_floor`)
 taken from the op's own last step on absolute values: a sum of n products
 of magnitude A may be off by u * LAMBDA * sqrt(n) * A, element by element.
 """
@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngrad.conformance.cases import Case, outputs_and_grads
-from attngrad.conformance.reference import reference_attention
-from attngrad.conformance.rule import judge, rounding_floor
 from attngrad.core import ops
 from attngrad.core.contract import Shapes
+from attngrad.verify.cases import Case, outputs_and_grads
+from attngrad.verify.reference import reference_attention
+from attngrad.verify.rule import judge, rounding_floor
 from helpers import assert_floor
 
 NQ, NK, D, DV = 5, 6, 4, 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import make_inputs, outputs_and_grads
+from attngrad.verify.cases import make_inputs, outputs_and_grads
 from helpers import TENSOR_STRATEGIES, assert_rule, case
 
 STRATEGIES = attngrad.STRATEGIES

@@ -41,7 +41,7 @@ below 1e-13 relative (measured: <= 2e-14, BART's gradients); 1e-10 leaves over 1
 a wrong mask, scale, window, cap or sink moves the logits by 1e-3..1
 relative, failing by 10**7.
 
-float32: the 2x rule of `attngrad.conformance.rule` at model level: for each quantity
+float32: the 2x rule of `attngrad.verify.rule` at model level: for each quantity
 x (logits at real positions, each parameter's gradient),
 ``max|x_attngrad32 - x_ref64| <= 2 max|x_ref32 - x_ref64| + floor``, where
 x_ref32 is the reference implementation run in float32 on the same weights

@@ -2,7 +2,7 @@
 then the chapter's input contract on `CustomAttention` and its saved-memory formula.
 
 The chapter's own tests keep the chapter's tolerances (they are its text); the
-tests added below them judge by the harness's rule (`attngrad.conformance.rule`).
+tests added below them judge by the harness's rule (`attngrad.verify.rule`).
 
 Source: the course chapter "Attention Backward and Custom Autograd" that
 attngrad grows from.  Docstrings and comments are translated from Chinese.
@@ -21,7 +21,7 @@ from attngrad import (
     softmax_backward,
     value_gradient,
 )
-from attngrad.conformance.cases import make_inputs, outputs_and_grads
+from attngrad.verify.cases import make_inputs, outputs_and_grads
 from helpers import assert_rule, case
 
 # ---------------------------------------------------------------------------

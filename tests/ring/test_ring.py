@@ -3,7 +3,7 @@
 The distributed tests start real gloo process groups (spawned processes, a
 FileStore in tmp_path): one group per world size runs every case in a loop and
 writes its shards to a file; the parent reassembles them with `unshard` and
-judges them by the rule of `attngrad.conformance.rule` against the float64 reference.
+judges them by the rule of `attngrad.verify.rule` against the float64 reference.
 Spawning costs ~2 s per group.  The same groups run dropout and sinks, judged
 against single-process flash attention under the same seed (`ExtraCase`).
 """
@@ -22,9 +22,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attngrad
-from attngrad.conformance.cases import Case, make_inputs
-from attngrad.conformance.reference import reference_attention, reference_lse
-from attngrad.conformance.rule import judge_outputs
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed
 from attngrad.ring import ring_attention, shard, unshard
@@ -32,6 +29,9 @@ from attngrad.ring.attention import merge_partial_
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, Block, step_blocks
 from attngrad.strategies import MODULES, tiled_default, unavailable_reason
+from attngrad.verify.cases import Case, make_inputs
+from attngrad.verify.reference import reference_attention, reference_lse
+from attngrad.verify.rule import judge_outputs
 from helpers import assert_rule, case
 
 NEG_INF = float("-inf")
@@ -731,7 +731,7 @@ def _launch(world: int, tmp_path: Path, deadline: float = 60.0) -> list[int | No
 
 
 def _case_failures(rc: RingCase, got: dict[str, torch.Tensor], full: dict) -> list[str]:
-    """Out and every gradient against the float64 reference, by the rule of `attngrad.conformance.rule`."""
+    """Out and every gradient against the float64 reference, by the rule of `attngrad.verify.rule`."""
     c = rc.case
     failures = [f"{rc.id} {name} is {t.dtype}" for name, t in got.items() if t.dtype != c.dtype]
     return failures + [f"{rc.id} {v}" for v in judge_outputs(c, full, got) if not v.passed]

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import make_inputs, outputs_and_grads
-from attngrad.conformance.check import strategy_fn
 from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
 from attngrad.core.scores import ScoreMods
 from attngrad.core.tiling import key_schedule, schedule
 from attngrad.strategies.flash import backward_into, forward, tiles
+from attngrad.verify.cases import make_inputs, outputs_and_grads
+from attngrad.verify.check import strategy_fn
 from helpers import assert_rule, case
 
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import Case, make_inputs, outputs_and_grads
 from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
@@ -28,6 +27,7 @@ from attngrad.strategies import available, resolve, unavailable_reason
 from attngrad.strategies.triton import configs
 from attngrad.strategies.triton import strategy as triton_strategy
 from attngrad.tools.ledger import ledger_row
+from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
 from helpers import assert_rule, case
 
 triton = pytest.importorskip("triton")

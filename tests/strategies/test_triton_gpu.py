@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import make_inputs, outputs_and_grads
-from attngrad.conformance.check import strategy_fn
 from attngrad.strategies import unavailable_reason
+from attngrad.verify.cases import make_inputs, outputs_and_grads
+from attngrad.verify.check import strategy_fn
 from helpers import assert_rule, case
 
 pytestmark = pytest.mark.skipif(

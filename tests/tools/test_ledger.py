@@ -10,7 +10,6 @@ import torch
 
 from attngrad.api import attention
 from attngrad.cli import app as cli
-from attngrad.conformance.cases import Case
 from attngrad.core.contract import Shapes
 from attngrad.tools.ledger import (
     ledger_row,
@@ -20,6 +19,7 @@ from attngrad.tools.ledger import (
     second_order_row,
 )
 from attngrad.tools.memory import measure_peak_bytes, measure_saved_bytes
+from attngrad.verify.cases import Case
 from helpers import TENSOR_STRATEGIES
 
 # the calibration's GEMM, kept tiny: these tests check the wiring, not the rate

@@ -23,7 +23,7 @@ Each command lives in ``attngrad.cli.<command>`` (``bench --order 2`` and ``--fe
 in `attngrad.cli.bench_hvp` and `attngrad.cli.bench_features`): its flags
 (``add_<command>``), its run, and how its rows are shown, through the one writer of
 tables, CSV, JSON and plots, `attngrad.cli.table`.  The rows themselves come from
-`attngrad.conformance`, `attngrad.tools` and `attngrad.learn`.  ``--csv ''`` and
+`attngrad.verify`, `attngrad.tools` and `attngrad.learn`.  ``--csv ''`` and
 ``--plot ''`` skip that file.
 """
 

@@ -1,7 +1,7 @@
 """``attngrad check [--strategy NAME ...] [--json PATH|-] [--csv PATH] [--failures] [--seed N]
 [--no-gradcheck]``.
 
-The conformance grid (`attngrad.conformance.check`): every strategy over dtypes, masks
+The conformance grid (`attngrad.verify.check`): every strategy over dtypes, masks
 and layouts, each quantity judged against float64.  This module runs it and shows it:
 the table (`check_table`), the per-strategy counts (`check_summary`) and the CSV
 records (`check_records`).  Exit 1 on a failed case, 2 on a strategy that cannot run
@@ -19,18 +19,18 @@ import torch
 import attngrad
 from attngrad.cli.args import add_strategy, chosen_strategies
 from attngrad.cli.table import columns, verdict, write_csv, write_json
-from attngrad.conformance.cases import default_cases
-from attngrad.conformance.check import CaseResult, format_error, run_case
-from attngrad.conformance.derivatives import DERIVATIVE_TOLERANCE
-from attngrad.conformance.rule import GRADIENTS
 from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
+from attngrad.verify.cases import default_cases
+from attngrad.verify.check import CaseResult, format_error, run_case
+from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE
+from attngrad.verify.rule import GRADIENTS
 
 __all__ = ["add_check", "check_records", "check_summary", "check_table", "run_check"]
 
 _RULE = (
     "max abs error vs float64; ratio: worst error / bound of the rule, <= 2x plain PyTorch "
-    "+ a floor from the magnitudes (attngrad.conformance.rule), at most 1 passes"
+    "+ a floor from the magnitudes (attngrad.verify.rule), at most 1 passes"
 )
 _DERIVATIVES = (
     "float64 only: d2 (double backward, a Hessian-vector product) and jvp (forward mode) "
@@ -114,7 +114,7 @@ def check_summary(results: Sequence[CaseResult]) -> str:
 
 def check_records(results: Sequence[CaseResult]) -> list[dict[str, object]]:
     """CSV records: strategy, case, dtype, the verdicts, the worst ratio, ``error_<x>`` and
-    ``ratio_<x>`` per quantity of `attngrad.conformance.rule.GRADIENTS` (empty where the case has
+    ``ratio_<x>`` per quantity of `attngrad.verify.rule.GRADIENTS` (empty where the case has
     none), the higher-derivative errors and the message."""
     return [
         {
@@ -178,7 +178,7 @@ def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Run every strategy over a grid of dtypes, masks and layouts and compare the "
             "output and every gradient with a float64 reference, element by element: at most "
             "2x the error of plain PyTorch in the same dtype plus a floor derived from the "
-            "magnitudes that produce each quantity (attngrad.conformance.rule); on float64 cases "
+            "magnitudes that produce each quantity (attngrad.verify.rule); on float64 cases "
             "gradcheck, double backward and forward mode against autograd through the "
             "reference (relative error at most 1e-9) and gradgradcheck.  Exit 1 on a failed "
             "case, 2 when a strategy asked for cannot run here."

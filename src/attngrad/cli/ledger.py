@@ -28,7 +28,6 @@ from attngrad.cli.args import (
     positive_int,
 )
 from attngrad.cli.table import columns, destination, figure, write_csv, write_file, yes
-from attngrad.conformance.cases import Case
 from attngrad.core.contract import DTYPES, Shapes, pair
 from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
@@ -37,6 +36,7 @@ from attngrad.tools.ledger import LedgerRow, SecondOrderRow
 from attngrad.tools.machine import Machine
 from attngrad.tools.memory import format_bytes
 from attngrad.tools.paths import SDPA_BASELINES
+from attngrad.verify.cases import Case
 
 __all__ = [
     "add_ledger",

@@ -1,6 +1,6 @@
 """The one writer of what the commands show and write.
 
-Every command computes rows (in `attngrad.conformance`, `attngrad.tools`,
+Every command computes rows (in `attngrad.verify`, `attngrad.tools`,
 `attngrad.learn`) and writes them here: aligned text `columns` or a `markdown`
 table, CSV (`write_csv`, with the `attngrad.tools.machine.Machine` columns on every
 row), JSON (`write_json`) and PNG figures (`figure`, which needs matplotlib: without

@@ -1,6 +1,6 @@
 """``attngrad verify MODULE:FUNCTION [--json PATH|-] [--seed N] [--no-gradcheck]``.
 
-Judges any function with SDPA's signature (`attngrad.conformance.verify`): the conformance
+Judges any function with SDPA's signature (`attngrad.verify.verify`): the conformance
 grid against float64, gradcheck, determinism and no input modified, after probing
 which features the function takes.  Exit 0 when everything that ran passed, 1 on a
 failure, 2 when the function cannot be loaded.  Wired into the ``attngrad`` command by
@@ -17,9 +17,9 @@ import torch
 
 import attngrad
 from attngrad.cli.table import columns, write_json
-from attngrad.conformance import verify as external
-from attngrad.conformance.verify import Result
 from attngrad.core.progress import Progress
+from attngrad.verify import verify as external
+from attngrad.verify.verify import Result
 
 __all__ = ["add_verify", "run_verify", "verify_table"]
 
@@ -90,7 +90,7 @@ def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "Nq != Nk, dv != d, 3-d and 5-d inputs: a probe that raises marks the feature "
             "unsupported), then run the conformance grid on what it takes, element by element "
             "against float64 (at most 2x the error of plain PyTorch plus a floor from the "
-            "magnitudes: attngrad.conformance.rule), gradcheck on float64, a bitwise determinism check "
+            "magnitudes: attngrad.verify.rule), gradcheck on float64, a bitwise determinism check "
             "and a check that no input is modified.  Exit 0 when everything that ran passed, "
             "1 on a failure, 2 when the function cannot be loaded."
         ),

@@ -29,11 +29,11 @@ from typing import TypeVar
 
 import torch
 
-from attngrad.conformance.cases import Case
 from attngrad.core.contract import dtype_name
 from attngrad.strategies import MODULES, base
 from attngrad.tools.memory import measure_peak_bytes, measure_saved_bytes, measure_saved_storages
 from attngrad.tools.paths import SDPA_BASELINES, hessian_vector_product, path_fn
+from attngrad.verify.cases import Case
 
 __all__ = [
     "LedgerRow",

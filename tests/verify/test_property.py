@@ -5,7 +5,7 @@ sliding window with open sides (alone or with the mask), either alignment,
 packed segments (empty ones too), a softcap, sinks per head or per token,
 dropout, GQA layouts, a scale, a dtype, logits up to |S| ~ 1e4 and biases at the dtype's finfo.min,
 at a huge positive value and at -1e9, and judges output and every gradient
-against the float64 reference with `attngrad.conformance.rule`.  No NaN, no
+against the float64 reference with `attngrad.verify.rule`.  No NaN, no
 tolerance of the test's own.
 """
 
@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import attngrad
-from attngrad.conformance.cases import Case, make_inputs, outputs_and_grads
-from attngrad.conformance.check import strategy_fn
-from attngrad.conformance.rule import judge_outputs
 from attngrad.core.contract import Shapes
+from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
+from attngrad.verify.check import strategy_fn
+from attngrad.verify.rule import judge_outputs
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 EDGES = ("none", "finfo-min-row", "finfo-min-some", "huge-one", "minus-1e9")

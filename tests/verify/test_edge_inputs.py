@@ -1,6 +1,6 @@
 """Inputs real models send, at the edges: each test names the bug it guards against.
 
-Every check is the harness's one rule (`attngrad.conformance.rule`), on every strategy
+Every check is the harness's one rule (`attngrad.verify.rule`), on every strategy
 and dtype; where the math fixes the answer exactly (a uniform row, an empty
 row) the answer is pinned by name.
 """
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.conformance.cases import Case, make_inputs, outputs_and_grads
-from attngrad.conformance.check import strategy_fn
-from attngrad.conformance.rule import judge, judge_outputs, rounding_floor
 from attngrad.core.contract import Shapes
+from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
+from attngrad.verify.check import strategy_fn
+from attngrad.verify.rule import judge, judge_outputs, rounding_floor
 
 STRATEGIES = attngrad.STRATEGIES
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

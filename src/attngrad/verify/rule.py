@@ -1,7 +1,7 @@
 r"""The error rule: how far from float64 an implementation may be, in any dtype.
 
 One rule for every dtype and every machine: an implementation's error against
-`attngrad.conformance.reference.reference_attention` (run in float64 on the
+`attngrad.verify.reference.reference_attention` (run in float64 on the
 inputs as rounded to the case's dtype) is at most twice the error of the plain
 PyTorch computation in that dtype, plus a floor that follows from the
 magnitudes of what produces each quantity.  `judge` applies it to one
@@ -15,13 +15,13 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask, dsinks
                          + u_c LAMBDA (sqrt(n) A_x + sqrt(d) C_x)
                          + u (DTYPE_ROUNDINGS A_x + 2 C_x)
 
-* ``x_plain`` (`attngrad.conformance.reference.plain_attention`): the plain PyTorch
+* ``x_plain`` (`attngrad.verify.reference.plain_attention`): the plain PyTorch
   computation in the case's dtype, on the same rounded inputs.  Its error is
   the 2x rule serious kernel projects use.
 * ``u``: the unit roundoff of the case's dtype (eps / 2); ``u_c`` that of
   the dtype the sums run in (float32 for 16-bit inputs, see
   `attngrad.core.ops.compute_dtype`; else the dtype itself).
-* ``A_x`` (`attngrad.conformance.reference.magnitudes`): the last step that forms x,
+* ``A_x`` (`attngrad.verify.reference.magnitudes`): the last step that forms x,
   evaluated in float64 on absolute values: P |v| for the output, P^T |dO|
   for dv, P o (|dO| |v|^T + rowsum(P o |dO| |v|^T)) for dS and so the mask's
   gradient, scale * |dS|-bound * |k| for dq, ...  The classical forward error
@@ -78,7 +78,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attngrad.conformance.cases import (
+from attngrad.core.ops import compute_dtype
+from attngrad.verify.cases import (
     Case,
     Inputs,
     as_attention,
@@ -87,8 +88,7 @@ from attngrad.conformance.cases import (
     outputs_and_grads,
     reference_keywords,
 )
-from attngrad.conformance.reference import magnitudes, plain_attention, reference_attention
-from attngrad.core.ops import compute_dtype
+from attngrad.verify.reference import magnitudes, plain_attention, reference_attention
 
 __all__ = [
     "DTYPE_ROUNDINGS",
@@ -180,7 +180,7 @@ def rounding_floor(
 ) -> torch.Tensor:
     """The rule's floor for one quantity (module docstring), shaped like it.
 
-    magnitude: A_x, sensitivity: C_x (`attngrad.conformance.reference.magnitudes`);
+    magnitude: A_x, sensitivity: C_x (`attngrad.verify.reference.magnitudes`);
     operands: the product of the operands' largest magnitudes (`operand_scale`).
     The sums run in the compute dtype (float32 for 16-bit inputs), the few
     single roundings to the dtype in the dtype itself.

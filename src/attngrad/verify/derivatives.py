@@ -1,8 +1,8 @@
 r"""The higher derivatives of a float64 case, against the reference's.
 
-Beside the error rule (`attngrad.conformance.rule`), each float64 case
+Beside the error rule (`attngrad.verify.rule`), each float64 case
 compares two more derivatives with autograd through the float64 composite
-`attngrad.conformance.reference.reference_attention`:
+`attngrad.verify.reference.reference_attention`:
 
 * ``second_order_error``: double backward.  With w = the case's dout and
   fixed random directions u (`directions`), g = grad(<O, w>, x,
@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from attngrad.conformance.cases import (
+from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
@@ -43,7 +43,7 @@ from attngrad.conformance.cases import (
     input_tensor,
     make_leaves,
 )
-from attngrad.conformance.rule import REFERENCE, abs_error, largest
+from attngrad.verify.rule import REFERENCE, abs_error, largest
 
 __all__ = [
     "DERIVATIVES",

@@ -13,14 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from attngrad.conformance.cases import as_attention, dropout_mask, make_inputs, outputs_and_grads
-from attngrad.conformance.reference import (
+from attngrad.verify.cases import as_attention, dropout_mask, make_inputs, outputs_and_grads
+from attngrad.verify.reference import (
     magnitudes,
     plain_attention,
     reference_attention,
     reference_lse,
 )
-from attngrad.conformance.rule import case_floors, judge
+from attngrad.verify.rule import case_floors, judge
 from helpers import assert_floor, case, dtype_name, sdpa_math
 
 CASES = [

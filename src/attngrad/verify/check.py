@@ -3,12 +3,12 @@ r"""The conformance harness: judge an attention implementation against float64.
 For one `Case` and one strategy (or any SDPA-like function), `run_case`
 computes the output and every gradient (dq, dk, dv and, for a float mask,
 dmask, for sinks, dsinks), compares each with
-`attngrad.conformance.reference.reference_attention` run in float64, and
+`attngrad.verify.reference.reference_attention` run in float64, and
 judges the difference with one rule, the same for every dtype and every
 machine.  The cases, their inputs and the grid live in
-`attngrad.conformance.cases`, the rule in `attngrad.conformance.rule`, the
+`attngrad.verify.cases`, the rule in `attngrad.verify.rule`, the
 higher derivatives (double backward, forward mode) in
-`attngrad.conformance.derivatives`; this module runs them and collects a
+`attngrad.verify.derivatives`; this module runs them and collects a
 `CaseResult`.
 
 NaN anywhere fails.  On float64 cases ``gradcheck`` also runs (fast mode: a
@@ -29,7 +29,8 @@ import torch
 from torch.autograd.gradcheck import GradcheckError
 
 from attngrad.api import attention
-from attngrad.conformance.cases import (
+from attngrad.core.contract import dtype_name
+from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
@@ -39,9 +40,8 @@ from attngrad.conformance.cases import (
     make_leaves,
     outputs_and_grads,
 )
-from attngrad.conformance.derivatives import DERIVATIVE_TOLERANCE, derivative_errors
-from attngrad.conformance.rule import judge_outputs
-from attngrad.core.contract import dtype_name
+from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE, derivative_errors
+from attngrad.verify.rule import judge_outputs
 
 __all__ = [
     "GRADGRADCHECK_ELEMENTS",

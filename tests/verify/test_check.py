@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from attngrad.conformance.cases import (
+from attngrad.verify.cases import (
     DROPOUT_SEED,
     as_attention,
     default_cases,
@@ -19,16 +19,16 @@ from attngrad.conformance.cases import (
     make_inputs,
     outputs_and_grads,
 )
-from attngrad.conformance.check import SLOW_GRADGRADCHECK, run_case, strategy_fn
-from attngrad.conformance.derivatives import (
+from attngrad.verify.check import SLOW_GRADGRADCHECK, run_case, strategy_fn
+from attngrad.verify.derivatives import (
     DERIVATIVE_TOLERANCE,
     derivative_errors,
     directions,
     relative_error,
     second_order,
 )
-from attngrad.conformance.reference import reference_attention
-from attngrad.conformance.rule import judge_outputs
+from attngrad.verify.reference import reference_attention
+from attngrad.verify.rule import judge_outputs
 from helpers import TENSOR_STRATEGIES, case
 
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import attngrad
 from attngrad.cli.verify import add_verify, verify_table
-from attngrad.conformance import verify as external
-from attngrad.conformance.verify import load, quick_cases, verify
+from attngrad.verify import verify as external
+from attngrad.verify.verify import load, quick_cases, verify
 from helpers import TENSOR_STRATEGIES
 
 QUICK = quick_cases()

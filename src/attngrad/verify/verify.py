@@ -17,10 +17,10 @@ teaching implementation.  `verify` runs, in order:
    gradient": a float mask whose gradient the function does not give (the
    backward raises, or the mask is not in the graph) is unsupported; its
    cases then judge out, dq, dk and dv only.
-2. The conformance grid: `attngrad.conformance.cases.default_cases` restricted to SDPA's
+2. The conformance grid: `attngrad.verify.cases.default_cases` restricted to SDPA's
    options (no softcap, sinks, packed segments, window, bottom-right
    alignment or dropout: attngrad's extensions), each judged against the
-   float64 reference by `attngrad.conformance.rule` (at most 2x plain PyTorch's
+   float64 reference by `attngrad.verify.rule` (at most 2x plain PyTorch's
    error in the same dtype plus the floor of the magnitudes).
 3. ``gradcheck`` (fast mode) on each float64 case the function takes.
 4. Determinism: forward and backward `DETERMINISM_RUNS` times on one case
@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
-from attngrad.conformance.cases import (
+from attngrad.core.contract import DTYPES, Shapes, dtype_name
+from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
@@ -55,8 +56,7 @@ from attngrad.conformance.cases import (
     make_inputs,
     make_leaves,
 )
-from attngrad.conformance.rule import judge_outputs
-from attngrad.core.contract import DTYPES, Shapes, dtype_name
+from attngrad.verify.rule import judge_outputs
 
 __all__ = [
     "DETERMINISM_RUNS",

@@ -22,9 +22,9 @@ from typing import cast
 
 import torch
 
-from attngrad.conformance.reference import Window
 from attngrad.core.contract import Shapes, dtype_name, pair
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
+from attngrad.verify.reference import Window
 
 __all__ = [
     "DROPOUT_SEED",
@@ -357,7 +357,7 @@ def reference_keywords(
 
 
 def as_attention(reference: AttentionFn) -> AttentionFn:
-    """A function of `attngrad.conformance.reference` called like `attention`: with ``dropout_p`` it
+    """A function of `attngrad.verify.reference` called like `attention`: with ``dropout_p`` it
     applies the keep mask attention draws from ``generator`` (`dropout_mask`)."""
 
     def fn(

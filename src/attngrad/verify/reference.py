@@ -19,7 +19,7 @@ is the reference.
 
 `plain_attention`: the plain computation in a dtype that the 2x rule
 compares with.  `magnitudes`: the last step of each quantity on absolute
-values, the numbers the error rule of `attngrad.conformance.rule` derives its floor
+values, the numbers the error rule of `attngrad.verify.rule` derives its floor
 from.
 """
 
