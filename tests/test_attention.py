@@ -496,3 +496,25 @@ def test_2d_mask_must_broadcast_to_nq_nk():
         attngrad.attention(q, k, v, torch.ones(1, 7, 11, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"key has 3 dims"):
         attngrad.attention(q, k.unsqueeze(0), v.unsqueeze(0))
+
+
+@by_tensor_strategy
+@pytest.mark.parametrize("per", ["token", "all"])
+def test_2d_sinks_are_per_token_as_lse_is(strategy, per):
+    # lse of 2-D inputs is [Nq], so a 1-D sinks is [Nq] (or [1]); the same call as
+    # [1, 1, N, d] inputs with sinks [1, Nq] (broadcast over [..., Hq, Nq])
+    q, k, v, _ = _sdpa_2d_inputs("none")
+    sinks = torch.randn(7 if per == "token" else 1, dtype=torch.float64, requires_grad=True)
+    out, lse = attngrad.attention(q, k, v, sinks=sinks, strategy=strategy, return_lse=True)
+    out4, lse4 = attngrad.attention(
+        q[None, None], k[None, None], v[None, None], sinks=sinks.view(1, -1),
+        strategy=strategy, return_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out, out4[0, 0], rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse4[0, 0], rtol=0, atol=0)
+    (ds,) = torch.autograd.grad((out.square().sum() + lse.sum()), sinks)
+    (ds4,) = torch.autograd.grad((out4.square().sum() + lse4.sum()), sinks)
+    torch.testing.assert_close(ds, ds4, rtol=1e-12, atol=1e-12)
+    assert ds.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"with 2-D inputs it must be \[Nq\] = \[7\]"):
+        attngrad.attention(q, k, v, sinks=torch.zeros(5, dtype=torch.float64))

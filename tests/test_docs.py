@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md runs, in page order.
+"""Every ```python block of README.md and docs/*.md runs, in page order, and every
+``>>>`` example of the package's docstrings (the API reference shows them).
 
 The blocks of one page share one namespace, as a reader who pastes them one after
 another would, so a page runs as one test. A block that needs what the suite does not
@@ -9,6 +10,8 @@ Shell blocks (```console, ```bash) are not run.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import re
 import unittest
 from pathlib import Path
@@ -16,6 +19,8 @@ from pathlib import Path
 import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+
+import attngrad
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -55,3 +60,24 @@ def test_skipped_block_says_why(where: str, reason: str) -> None:
         f'{where}: a skipped block must say why, as <!-- skip: next "reason" -->; got {reason!r}'
     )
     pytest.skip(f"{where}: {reason.strip(chr(34))}")
+
+
+def _modules_with_examples() -> list[str]:
+    """The package's modules whose docstrings hold ``>>>`` examples (the API pages show them)."""
+    src = Path(attngrad.__file__).parent
+    names = []
+    for path in sorted(src.rglob("*.py")):
+        if ">>>" in path.read_text(encoding="utf-8"):
+            parts = path.relative_to(src.parent).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+@pytest.mark.parametrize("name", _modules_with_examples())
+def test_docstring_examples_run(name: str) -> None:
+    module = importlib.import_module(name)
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in finder.find(module, name):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, result  # a torchrun-only example is all comments: 0 attempted

@@ -15,6 +15,8 @@ another: the tools share only the modules ``tools/__init__`` names as shared.
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,3 +193,12 @@ def test_the_rules_see_a_planted_violation(source: str, planted: str) -> None:
     # a check that cannot fail proves nothing: plant one violation of each rule
     tree = ast.parse(source)
     assert _upward(_imports(planted, tree)) or _private_uses(planted, tree)
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - {"__main__"}))  # __main__ runs the CLI
+def test_every_module_is_reachable_by_its_dotted_path(name: str) -> None:
+    # `import a.b.c as m`, monkeypatch's "a.b.c.x" and mkdocstrings walk attributes:
+    # a package attribute that shadows a submodule would send them elsewhere
+    dotted = "attngrad" if name == "__init__" else f"attngrad.{name}"
+    module = importlib.import_module(dotted)
+    assert pkgutil.resolve_name(dotted) is module

@@ -38,7 +38,10 @@ def validate_softcap(softcap: object) -> float | None:
 
 
 def validate_sinks(sinks: object, query: torch.Tensor, shapes: Shapes) -> torch.Tensor | None:
-    """``sinks`` as a tensor broadcastable to lse's [..., Hq, Nq] (a 1-D [Hq] becomes [Hq, 1])."""
+    """``sinks`` as a tensor broadcastable to lse's [..., Hq, Nq] (a 1-D [Hq] becomes [Hq, 1]).
+
+    With SDPA's 2-D inputs lse is [Nq], so a 1-D ``sinks`` is per token, [Nq] (or [1]).
+    """
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
@@ -51,11 +54,16 @@ def validate_sinks(sinks: object, query: torch.Tensor, shapes: Shapes) -> torch.
     if sinks.device != query.device:
         raise ArgumentError(f"sinks is on {sinks.device} but query is on {query.device}; move it.")
     target = (*shapes.lead, shapes.heads_q, shapes.seq_q)
-    s = sinks.unsqueeze(-1) if sinks.ndim == 1 else sinks
+    s = sinks.unsqueeze(-1) if sinks.ndim == 1 and not shapes.headless else sinks
     fits = s.ndim <= len(target) and all(
         a in (1, t) for a, t in zip(reversed(s.shape), reversed(target), strict=False)
     )
     if sinks.ndim == 0 or not fits:
+        if shapes.headless:
+            raise ArgumentError(
+                f"sinks has shape {tuple(sinks.shape)}; with 2-D inputs it must be [Nq] = "
+                f"[{shapes.seq_q}] (one logit per query) or [1] (one for all)."
+            )
         raise ArgumentError(
             f"sinks has shape {tuple(sinks.shape)}; it must be [Hq] = [{shapes.heads_q}] (one "
             f"logit per head) or broadcastable to [..., Hq, Nq] = {target} (per token)."

@@ -87,6 +87,7 @@ from typing import Any
 import torch
 
 from attngrad.api import attention
+from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.strategies import STRATEGIES
 
 __all__ = ["RESERVED_NAMES", "attention_forward", "register", "registered"]
@@ -182,7 +183,7 @@ def register(name: str = "attngrad", strategy: str = "auto") -> str:
     if mask_taken is not None and mask_taken is not sdpa_mask:
         taken = taken or mask_taken
     if taken is not None and name not in _REGISTERED:
-        raise ValueError(
+        raise ArgumentError(
             f"name={name!r} is already registered in transformers' AttentionInterface or AttentionMaskInterface (by "
             f"{getattr(taken, '__qualname__', taken)!r}); pass another name, e.g. "
             f"register({(name + '-attngrad')!r}, strategy={strategy!r})."
@@ -198,7 +199,7 @@ def register(name: str = "attngrad", strategy: str = "auto") -> str:
 def _check_name(name: object) -> None:
     hint = "e.g. register('attngrad') or register('attngrad-explicit', strategy='explicit')"
     if not isinstance(name, str):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"name must be a str, got {name!r:.80} of type {type(name).__name__}; {hint}."
         )
     lowered = name.lower()
@@ -225,7 +226,7 @@ def _check_name(name: object) -> None:
             "transformers loads names of the form 'org/repo[@rev][:fn]' as kernels from the Hub"
         )
     if reason is not None:
-        raise ValueError(
+        raise ArgumentError(
             f"name={name!r} cannot be registered: {reason}; pick another name, {hint}."
         )
 
@@ -285,7 +286,7 @@ def attention_forward(
     How each keyword maps: the module docstring.
     """
     if _attentions_requested(output_attentions):
-        raise ValueError(
+        raise ArgumentError(
             "attngrad forms no attention weights, so output_attentions=True cannot be served; "
             "use attn_implementation='eager' for attention weights (e.g. "
             "model.set_attn_implementation('eager'))."
@@ -294,7 +295,7 @@ def attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attngrad cannot honour the keyword {name!r}: {why}.")
     if sinks is not None and s_aux is not None and sinks is not s_aux:
-        raise ValueError("both s_aux and sinks were given; pass the attention sinks once.")
+        raise ArgumentError("both s_aux and sinks were given; pass the attention sinks once.")
     sink = s_aux if s_aux is not None else sinks
     mask = _check_mask(attention_mask, query, key)
     causal_module = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -330,7 +331,7 @@ def attention_forward(
     batch = query.shape[0]
     if packed and batch > 1:  # the rows laid end to end, as FlashAttention's varlen API takes them
         if attn_mask is not None:
-            raise ValueError(
+            raise ArgumentError(
                 f"cu_seq_lens_q/k with a batch of {batch} rows and an attention_mask: packed "
                 "sequences come as one row (batch 1); pass input_ids of shape [1, total]."
             )
@@ -369,7 +370,9 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int | None, int |
         return None
     w = int(sliding_window)
     if w < 1:
-        raise ValueError(f"sliding_window={sliding_window!r}: it must be a positive int or None.")
+        raise ArgumentError(
+            f"sliding_window={sliding_window!r}: it must be a positive int or None."
+        )
     return (w - 1, 0) if causal else (w, w)
 
 
@@ -377,13 +380,13 @@ def _check_mask(mask: object, query: torch.Tensor, key: torch.Tensor) -> torch.T
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"attention_mask is a {type(mask).__name__}; attngrad takes a 4-D torch.Tensor or "
             "None (a flex BlockMask needs attn_implementation='flex_attention'). Register with "
             "attngrad.integrations.transformers.register(), which also registers the mask builder."
         )
     if mask.ndim != 4:
-        raise ValueError(
+        raise ArgumentError(
             f"attention_mask has shape {tuple(mask.shape)}; attngrad takes the 4-D masks "
             f"[B or 1, 1 or Hq, Nq, Nk] = [{query.shape[0]}, {query.shape[1]}, {query.shape[2]}, "
             f"{key.shape[2]}] that transformers' sdpa_mask builds. Register with "

@@ -34,7 +34,6 @@ gradient ones: a Hessian-vector product).
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, saved_tensors_hooks
 
 from attngrad.core.contract import DTYPES
-from attngrad.strategies import STRATEGIES, available
+from attngrad.strategies import MODULES, STRATEGIES, available
 from attngrad.tools.paths import BASELINES as PATH_BASELINES
 from attngrad.tools.paths import PYTORCH_MATH, SDPA_MATH, path_fn
 
@@ -323,7 +322,7 @@ def _description(path: str) -> str:
     if path in PATH_BASELINES:
         return PATH_BASELINES[path].about
     try:
-        doc = importlib.import_module(f"attngrad.strategies.{path}").__doc__ or ""
+        doc = MODULES[path].__doc__ or ""
     except ImportError:
         doc = ""
     first = doc.strip().splitlines()[0] if doc.strip() else ""

@@ -23,7 +23,7 @@ import torch
 
 from attngrad.core.contract import Shapes
 from attngrad.strategies import explicit, flash, recompute
-from attngrad.strategies.triton import strategy as triton
+from attngrad.strategies.triton import strategy as triton_strategy
 
 __all__ = [
     "MODULES",
@@ -39,7 +39,7 @@ MODULES: dict[str, ModuleType] = {
     "explicit": explicit,
     "recompute": recompute,
     "flash": flash,
-    "triton": triton,
+    "triton": triton_strategy,
 }
 
 STRATEGIES: tuple[str, ...] = tuple(MODULES)
@@ -116,5 +116,5 @@ def _triton_runs(device: torch.device | None, head_dim: int, value_dim: int) -> 
     """Whether "auto" takes triton: CUDA tensors, Triton installed, head dims that fit."""
     if device is None or device.type != "cuda":
         return False
-    fits = max(head_dim, value_dim) <= triton.MAX_HEAD_DIM
+    fits = max(head_dim, value_dim) <= triton_strategy.MAX_HEAD_DIM
     return fits and unavailable_reason("triton", device) is None

@@ -153,7 +153,7 @@ def launches(variant: Variant, arch: int) -> list[tuple[str, dict[str, object], 
     The triton strategy's launchers under `dry_run` for sm_<arch>, on CPU
     tensors of the variant's sizes (nothing runs).
     """
-    from attngrad.strategies.triton import strategy as triton
+    from attngrad.strategies.triton import strategy as triton_strategy
 
     hkv = 2 if variant.groups == 1 else 1
     hq = hkv * variant.groups
@@ -161,17 +161,19 @@ def launches(variant: Variant, arch: int) -> list[tuple[str, dict[str, object], 
     q = torch.zeros(1, hq, n, d, dtype=dtype)
     k = v = torch.zeros(1, hkv, n, d, dtype=dtype)
     mask, bias_grad = _mask(variant, hq, hkv)
-    tiles = triton.tiles(Shapes.of(q, k, v), dtype, None, None)
+    tiles = triton_strategy.tiles(Shapes.of(q, k, v), dtype, None, None)
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
     matmul.fp32_precision = "tf32" if variant.precision == "tf32" else "ieee"
     try:
-        with triton.dry_run(arch) as recorded:
-            o, saved = triton.forward(q, k, v, mask, d**-0.5, tiles)
+        with triton_strategy.dry_run(arch) as recorded:
+            o, saved = triton_strategy.forward(q, k, v, mask, d**-0.5, tiles)
             grads = [torch.zeros_like(t) for t in (q, k, v)]
             dbias = torch.zeros(hq, n, n, dtype=dtype) if bias_grad else None
             accumulators = (grads[0], grads[1], grads[2], dbias)
-            triton.backward_into(accumulators, o, None, q, k, v, saved, mask, d**-0.5, tiles)
+            triton_strategy.backward_into(
+                accumulators, o, None, q, k, v, saved, mask, d**-0.5, tiles
+            )
     finally:
         matmul.fp32_precision = before
     return [(launch.kernel.__name__, launch.args, launch.kernel) for launch in recorded]  # type: ignore[attr-defined]

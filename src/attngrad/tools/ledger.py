@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 
 def predicted_saved_bytes(path: str, case: Case, mask_bytes: int = 0) -> int | None:
-    """A strategy's declared saved bytes (module docstring); None for the baselines."""
+    """A strategy's declared saved bytes (its `saves`); None for the baselines."""
     if path not in MODULES:
         return None
     return base.saved_bytes(MODULES[path], case.shapes, case.dtype, mask_bytes)
