@@ -29,7 +29,7 @@ from attngrad.core.dropout import Dropout
 from attngrad.core.keywords import validate_generator, validate_sinks, validate_softcap
 from attngrad.core.scores import ScoreMods, split_mask
 from attngrad.core.sinks import merge_sinks
-from attngrad.strategies import STRATEGIES, TILED, resolve
+from attngrad.strategies import MODULES, STRATEGIES, TILED, resolve
 
 __all__ = ["Call"]
 
@@ -94,7 +94,8 @@ class Call:
 
         ``compiling``: under torch.compile, where nothing may read a tensor on
         the host (the segments are then read in the op) and dropout draws from
-        the default generator.
+        the default generator.  RuntimeError when the strategy cannot run on
+        these tensors here (triton off CUDA without the interpreter).
         """
         # a CausalBias is part of the band; any other attn_mask is checked as SDPA's
         tensor_mask = None if isinstance(attn_mask, CausalBias) else attn_mask
@@ -120,6 +121,9 @@ class Call:
         tiling_given = block_q is not None or block_k is not None
         name = resolve(strategy, shapes, tiling_given, banded, query.device)
         block_q, block_k = validate_blocks(block_q, block_k, name, TILED)
+        reason = MODULES[name].unavailable_reason(query.device)
+        if reason is not None:
+            raise RuntimeError(reason)
         bias, keep = split_mask(tensor_mask, shapes)
         s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
         return Call(

@@ -49,7 +49,7 @@ __all__ = ["run"]
 
 def _banded(left: int | None, right: int | None, cu_q: torch.Tensor | None) -> bool:
     """Whether the call has a band (`BandSpec.bounded`, the segments not read yet)."""
-    return left is not None or right is not None or cu_q is not None
+    return BandSpec(left, right).bounded or cu_q is not None
 
 
 def _score_mods(
@@ -226,9 +226,6 @@ def run(
     """(O: [B, Hq, Nq, dv], lse: [B, Hq, Nq]) of ``call`` through the ops, over
     q: [B, Hq, Nq, d], k, v (`Call.inputs`); the segments are read when the op runs.
     """
-    reason = MODULES[call.strategy].unavailable_reason(q.device)
-    if reason is not None:
-        raise RuntimeError(reason)
     band = call.band
     out = _forward(
         q, k, v, call.bias, call.keep, *call.cu_seqlens, call.strategy, call.scale, band.left,

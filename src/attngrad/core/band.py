@@ -217,7 +217,7 @@ def validate_band(
     alignment; any other mask is no part of the band.  ``cu_seqlens``: the raw
     (cu_seqlens_q, cu_seqlens_k); with ``read=False`` (under torch.compile)
     their values are left to the op that runs the call, and the spec has no
-    segments yet (`BandSpec.with_segments`).
+    segments yet (the compiled route reads them in its op).
     """
     align = validate_align(align)
     if isinstance(attn_mask, CausalBias):  # SDPA's causal masks: is_causal with their alignment
@@ -263,10 +263,6 @@ class BandSpec:
     def bounded(self) -> bool:
         """False when every query sees every key (no band to build)."""
         return self.left is not None or self.right is not None or self.segments is not None
-
-    def with_segments(self, segments: Segments | None) -> BandSpec:
-        """The same band over segments read later (the compiled route reads them in its op)."""
-        return BandSpec(self.left, self.right, self.align, segments)
 
     def build(self, seq_q: int, seq_k: int, device: torch.device | None = None) -> Band | None:
         """The per-row intervals for Nq = seq_q, Nk = seq_k on ``device``; None when unbounded."""
