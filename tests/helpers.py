@@ -3,8 +3,9 @@
 Inputs, outputs and gradients come from `attngrad.verify.cases`, the
 judge from `attngrad.verify.rule`; this module only adds what the tests
 need on top: ``case(...)`` (a `Case` from positional sizes), ``assert_rule``
-(every verdict of `judge_outputs` passes, the verdicts in the message) and the lists of
-strategies.  Plain functions (not fixtures) because parametrize ids are built
+(every verdict of `judge_outputs` passes, the verdicts in the message), `StrictRule`
+(the rule without its 2x term, where that term would pass zeros), the lists of
+strategies and the small tiles of the tiled ones.  Plain functions (not fixtures) because parametrize ids are built
 at collection time.  Test modules import them as ``from helpers import ...``;
 pytest puts this folder on ``sys.path`` (the default "prepend" import mode).
 """
@@ -12,6 +13,7 @@ pytest puts this folder on ``sys.path`` (the default "prepend" import mode).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,15 +21,64 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attngrad
 from attngrad.core.contract import Shapes
-from attngrad.verify.cases import Case, Inputs, as_attention, outputs_and_grads
+from attngrad.verify.cases import (
+    AttentionFn,
+    Case,
+    Inputs,
+    as_attention,
+    outputs_and_grads,
+    received,
+)
 from attngrad.verify.reference import reference_attention
-from attngrad.verify.rule import Verdict, case_floors, judge, judge_outputs
+from attngrad.verify.rule import (
+    REFERENCE,
+    Verdict,
+    case_bounds,
+    case_floors,
+    judge,
+    judge_outputs,
+)
 
 # "triton" runs here in Triton's interpreter at about a second per call: the
 # large grids (gradcheck, SDPA agreement, windows, properties, the ledger) run
 # over the tensor-op strategies, and tests/strategies/test_triton.py gives triton the same
 # checks on a smaller grid; the other strategy-parametrized tests include it.
 TENSOR_STRATEGIES = tuple(s for s in attngrad.STRATEGIES if s != "triton")
+
+# Small tiles (block_q, block_k) for each tiled strategy (`attngrad.strategies.TILED`), so that
+# short sequences span several tiles and the step that merges key tiles (the running max's
+# rescale) and the split into query blocks run: the default tiles cover up to 256 keys.
+# Triton's tiles are powers of two from 16 (its `tiles` check), so it needs Nq, Nk > 16.
+SMALL_TILES: dict[str, tuple[tuple[int, int], ...]] = {
+    "flash": ((16, 16), (7, 5)),
+    "triton": ((16, 16),),
+}
+# Triton's interpreter costs ~0.3 s a tile: where its small tiles run, its own (one tile of
+# a short sequence) do not; the small tiles take every step one tile does, and the merges
+SMALL_TILES_ONLY = ("triton",)
+
+
+def attention_fn(strategy: str, tiles: tuple[int, int] | None = None) -> AttentionFn:
+    """`attngrad.attention` bound to ``strategy`` and its tiles (None: the strategy's own)."""
+    blocks = {} if tiles is None else {"block_q": tiles[0], "block_k": tiles[1]}
+
+    def fn(*args: object, **kwargs: object) -> torch.Tensor:
+        return attngrad.attention(*args, strategy=strategy, **blocks, **kwargs)  # type: ignore[arg-type,call-overload,no-any-return]
+
+    return fn
+
+
+def runs(strategies: tuple[str, ...]) -> list[tuple[str, tuple[int, int] | None]]:
+    """(strategy, tiles) pairs: each strategy at its own tiles (None), each tiled one at
+    `SMALL_TILES` too (triton at those only: `SMALL_TILES_ONLY`)."""
+    own = [(s, None) for s in strategies if s not in SMALL_TILES_ONLY]
+    return own + [(s, t) for s in strategies for t in SMALL_TILES.get(s, ())]
+
+
+def run_id(run: tuple[str, tuple[int, int] | None]) -> str:
+    """``flash`` or ``flash-7x5``: a parametrize id of `runs`' pairs."""
+    strategy, tiles = run
+    return strategy if tiles is None else f"{strategy}-{tiles[0]}x{tiles[1]}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -134,3 +185,63 @@ def tiny_llama() -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(cfg)
+
+
+@dataclass(frozen=True)
+class StrictRule:
+    """The rule without its 2x term, for one case and its inputs: |got - ref| <= max(kept, 0) + floor.
+
+    For where the plain run in the dtype is so far off that the 2x term would
+    pass any answer (`blind_to_zeros`): attngrad's strategies keep scores and
+    sums in the compute dtype, so they answer to the floor (`case_floors`) and
+    the kept bound (`kept_bound`: P and dS kept in the dtype) alone.  ref:
+    the float64 reference on the inputs as received (`received`).
+    """
+
+    ref: dict[str, torch.Tensor]
+    floor: dict[str, torch.Tensor]
+    kept: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, case: Case, inputs: Inputs) -> StrictRule:
+        ref = reference_of(case, inputs)
+        floor, kept = case_bounds(case, received(inputs, case.dtype), ref)
+        return cls(ref, floor, kept)
+
+    def judge(self, got: Mapping[str, torch.Tensor]) -> list[Verdict]:
+        """One verdict per quantity of ``got``."""
+        return [
+            judge(name, g, self.ref[name], self.floor[name], kept=self.kept[name])
+            for name, g in got.items()
+        ]
+
+
+def zeros_like(got: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every quantity of ``got`` as zeros: the wrong answer a rule must reject."""
+    return {name: torch.zeros_like(g) for name, g in got.items()}
+
+
+def reference_of(case: Case, inputs: Inputs) -> dict[str, torch.Tensor]:
+    """The float64 reference's out and gradients on the inputs as received (`received`)."""
+    return outputs_and_grads(REFERENCE, case, received(inputs, case.dtype), torch.float64)
+
+
+def blind_to_zeros(
+    case: Case,
+    inputs: Inputs,
+    got: Mapping[str, torch.Tensor],
+    ref: Mapping[str, torch.Tensor] | None = None,
+) -> set[str]:
+    """The quantities of ``got`` whose reference (``ref``: `reference_of`, computed
+    here when None) is not all zero, yet the rule (`judge_outputs`) passes all zeros
+    for them: the plain run in the dtype is off by half of x or more there (16-bit
+    at large logits)."""
+    ref = reference_of(case, inputs) if ref is None else ref
+    verdicts = judge_outputs(case, inputs, zeros_like(got), names=set(got))
+    return {v.name for v in verdicts if v.passed and ref[v.name].any()}
+
+
+def assert_passed(verdicts: list[Verdict], what: str = "") -> None:
+    """Assert every verdict passes; the failed ones in the message."""
+    failed = [str(v) for v in verdicts if not v.passed]
+    assert not failed, what + "; ".join(failed)

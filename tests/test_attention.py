@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.verify.cases import make_inputs, outputs_and_grads
+from attngrad.verify.cases import make_inputs, outputs_and_grads, received
 from attngrad.verify.check import run_case, strategy_fn
+from attngrad.verify.rule import PLAIN, REFERENCE, case_floors, judge, unit_roundoff
 from helpers import TENSOR_STRATEGIES, assert_rule, case, dtype_name
 
 STRATEGIES = attngrad.STRATEGIES
@@ -61,9 +62,13 @@ def test_gradcheck(strategy, hq, hkv, nq, nk, d, mask, fast):
     inputs = [q, k, v]
     fixed_mask = None
     if mask == "bool":
-        # shared across heads; row 1 attends nothing (its gradient must be 0, not NaN)
+        # shared across heads; every row keeps key 0 but row 1, which attends nothing (its
+        # gradient must be 0, not NaN); a single query row stays live, or the function
+        # gradcheck differentiates would be zero everywhere
         fixed_mask = torch.rand(b, 1, nq, nk) > 0.3
-        fixed_mask[:, :, min(1, nq - 1)] = False
+        fixed_mask[..., 0] = True
+        if nq > 1:
+            fixed_mask[:, :, 1] = False
     elif mask == "float":
         # one bias per query head: under GQA its gradient must not be summed per group
         inputs.append(torch.randn(hq, nq, nk, dtype=torch.float64, requires_grad=True))
@@ -144,19 +149,67 @@ def test_auto_strategy_obeys_the_rule():
 
 @by_strategy
 def test_non_contiguous_inputs(strategy):
-    # Models keep q/k/v as [B, N, H, d] and transpose to [B, H, N, d]; k/v may be
-    # expanded views (stride 0) and the mask a transposed view.  Any .view() on a
-    # caller's tensor would raise or misread here.
+    # Models keep q/k/v as [B, N, H, d] and transpose to [B, H, N, d], and the mask may be a
+    # transposed view.  Any .view() on a caller's tensor would raise or misread here.
     f64 = dict(dtype=torch.float64)
     q = torch.randn(2, 5, 4, 8, **f64).transpose(1, 2)
     k = torch.randn(2, 7, 2, 8, **f64).transpose(1, 2)
-    v = torch.randn(1, 2, 7, 6, **f64).expand(2, 2, 7, 6)
+    v = torch.randn(2, 7, 2, 6, **f64).transpose(1, 2)
     mask = torch.randn(4, 7, 5, **f64).transpose(-1, -2)
     dout = torch.randn(2, 4, 5, 6, **f64).transpose(-1, -2).contiguous().transpose(-1, -2)
     inputs = {"q": q, "k": k, "v": v, "mask": mask, "dout": dout}
     assert not any(t.is_contiguous() for t in inputs.values())
-    # outputs_and_grads detaches the float64 tensors without a copy: the strides reach attention
+    # the leaves outputs_and_grads makes are clones, which keep a dense layout's strides: the
+    # transposes reach attention (stride-0 views do not: test_stride_zero_keys_and_values)
     _judged(strategy, case((2,), 4, 2, 5, 7, 8, 6, "float", (4, 5, 7)), inputs)
+
+
+def _expanded_run(fn, leaves: dict[str, torch.Tensor], dout: torch.Tensor, gqa: bool):
+    """out and the leaves' gradients of ``fn`` on k, v expanded to [B, Hkv, Nk, *] from leaves.
+
+    leaves: q [B, Hq, Nq, d], k [1, 1, Nk, d] (stride 0 along batch and heads once expanded),
+    v [B, 1, Nk, dv] (stride 0 along heads).  Asserts the views that reach fn have stride 0.
+    """
+    b, hkv = leaves["q"].shape[0], 2
+    k = leaves["k"].expand(b, hkv, *leaves["k"].shape[-2:])
+    v = leaves["v"].expand(b, hkv, *leaves["v"].shape[-2:])
+    assert k.stride()[:2] == (0, 0) and v.stride(1) == 0
+    out = fn(leaves["q"], k, v, enable_gqa=gqa)
+    grads = torch.autograd.grad(out, list(leaves.values()), dout)
+    return {"out": out.detach(), **{"d" + n: g for n, g in zip(leaves, grads, strict=True)}}
+
+
+@by_strategy
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=dtype_name)
+def test_stride_zero_keys_and_values(strategy, dtype):
+    # k and v as expanded views of smaller leaves (stride 0), as a model sharing one k/v
+    # across the batch or heads passes them: backward must sum dk, dv over the expanded dims
+    # into the leaves, never write through a stride-0 view.  Judged by the rule on the
+    # leaves' gradients: the reference's and the plain run's, summed alike; each summed
+    # floor is the sum of its terms' floors plus the sum's own rounding in the dtype.
+    c = case((2,), 4, 2, 5, 7, 8, 6, dtype=dtype)
+    inputs = make_inputs(c)
+    small = {"q": inputs["q"], "k": inputs["k"][:1, :1], "v": inputs["v"][:, :1]}
+    exact = {n: t.to(dtype).double() for n, t in small.items()}
+    dout = inputs["dout"]
+    got = _expanded_run(strategy_fn(strategy), _leaves(small, dtype), dout.to(dtype), True)
+    ref = _expanded_run(REFERENCE, _leaves(exact, torch.float64), dout.to(dtype).double(), True)
+    plain = _expanded_run(PLAIN, _leaves(exact, dtype), dout.to(dtype), True)
+    full = dict(received(inputs, dtype))
+    full["k"], full["v"] = (exact[n].expand_as(inputs[n]) for n in ("k", "v"))
+    floors = case_floors(c, full)
+    verdicts = []
+    for name, r in ref.items():
+        summed = floors[name].shape != r.shape
+        floor = floors[name].sum_to_size(r.shape) + summed * unit_roundoff(dtype) * r.abs()
+        verdicts.append(judge(name, got[name], r, floor, plain[name]))
+    failed = [str(v) for v in verdicts if not v.passed]
+    assert not failed, failed
+
+
+def _leaves(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Fresh leaves in ``dtype`` requiring grad."""
+    return {n: t.detach().to(dtype).clone().requires_grad_() for n, t in tensors.items()}
 
 
 @by_strategy
@@ -211,7 +264,7 @@ HARNESS_CASES = [
 def test_conformance_harness_cases(strategy, c):
     result = run_case(strategy, c)
     assert result.passed, (result.message, result.errors, result.bounds)
-    assert set(result.errors) == {"out", "dq", "dk", "dv"} | (
+    assert set(result.errors) == {"out", "dq", "dk", "dv", "lse"} | (
         {"dmask"} if c.mask == "float" else set()
     )
     if c.dtype == torch.float64:
@@ -430,9 +483,12 @@ def test_causal_is_aligned_top_left(strategy, nq, nk):
     # top-left: query 0 sees key 0 only (bottom-right would let it see nk - nq + 1 keys);
     # its one probability is exactly 1, so its output is exactly v[0]
     assert torch.equal(out[..., 0, :], v[..., 0, :])
-    # query i >= Nk - 1 sees every key: the same tiles and scores as no mask at all
-    full = attngrad.attention(q, k, v, strategy=strategy)
-    assert torch.equal(out[..., nk - 1 :, :], full[..., nk - 1 :, :])
+    # query i >= min(Nq, Nk) - 1 sees keys 0..min(Nq, Nk) - 1 (every key when Nq >= Nk): the
+    # same tiles and scores as no mask over those keys
+    seen = min(nq, nk)
+    full = attngrad.attention(q, k[..., :seen, :], v[..., :seen, :], strategy=strategy)
+    assert out[..., seen - 1 :, :].numel() > 0
+    assert torch.equal(out[..., seen - 1 :, :], full[..., seen - 1 :, :])
 
 
 # ---------------------------------------------------------------------------

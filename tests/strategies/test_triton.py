@@ -518,3 +518,36 @@ def test_dots_over_the_head_dim_in_slices_equal_whole_ones(monkeypatch):
     assert chunks.count(16) == 3  # forward, dK/dV and dQ really ran in slices
     for name, want in whole.items():
         torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-13, msg=name)
+
+
+@triton.jit
+def _round_trip(X, Narrow, Wide, n, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    y = kernels._narrow(tl.load(X + offs, mask=offs < n), tl.bfloat16, UPCAST)
+    tl.store(Narrow + offs, y, mask=offs < n)
+    tl.store(Wide + offs, kernels._widen(y, tl.float32, UPCAST), mask=offs < n)
+
+
+@pytest.mark.parametrize("upcast", [True, False], ids=["by-hand", "interpreter"])
+def test_bfloat16_conversions_round_to_nearest_even_as_on_the_gpu(upcast):
+    # regression: the interpreter drops float32's low 16 bits (toward zero, a whole unit
+    # off) and garbles subnormals; the kernels' conversions (UPCAST: bfloat16 in the
+    # interpreter) must give torch's round-to-nearest-even bits, as the GPU does
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.tensor(
+        [1 + 2**-8 + 2**-12, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-7 - 2**-16), 3.3e38, 3.4e38,
+         tiny / 3, -tiny / 7, tiny * (1 - 2**-9), 1e-45, 0.0, -0.0, math.inf, -math.inf],
+    )  # fmt: skip
+    x = torch.cat([x, torch.randn(50) * 10.0 ** torch.randint(-40, 38, (50,))])
+    narrow, wide = torch.empty(len(x), dtype=torch.bfloat16), torch.empty(len(x))
+    _round_trip[(1,)](x, narrow, wide, len(x), BLOCK=128, UPCAST=upcast)
+    want = x.to(torch.bfloat16)
+    same = narrow.view(torch.int16) == want.view(torch.int16)
+    if upcast:
+        assert same.all(), (x[~same], narrow[~same], want[~same])
+        assert torch.equal(wide, want.float())
+        nan = torch.full((1,), math.nan)
+        _round_trip[(1,)](nan, narrow[:1], wide[:1], 1, BLOCK=16, UPCAST=True)
+        assert narrow[:1].isnan().all() and wide[:1].isnan().all()
+    else:  # the interpreter alone: what the by-hand rounding is there for
+        assert not same.all()

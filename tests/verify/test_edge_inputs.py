@@ -1,7 +1,9 @@
 """Inputs real models send, at the edges: each test names the bug it guards against.
 
 Every check is the harness's one rule (`attngrad.verify.rule`), on every strategy
-and dtype; where the math fixes the answer exactly (a uniform row, an empty
+and dtype, and on the tiled strategies at small tiles too (`helpers.SMALL_TILES`:
+the sequences here span several, so the tiles' merge meets the edge values);
+where the math fixes the answer exactly (one-hot and uniform rows, an empty
 row) the answer is pinned by name.
 """
 
@@ -13,78 +15,94 @@ import torch
 import attngrad
 from attngrad.core.contract import Shapes
 from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
-from attngrad.verify.check import strategy_fn
-from attngrad.verify.rule import judge, judge_outputs, rounding_floor
+from attngrad.verify.rule import judge, judge_outputs, kept_bound, rounding_floor, terms
+from helpers import (
+    StrictRule,
+    assert_passed,
+    attention_fn,
+    blind_to_zeros,
+    run_id,
+    runs,
+    zeros_like,
+)
 
 STRATEGIES = attngrad.STRATEGIES
+# (strategy, tiles): every strategy at its own tiles, the tiled ones at small tiles (`runs`)
+RUNS = runs(STRATEGIES)
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # the dtypes where finfo.min swallows any score q k^T of ordinary size (|finfo.min| u >> |q k^T|)
 SWALLOWING = (torch.float64, torch.float32, torch.bfloat16)
+
+by_run = pytest.mark.parametrize("run", RUNS, ids=run_id)
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _assert_rule(case: Case, inputs: dict, strategy: str) -> dict[str, torch.Tensor]:
-    got = outputs_and_grads(strategy_fn(strategy), case, inputs, case.dtype)
+def _assert_rule(
+    case: Case, inputs: dict, run: tuple[str, tuple[int, int] | None]
+) -> dict[str, torch.Tensor]:
+    got = outputs_and_grads(attention_fn(*run), case, inputs, case.dtype)
     for name, g in got.items():
         assert torch.isfinite(g).all(), f"{name} is not finite"
-    failed = [str(v) for v in judge_outputs(case, inputs, got) if not v.passed]
-    assert not failed, failed
+    assert_passed(judge_outputs(case, inputs, got))
     return got
 
 
-# (window, the row it leaves with the dropped keys only, the keys the mask drops)
+# (window, the row it leaves with the dropped keys only, the keys the mask drops), at N = 20
 EMPTIED = [
     ((None, 0), 0, [0]),
     ((None, 2), 0, [0, 1, 2]),
-    ((1, None), 5, [4, 5]),
+    ((1, None), 19, [18, 19]),
     ((1, 1), 0, [0, 1]),
 ]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@by_run
 @pytest.mark.parametrize(("window", "row", "dropped"), EMPTIED, ids=lambda x: str(x))
-def test_a_row_that_window_and_mask_empty_together_is_zero(strategy, window, row, dropped):
+def test_a_row_that_window_and_mask_empty_together_is_zero(run, window, row, dropped):
     # regression: dead rows were looked up in the band only when its left side
     # was bounded, so window=(None, 0) with a mask dropping key 0 gave NaN
-    case = Case(Shapes((1,), 2, 2, 6, 6, 8, 8), torch.float64, "bool", window=window)
+    case = Case(Shapes((1,), 2, 2, 20, 20, 8, 8), torch.float64, "bool", window=window)
     inputs = make_inputs(case)
-    keep = torch.ones(6, 6, dtype=torch.bool)
+    keep = torch.ones(20, 20, dtype=torch.bool)
     keep[:, dropped] = False
     inputs["mask"] = keep
-    got = _assert_rule(case, inputs, strategy)
+    got = _assert_rule(case, inputs, run)
     assert (got["out"][..., row, :] == 0).all()
     assert (got["dq"][..., row, :] == 0).all()
+    # and every other row is live: the dead one sits beside rows that attend
+    others = [i for i in range(20) if i != row]
+    assert got["out"][..., others, :].ne(0).any(dim=-1).all()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@by_run
 @pytest.mark.parametrize("dtype", SWALLOWING, ids=_name)
-def test_a_row_at_finfo_min_is_uniform(strategy, dtype):
+def test_a_row_at_finfo_min_is_uniform(run, dtype):
     # regression: flash and triton scaled the bias by log2(e) before subtracting
     # the row max, so finfo.min overflowed to -inf and the row came out empty;
     # recompute rebuilt P from one float lse that had rounded log(Nk) away
-    case = Case(Shapes((2,), 2, 2, 5, 7, 8, 4), dtype, "float", mask_shape=(5, 7))
+    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 4), dtype, "float", mask_shape=(16, 21))
     inputs = make_inputs(case)
     inputs["mask"][1] = torch.finfo(dtype).min  # row 1 masks "everything" with a number
-    got = _assert_rule(case, inputs, strategy)
+    got = _assert_rule(case, inputs, run)
     v = inputs["v"].to(dtype).double()
     uniform = v.mean(dim=-2)  # [B, H, dv]: softmax of equal scores
-    floor = rounding_floor(v.abs().mean(dim=-2), torch.zeros_like(uniform), dtype, 7, 8)
+    floor = rounding_floor(v.abs().mean(dim=-2), torch.zeros_like(uniform), dtype, 21, 8)
     verdict = judge("out", got["out"][..., 1, :], uniform, floor)
     assert verdict.passed, str(verdict)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@by_run
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 @pytest.mark.parametrize(
     "fill", ["min-some", "max-one", "minus-1e9"], ids=["finfo-min-some", "huge-one", "minus-1e9"]
 )
-def test_biases_at_the_edge_of_the_dtype(strategy, dtype, fill):
+def test_biases_at_the_edge_of_the_dtype(run, dtype, fill):
     # regression: a single +1.5e308 entry (float64) gave NaN in flash; at -1e9
     # in float32 the tiled backward was 30x off plain PyTorch
-    case = Case(Shapes((1,), 2, 1, 9, 11, 8, 8), dtype, "float", mask_shape=(2, 9, 11))
+    case = Case(Shapes((1,), 2, 1, 16, 21, 8, 8), dtype, "float", mask_shape=(2, 16, 21))
     inputs = make_inputs(case)
     mask = inputs["mask"]
     info = torch.finfo(dtype)
@@ -93,27 +111,103 @@ def test_biases_at_the_edge_of_the_dtype(strategy, dtype, fill):
     if fill == "min-some":
         mask[some] = info.min
     elif fill == "max-one":
-        mask[0, 3, 4] = info.max * 0.8  # times log2(e) it would overflow
+        # times log2(e) it would overflow; in a later key tile than the row's first max
+        mask[0, 3, 18] = info.max * 0.8
     else:
         mask[some] = max(-1e9, info.min)
-    _assert_rule(case, inputs, strategy)
+    _assert_rule(case, inputs, run)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@by_run
 @pytest.mark.parametrize(
     ("dtype", "spread"),
     [(torch.float64, 100.0), (torch.float32, 30.0), (torch.bfloat16, 30.0), (torch.float16, 8.0)],
     ids=["float64", "float32", "bfloat16", "float16"],
 )
-def test_large_logits(strategy, dtype, spread):
+def test_large_logits(run, dtype, spread):
     # regression: P was rebuilt from an lse converted between bases, so its
     # largest entry was no longer 1; saturated rows turned that into gradient
     # errors 25-54x plain PyTorch's.  |S| reaches spread^2 * sqrt(d) (~1e4)
-    case = Case(Shapes((2,), 2, 2, 13, 17, 16, 8), dtype, "causal")
+    case = Case(Shapes((2,), 2, 2, 19, 23, 16, 8), dtype, "causal")
     inputs = make_inputs(case)
     inputs["q"] = inputs["q"] * spread
     inputs["k"] = inputs["k"] * spread
-    _assert_rule(case, inputs, strategy)
+    got = _assert_rule(case, inputs, run)
+    # The plain bfloat16 run is so far off here that the 2x term passes an all-zero dk: where
+    # the rule cannot tell zeros, the rule without its 2x term judges (scores stay in float32)
+    # and must tell them.  Every quantity is then checked by a judgement that rejects zeros.
+    blind = blind_to_zeros(case, inputs, got)
+    strict = StrictRule.of(case, inputs)
+    assert_passed(strict.judge({n: got[n] for n in blind}), "without the 2x term: ")
+    told = [v.name for v in strict.judge(zeros_like({n: got[n] for n in blind})) if not v.passed]
+    assert sorted(told) == sorted(blind), "zeros pass even without the 2x term"
+
+
+# -- exact answers: a one-hot row and uniform rows ------------------------------------
+
+# a bias that no ordinary score reaches: exp(-HUGE) is 0 in every compute dtype, so the row's
+# P is exactly one-hot (1 and 0), and it stays finite in float16
+HUGE = 1e4
+
+
+@by_run
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_a_row_with_one_huge_bias_is_one_hot(run, dtype):
+    # row 5 puts all its weight on key 18 (a later key tile than its first), which no other
+    # row sees: out[5] = v[18] and dv[18] = dO[5] bit for bit (sums of one term times 1 and
+    # zeros), and dS[5] = P (dP - Delta) = 0, so dq[5] and dmask[:, 5] vanish to the floor
+    row, key = 5, 18
+    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 6), dtype, "float", mask_shape=(2, 16, 21))
+    inputs = make_inputs(case)
+    inputs["mask"][:, :, key] = float("-inf")
+    inputs["mask"][:, row, key] = HUGE
+    got = _assert_rule(case, inputs, run)
+    q, k, v, dout = (inputs[n].to(dtype) for n in ("q", "k", "v", "dout"))
+    assert torch.equal(got["out"][..., row, :], v[..., key, :])
+    assert torch.equal(got["dv"][..., key, :], dout[..., row, :])
+    # dS[5, 18] = dP - Delta, two dv-term products dO[5] . v[18] (Delta's with O[5] = v[18])
+    # formed apart: each off by its sum's rounding, the difference kept once in the dtype
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    a_ds = 2 * (dout[..., row, :].abs() * v[..., key, :].abs()).sum(-1)  # [B, H]
+    a_dq = case.shapes.head_dim**-0.5 * a_ds[..., None] * k[..., key, :].abs()
+    a_dmask = torch.zeros_like(got["dmask"][:, row, :], dtype=torch.float64)
+    a_dmask[:, key] = a_ds.sum(0)  # the mask is shared across the batch: dmask sums it
+    for name, got_x, a in (
+        ("dq", got["dq"][..., row, :], a_dq),
+        ("dmask", got["dmask"][:, row, :], a_dmask),
+    ):
+        floor = rounding_floor(a, torch.zeros_like(a), dtype, case.shapes.value_dim, 8)
+        assert_passed([judge(name, got_x, torch.zeros_like(a), floor)])
+
+
+@by_run
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_equal_scores_give_the_mean(run, dtype):
+    # q = 0 and every key alike: every score is exactly 0, P = 1 / Nk everywhere.  Then
+    # out = mean of v, dv[j] = sum_i dO[i] / Nk for every key, dk = s dS^T q = 0 exactly,
+    # and dq = s sum_j dS[i, j] k[j] = s k[0] rowsum(dS) = 0, as each row of dS sums to 0
+    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 6), dtype)
+    inputs = make_inputs(case)
+    inputs["q"] = torch.zeros_like(inputs["q"])
+    inputs["k"] = inputs["k"][..., :1, :].expand_as(inputs["k"]).clone()
+    got = _assert_rule(case, inputs, run)
+    assert (got["dk"] == 0).all()
+    v, dout = (inputs[n].to(dtype).double() for n in ("v", "dout"))
+    n = terms(case)
+    for name, terms_x in (("out", v), ("dv", dout)):
+        # a sum of P x = x / Nk over keys (out) or rows (dv); P = 1 / Nk kept in the dtype moves
+        # each term by u of itself: kept_bound of the sum of the terms' sizes
+        mean = terms_x.sum(-2, keepdim=True) / 21
+        size = terms_x.abs().sum(-2, keepdim=True) / 21
+        want, got_x = mean.expand_as(got[name]), got[name]
+        floor = rounding_floor(size, torch.zeros_like(size), dtype, n, 8).expand_as(got_x)
+        kept = kept_bound(size, dtype).expand_as(got_x)
+        assert_passed([judge(name, got_x, want, floor, kept=kept)])
+    # dq: the rule's own floor and kept bound (the sums dP, Delta and dS k, O read back,
+    # dS kept in the dtype), around the exact answer 0 rather than the float64 one
+    strict = StrictRule.of(case, inputs)
+    zero = torch.zeros_like(strict.ref["dq"])
+    assert_passed([judge("dq", got["dq"], zero, strict.floor["dq"], kept=strict.kept["dq"])])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

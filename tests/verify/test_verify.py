@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import attngrad
 from attngrad.cli.verify import add_verify, verify_table
 from attngrad.verify import verify as external
+from attngrad.verify.cases import long_cases
 from attngrad.verify.verify import load, quick_cases, verify
 from helpers import TENSOR_STRATEGIES
 
@@ -106,7 +107,7 @@ def _failed(result):
 def test_sdpa_passes_the_full_grid():
     result = verify(load(SPEC))
     assert result.passed, verify_table(result)
-    assert len(result.cases) == len(external.sdpa_cases()) == 64
+    assert len(result.cases) == len(external.sdpa_cases()) == 64 + len(long_cases())
     assert all(c.passed for c in result.cases) and not result.unsupported
     assert all(c.passed for c in result.checks)
 
@@ -235,7 +236,7 @@ def test_cli_passes_sdpa_and_writes_json(tmp_path, capsys):
     assert _main(["verify", SPEC, "--json", str(out), "--seed", "1"]) == 0
     payload = json.loads(out.read_text())
     assert payload["passed"] is True and payload["unsupported"] == {}
-    assert len(payload["cases"]) == 64
+    assert len(payload["cases"]) == len(external.sdpa_cases())
     first = payload["cases"][0]
     assert set(first) >= {"id", "features", "passed", "errors", "bounds", "message"}
     assert {c["name"].split(" ")[0] for c in payload["checks"]} >= {
@@ -244,7 +245,7 @@ def test_cli_passes_sdpa_and_writes_json(tmp_path, capsys):
         "no",
     }
     text = capsys.readouterr().out
-    assert "PASSED: 64 cases pass" in text
+    assert f"PASSED: {len(external.sdpa_cases())} cases pass" in text
 
 
 def test_cli_fails_a_broken_kernel_and_refuses_a_bad_spec(tmp_path, capsys):

@@ -40,9 +40,11 @@ __all__ = [
     "default_mask_shape",
     "dropout_mask",
     "input_tensor",
+    "long_cases",
     "make_inputs",
     "make_leaves",
     "outputs_and_grads",
+    "received",
     "reference_keywords",
 ]
 
@@ -166,7 +168,8 @@ def _cumulative(lengths: tuple[int, ...]) -> torch.Tensor:
 
 
 def default_cases() -> list[Case]:
-    """The grid `attngrad check` runs: every dtype x mask kind x layout.
+    """The grid `attngrad check` runs: every dtype x mask kind x layout, the
+    options beyond SDPA's, and the long 16-bit cases (`long_cases`).
 
     Odd sizes on purpose (33, 47, 59) so no tile or vector width divides them.
     """
@@ -183,7 +186,19 @@ def default_cases() -> list[Case]:
     grid = [
         Case(layout, dtype, mask) for dtype in dtypes for mask in MASK_KINDS for layout in layouts
     ]
-    return grid + _feature_cases(layouts[0], layouts[1])
+    return grid + _feature_cases(layouts[0], layouts[1]) + long_cases()
+
+
+def long_cases() -> list[Case]:
+    """16-bit cases long enough to span several tiles of any tiled kernel.
+
+    Nq = 256, Nk = 300 (GQA 2:1, d = 64): a 16-bit bug shows at the sizes
+    16-bit kernels run at (a gradient 5% off, lost in the small cases' few
+    elements, fails here), and a kernel with tiles of 64 or 128 -- and
+    attngrad's flash, whose default key tile is 256 -- merges several.
+    """
+    long = Shapes((1,), 2, 1, 256, 300, 64, 64)
+    return [Case(long, torch.bfloat16, "causal"), Case(long, torch.float16, "float")]
 
 
 def _feature_cases(square: Shapes, wide: Shapes) -> list[Case]:
@@ -270,6 +285,20 @@ def input_tensor(inputs: Inputs, name: str) -> torch.Tensor:
     t = inputs[name]
     assert t is not None
     return t
+
+
+def received(inputs: Inputs, dtype: torch.dtype) -> Inputs:
+    """The inputs as an implementation in ``dtype`` receives them, in float64: each floating
+    tensor rounded to ``dtype`` and back (a bool mask and None as they are).
+
+    What the float64 reference is taken on (`attngrad.verify.rule`), so it
+    answers for the numbers the implementation was given.  New tensors; the
+    caller's are left alone.
+    """
+    return {
+        name: t if t is None or not t.is_floating_point() else t.detach().to(dtype).double()
+        for name, t in inputs.items()
+    }
 
 
 def make_leaves(

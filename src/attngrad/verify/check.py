@@ -34,6 +34,7 @@ from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
+    call_sdpa,
     call_with,
     input_tensor,
     make_inputs,
@@ -41,7 +42,7 @@ from attngrad.verify.cases import (
     outputs_and_grads,
 )
 from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE, derivative_errors
-from attngrad.verify.rule import judge_outputs
+from attngrad.verify.rule import judge_lse, judge_outputs
 
 __all__ = [
     "GRADGRADCHECK_ELEMENTS",
@@ -100,13 +101,22 @@ class CaseResult:
         return {**asdict(self), "passed": self.passed}
 
 
-def strategy_fn(strategy: str) -> AttentionFn:
-    """`attention` bound to one strategy."""
+def strategy_fn(strategy: str, **options: object) -> AttentionFn:
+    """`attention` bound to one strategy and any of its keywords (tiles, ``return_lse``)."""
 
     def fn(*args: object, **kwargs: object) -> torch.Tensor:
-        return attention(*args, strategy=strategy, **kwargs)  # type: ignore[arg-type,call-overload,no-any-return]
+        return attention(*args, strategy=strategy, **options, **kwargs)  # type: ignore[arg-type,call-overload,no-any-return]
 
     return fn
+
+
+def _lse(lse: AttentionFn, case: Case, inputs: Inputs) -> torch.Tensor:
+    """The lse ``lse`` (attention called with return_lse=True) gives on the case's inputs."""
+    leaves = make_leaves(inputs, case.dtype)
+    with torch.no_grad():
+        _, got = call_sdpa(lse, case, inputs, leaves)  # type: ignore[misc]
+    assert isinstance(got, torch.Tensor), "return_lse=True gives (out, lse)"
+    return got
 
 
 def run_case(
@@ -117,8 +127,12 @@ def run_case(
     fn: AttentionFn | None = None,
     derivatives: bool = True,
     gradgradcheck: bool | None = None,
+    lse: AttentionFn | None = None,
 ) -> CaseResult:
     """Judge one strategy (or any SDPA-like ``fn``) on one case.
+
+    A strategy's lse (``return_lse=True``) is judged too (`judge_lse`); with
+    ``fn``, the lse of ``lse`` (an ``fn`` that returns (out, lse)) if given.
 
     float64 cases also get ``gradcheck`` (when ``gradcheck``), the higher
     derivatives (when ``derivatives``: `derivative_errors`) and, when they ran,
@@ -127,15 +141,19 @@ def run_case(
     """
     if gradgradcheck is None:
         gradgradcheck = gradcheck and strategy not in SLOW_GRADGRADCHECK
-    fn = fn or strategy_fn(strategy)
+    if fn is None:
+        fn, lse = strategy_fn(strategy), strategy_fn(strategy, return_lse=True)
     inputs = make_inputs(case, seed)
     result = CaseResult(strategy=strategy, case=case.id, dtype=dtype_name(case.dtype))
     try:
         got = outputs_and_grads(fn, case, inputs, case.dtype)
+        got_lse = None if lse is None else _lse(lse, case, inputs)
     except Exception as exc:  # a crash is a failed case, reported with its message
         result.message = f"{type(exc).__name__}: {exc}"
         return result
     verdicts = judge_outputs(case, inputs, got)
+    if got_lse is not None:
+        verdicts.append(judge_lse(case, inputs, got_lse))
     for v in verdicts:
         result.errors[v.name] = v.error
         result.bounds[v.name] = v.bound

@@ -27,14 +27,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["magnitudes", "plain_attention", "reference_attention", "reference_lse"]
+__all__ = [
+    "LAMBDA",
+    "Magnitudes",
+    "lse_sensitivity",
+    "magnitudes",
+    "plain_attention",
+    "reference_attention",
+    "reference_lse",
+]
 
 Window = tuple[int | None, int | None] | None
+
+# lambda of the probabilistic bound of a sum of n rounded terms (Higham and Mary, SIAM J. Sci.
+# Comput. 41(5), 2019): |error| <= lambda sqrt(n) u max-term-scale, with probability at least
+# 1 - 2 exp(-lambda^2 / 2) = 1 - 3e-8 per sum (`attngrad.verify.rule` explains the rule it serves)
+LAMBDA = 6.0
 
 
 @dataclass(frozen=True)
@@ -276,6 +290,36 @@ def reference_lse(
     return torch.logsumexp(_with_sinks(s, sinks), dim=-1)
 
 
+def lse_sensitivity(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    align: str = "top-left",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    score_error: float = 2.0**-53,
+) -> torch.Tensor:
+    """rowsum(P o C_S): how far each row's lse moves, per unit of ``score_error``, when every
+    score moves by at most score_error C_S (d lse / d S = P; C_S as in `magnitudes`).
+
+    The options as in `reference_lse`; float64 [..., Hq, Nq], 0 on a dead row.
+    """
+    q, k = query.double(), key.double()
+    ke, _ = _expand_kv(q, k, k, enable_gqa)
+    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double()
+    sigma = None if sinks is None else sinks.double()
+    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    f = _Scores.of(q, ke, _scale(q, scale), mask, band, softcap, sigma, score_error)
+    return (f.p * f.c_s).sum(-1)
+
+
 def plain_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -399,7 +443,7 @@ class _Scores:
         band: _Band,
         softcap: float | None,
         sinks: torch.Tensor | None,
-        unit_roundoff: float,
+        score_error: float,
     ) -> _Scores:
         """From float64 q [..., Hq, Nq, d], k per query head, and the call's options."""
         x = _raw_scores(q, ke, s)
@@ -414,8 +458,22 @@ class _Scores:
         c_cap = c_cap.masked_fill(~keep, 0.0)
         c_s = c_cap
         if mask is not None and mask.dtype != torch.bool:
-            c_s = c_s + torch.minimum(scores.abs(), t.abs() / unit_roundoff).masked_fill(~keep, 0.0)
+            c_s = c_s + torch.minimum(scores.abs(), t.abs() / score_error).masked_fill(~keep, 0.0)
         return _Scores(x, slope, keep, p, p_sink, c_cap, c_s)
+
+
+class Magnitudes(NamedTuple):
+    """What the error rule's floor is made of (`magnitudes`), each a dict of float64
+    tensors shaped like out, dq, dk, dv (dmask, dsinks).
+
+    magnitude: A_x; sensitivity: C_x, per unit of ``score_error``; readback:
+    R_x and kept: K_x, per unit roundoff of the dtype O, P and dS are kept in.
+    """
+
+    magnitude: dict[str, torch.Tensor]
+    sensitivity: dict[str, torch.Tensor]
+    readback: dict[str, torch.Tensor]
+    kept: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -451,8 +509,8 @@ def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Ten
     within exp(+-u C_S_j) / sum_i P_i exp(-+u C_S_i), so |P_j' - P_j| <=
     P_j (exp(u C_S_j) / sum_i P_i exp(-u C_S_i) - 1), and never more than 1.
     To first order that is P o (C_S + rowsum(P o C_S)) u; the exact form
-    matters in a row's exponential tail when u C_S reaches a few units (16-bit
-    inputs at large logits: P = exp(-54) moved by exp(6)).
+    matters in a row's exponential tail when u C_S reaches a few units (scores
+    of 1e4 and more in float32: P = exp(-54) moved by exp(6)).
     """
     grow = torch.expm1(u * c_s)  # exp(u C_S) - 1, without cancellation when small
     shrink = (p * torch.expm1(-u * c_s)).sum(-1, keepdim=True)  # sum P exp(-u C_S) - 1
@@ -461,11 +519,11 @@ def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Ten
 
 
 def _sensitivity_path(
-    f: _Scores, dp: torch.Tensor, softcap: float | None, unit_roundoff: float
+    f: _Scores, dp: torch.Tensor, softcap: float | None, score_error: float
 ) -> _Path:
     """C: C_P, C_dS, C_dX and C_dsink from the score perturbation C_S (`magnitudes`)."""
     p, c_s = f.p, f.c_s
-    c_p = _probability_move(p, c_s, unit_roundoff)
+    c_p = _probability_move(p, c_s, score_error)
     delta = (p * dp).sum(-1, keepdim=True)
     # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
     # dropout removed, beside keys that underflow)
@@ -495,7 +553,7 @@ def magnitudes(
     scale: float | None = None,
     enable_gqa: bool = False,
     window: Window = None,
-    unit_roundoff: float = 2.0**-53,
+    score_error: float = 2.0**-53,
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -504,8 +562,8 @@ def magnitudes(
     cu_seqlens_k: torch.Tensor | None = None,
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    r"""(A_x, C_x) for out, dq, dk, dv (dmask for a float mask, dsinks with sinks), float64, like x.
+) -> Magnitudes:
+    r"""(A_x, C_x, R_x, K_x) for out, dq, dk, dv (dmask for a float mask, dsinks with sinks), float64.
 
     The options as in `reference_attention`.  P below is the sink-normalised
     softmax and p_sink the sink's share of a row; W = Z / (1 - p) with
@@ -526,19 +584,47 @@ def magnitudes(
     are each formed at the keys' normalisation and cancel to the sink's; a
     fused kernel that folds the sink into the row statistics would not need it.)
 
-    C_x, what the rounding of the scores does to x: a perturbation of each
-    score by at most C_S = C_T + min(|S|, |T| / u) (the bias add, which can
-    lose at most what it added), C_T = slope o s |q| |k|^T (the product,
-    through the cap) + slope o |X| + 2 |T| (the cap's three roundings, T = c
-    tanh(X / c)), moves P by at most C_P = P o (C_S + rowsum(P o C_S)) (the
-    sinks' logits are exact; to first order: `_probability_move` keeps the
-    exponential, capped at 1, for 16-bit tails), and so, to first order,
+    C_x, what the rounding of the scores does to x, per unit of
+    ``score_error`` (e: each score may be off by e C_S): a perturbation of
+    each score by at most e C_S, C_S = C_T + min(|S|, |T| / e) (the bias
+    add, which can lose at most what it added), C_T = slope o s |q| |k|^T
+    (the product, through the cap) + slope o |X| + 2 |T| (the cap's three
+    roundings, T = c tanh(X / c)), moves P by at most e C_P, C_P = P o (C_S +
+    rowsum(P o C_S)) (the sinks' logits are exact; to first order:
+    `_probability_move` keeps the exponential, capped at 1, for far tails
+    that e C_S moves by units), and so, to first order,
 
         C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
         C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)
         C_dX  = slope o C_dS + 2 |tanh(X / c)| o C_T / c o |dS|   (the slope moves too)
         C_dq  = s C_dX |k|       C_dk = s C_dX^T |q|      C_dmask = C_dS, summed like the mask
         C_dsinks = p_sink (rowsum(P o C_S) |Dlt| + rowsum(C_P o |dP|)), summed like the sinks
+
+    R_x, what Delta = rowsum(dO o O) does to x when it is formed from O as
+    the kernel gave it, per unit u of the dtype O is kept in: O is off by at
+    most u (|O| + K_out) (its storage and a kept P, below), element by
+    element, so each row's Delta moves by at most E = RSS(|dO| o (|O| +
+    K_out)) (the same for every key of the row; RSS as for K below), and
+
+        R_dS = P o E     R_dq = s E o |(slope o P) k|   (exact: one move per row)
+        R_dk = s RSS over rows and O's elements of (slope o P)^T (dO o (|O| + K_out) o q)
+        R_dmask = R_dS, summed like the mask
+        R_dsinks = p_sink E, summed like the sinks         R_out = R_dv = 0
+
+    K_x, what the sums that take P or dS as kept in the dtype (a fused
+    kernel's 16-bit products) do to x, per unit u: each term moves by its own
+    rounding, so the sum by at most u sum|terms|, and by at most LAMBDA u
+    sqrt(sum terms^2) with the probability of the rule's sums (`LAMBDA`); K_x
+    is the smaller (written RSS below, `_rounded_terms`).  Each is rounded once,
+    as a fused kernel does: P kept for P v and P^T dO, dS formed from P in the
+    compute dtype and kept for dS k and dS^T q (or, unfused, from a kept P):
+
+        K_out = RSS((P o W) v)     K_dv = RSS((P o W)^T dO)     (dX = slope o dS)
+        K_dq  = s RSS(dX k)        K_dk = s RSS(dX^T q)         K_dsinks = 0
+        K_dmask = RSS of dS, summed like the mask
+
+    With sinks merged after a 16-bit output, O is stored once more (K_out + |O|)
+    and dO comes back rounded (2 K_dv).
 
     Masked entries and dead rows contribute nothing (P = 0 there).  With GQA,
     dk and dv terms are summed over each kv head's query heads like dk and dv.
@@ -549,13 +635,124 @@ def magnitudes(
     sigma = None if sinks is None else sinks.double()
     ke, ve = _expand_kv(q, k, v, enable_gqa)
     band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
-    f = _Scores.of(q, ke, s, mask, band, softcap, sigma, unit_roundoff)
+    f = _Scores.of(q, ke, s, mask, band, softcap, sigma, score_error)
     w = _dropped(torch.ones_like(f.p), dropout_mask, dropout_p)
     dp = w * (do @ ve.transpose(-2, -1))
     a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
-    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, unit_roundoff))
+    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, score_error))
     a, c = (_results(path, q, k, ke, ve, do, w, abs(s), mask, sigma) for path in paths)
-    return a, c
+    kept = _kept(f, w, dp, q, k, ke, ve, do, abs(s), mask, sigma)
+    readback = _readback(f, w, kept["out"], q, k, ke, ve, do, abs(s), mask, sigma)
+    return Magnitudes(a, c, readback, kept)
+
+
+def _group_sum(t: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A per-query-head [..., Hq, n, x] tensor summed over each kv head's query heads (GQA;
+    q: [..., Hq, Nq, d], k: [..., Hkv, Nk, d]; as it is without GQA or heads)."""
+    if q.ndim < 3 or q.shape[-3] == k.shape[-3]:
+        return t
+    groups = q.shape[-3] // k.shape[-3]
+    return t.reshape(*t.shape[:-3], k.shape[-3], groups, *t.shape[-2:]).sum(-3)
+
+
+def _rounded_terms(
+    a: torch.Tensor, b: torch.Tensor, k: torch.Tensor | None = None, q: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A bound on sum_j a_ij x_jc where each |x_jc| <= b_jc moves independently: the worst
+    case |a| |b|, or LAMBDA times the root-sum-square sqrt(a^2 b^2) where that is smaller
+    (sums of more than LAMBDA^2 comparable terms).
+
+    a: [..., m, n], b: [..., n, x] -> [..., m, x]; with k and q given, the per-query-head
+    result is summed over each kv head's query heads (GQA) before the root.
+    """
+    a, b = a.abs(), b.abs()
+    worst, squares = a @ b, a**2 @ b**2
+    if k is not None and q is not None:
+        worst, squares = _group_sum(worst, k, q), _group_sum(squares, k, q)
+    return torch.minimum(worst, LAMBDA * squares.sqrt())
+
+
+def _kept(
+    f: _Scores,
+    w: torch.Tensor,
+    dp: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    ke: torch.Tensor,
+    ve: torch.Tensor,
+    do: torch.Tensor,
+    s: float,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """K_x: the root-sum-square of the terms that sum P or dS kept in the dtype into x (`magnitudes`).
+
+    Arguments as `_results`' (dp: W o dO v^T, signed).  With sinks, one more
+    rounding of O and of dO (the merge's).
+    """
+    pw = f.p * w
+    ds = f.p * (dp - (f.p * dp).sum(-1, keepdim=True))
+    dx = f.slope * ds
+    part = {
+        "out": _rounded_terms(pw, ve),
+        "dq": s * _rounded_terms(dx, ke),
+        "dk": s * _rounded_terms(dx.transpose(-2, -1), q, k, q),
+        "dv": _rounded_terms(pw.transpose(-2, -1), do, k, q),
+    }
+    if mask is not None and mask.dtype != torch.bool:
+        summed = ds.abs().sum_to_size(mask.shape)
+        part["dmask"] = torch.minimum(summed, LAMBDA * (ds**2).sum_to_size(mask.shape).sqrt())
+    if sinks is not None:
+        # a sink merged after the keys' 16-bit output (as attngrad does, `attngrad.core.sinks`)
+        # stores O once more and hands back dO' = dO w rounded: each term of dv moves twice
+        part["out"] = part["out"] + (pw @ ve).abs()
+        part["dv"] = 2 * part["dv"]
+        part["dsinks"] = torch.zeros_like(sinks)  # d sigma = -p_sink Delta: no kept product
+    return part
+
+
+def _readback(
+    f: _Scores,
+    w: torch.Tensor,
+    k_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    ke: torch.Tensor,
+    ve: torch.Tensor,
+    do: torch.Tensor,
+    s: float,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """R_x: what Delta = rowsum(dO o O) formed from O as stored in the dtype does to x (`magnitudes`).
+
+    Arguments as `_results`' (w: the dropout's factors; k_out: K_out, O's
+    error from a kept P).  O_ic moves by at most |O_ic| + K_out_ic per unit u,
+    each element on its own, so each row's Delta by at most E: the worst case
+    rowsum(|dO| o (|O| + K_out)), or LAMBDA times its root-sum-square where
+    smaller.  Delta's move is the same for every key of its row, so dS moves
+    by P o E and dq by s E |(slope o P) k| exactly; dk sums the moves of every
+    (row, O element) behind it (`_rounded_terms`, over rows and elements).
+    """
+    o = (f.p * w) @ ve
+    moves = do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
+    squares = (moves**2).sum(-1, keepdim=True)
+    e = torch.minimum(moves.sum(-1, keepdim=True), LAMBDA * squares.sqrt())  # [..., Hq, Nq, 1]
+    px = f.slope * f.p
+    pt = s * px.transpose(-2, -1)
+    dk_worst = _group_sum(pt @ (e * q.abs()), k, q)
+    dk = torch.minimum(dk_worst, LAMBDA * _group_sum(pt**2 @ (squares * q**2), k, q).sqrt())
+    part = {
+        "out": torch.zeros_like(o),
+        "dq": s * e * (px @ ke).abs(),
+        "dk": dk,
+        "dv": torch.zeros(*k.shape[:-1], ve.shape[-1], dtype=o.dtype, device=o.device),
+    }
+    if mask is not None and mask.dtype != torch.bool:
+        part["dmask"] = (f.p * e).sum_to_size(mask.shape)
+    if sinks is not None:
+        part["dsinks"] = _sum_to_sinks(f.p_sink * e.squeeze(-1), sinks)
+    return part
 
 
 def _results(
@@ -582,11 +779,7 @@ def _results(
         "dk": s * (path.dx.transpose(-2, -1) @ q.abs()),
         "dv": pw.transpose(-2, -1) @ do.abs(),
     }
-    if ke.shape != k.shape:  # repeated per query head (GQA)
-        groups = q.shape[-3] // k.shape[-3]
-        for name in ("dk", "dv"):
-            t = part[name]
-            part[name] = t.reshape(*t.shape[:-3], k.shape[-3], groups, *t.shape[-2:]).sum(-3)
+    part["dk"], part["dv"] = (_group_sum(part[n], k, q) for n in ("dk", "dv"))
     if mask is not None and mask.dtype != torch.bool:
         part["dmask"] = path.ds.sum_to_size(mask.shape)
     if sinks is not None:

@@ -1,27 +1,47 @@
 r"""The error rule: how far from float64 an implementation may be, in any dtype.
 
 One rule for every dtype and every machine: an implementation's error against
-`attngrad.verify.reference.reference_attention` (run in float64 on the
-inputs as rounded to the case's dtype) is at most twice the error of the plain
-PyTorch computation in that dtype, plus a floor that follows from the
-magnitudes of what produces each quantity.  `judge` applies it to one
-quantity, `judge_outputs` to every quantity of one run on a case.
+`attngrad.verify.reference.reference_attention` is at most twice the error of
+the plain PyTorch computation in that dtype (or what a fused kernel's 16-bit
+products may cost, if larger), plus a floor for what a correct implementation
+may legitimately compute differently.  `judge` applies it to one quantity,
+`judge_outputs` to every quantity of one run on a case.
+
+The reference sees what the kernel sees: the inputs (q, k, v, mask, sinks,
+dO) rounded to the case's dtype, then taken to float64 (`received`).  So no
+term of the bound has to absorb the inputs' own rounding, and in 16 bits the
+bound is a few units of roundoff of each quantity: a gradient 5% off in
+bfloat16 fails at every size tests/verify/test_planted.py tries.
 
 The rule
 --------
 Element by element, for each compared quantity x (out, dq, dk, dv, dmask, dsinks)::
 
-    |x_got - x_ref|  <=  2 max|x_plain - x_ref|
-                         + u_c LAMBDA (sqrt(n) A_x + sqrt(d) C_x)
-                         + u (DTYPE_ROUNDINGS A_x + 2 C_x)
+    |x_got - x_ref|  <=  max(2 max|x_plain - x_ref|,  u K_x)
+                         + u_c (LAMBDA sqrt(n) A_x + (LAMBDA sqrt(d) + SCORE_ROUNDINGS) C_x)
+                         + u (|x_ref| + R_x)
 
 * ``x_plain`` (`attngrad.verify.reference.plain_attention`): the plain PyTorch
-  computation in the case's dtype, on the same rounded inputs.  Its error is
-  the 2x rule serious kernel projects use.
+  computation in the case's dtype, on the same inputs.  Its error is the 2x
+  rule serious kernel projects use; it rounds scores, P and dS to the dtype
+  on the way.
 * ``u``: the unit roundoff of the case's dtype (eps / 2); ``u_c`` that of
   the dtype the sums run in (float32 for 16-bit inputs, see
   `attngrad.core.ops.compute_dtype`; else the dtype itself).
-* ``A_x`` (`attngrad.verify.reference.magnitudes`): the last step that forms x,
+* ``K_x``: what a fused kernel's 16-bit products cost: P kept in the dtype
+  for P v and P^T dO, dS for dS k and dS^T q, each rounded once, bounded by
+  the worst case or, for long sums, LAMBDA times the root-sum-square of the
+  rounded terms (`attngrad.verify.reference.magnitudes`).  The plain run
+  pays these and more, so over a large tensor 2x its largest error covers
+  them; over a few elements (a short row, one live key) its largest error
+  is one small draw of roundings, and K_x is the bound that does not depend
+  on the draw.  Either justifies a kernel: the larger is taken.
+
+The floor, derived, not measured, is what a correct implementation computes
+differently from both the reference and the plain run:
+
+* The order of its sums, in the compute dtype.  ``A_x``
+  (`attngrad.verify.reference.magnitudes`): the last step that forms x,
   evaluated in float64 on absolute values: P |v| for the output, P^T |dO|
   for dv, P o (|dO| |v|^T + rowsum(P o |dO| |v|^T)) for dS and so the mask's
   gradient, scale * |dS|-bound * |k| for dq, ...  The classical forward error
@@ -31,27 +51,30 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask, dsinks
   41(5), 2019), which models roundings as independent and mean-independent,
   replaces gamma_n by lambda sqrt(n) u, holding with probability at least
   1 - 2 exp(-lambda^2 / 2) per sum; ``LAMBDA`` = 6 puts that at 1 - 3e-8.
-  No BLAS kernel, blocking or thread count enters the bound.
+  No BLAS kernel, blocking, tile size or thread count enters the bound.
+  ``n``: the longest sum along the computation, max(d, dv, Nk, G * Nq, the
+  number of score entries each element of a broadcast float mask collects,
+  and the rows each per-head sink's gradient collects).
+* The rounding of its scores, in the compute dtype.  ``C_x`` (same
+  function): what a perturbation of every score by at most e C_S does to x,
+  to first order, per unit e, with C_S = scale |q| |k|^T (+ |S| for a bias,
+  + the cap's roundings).  Each score is a d-term product (LAMBDA sqrt(d)
+  u_c, as above) passed through a few single roundings of at most u_c C_S
+  each: the scale, the bias add, the row-max shift and the change of base
+  of exp (``SCORE_ROUNDINGS`` = 4; `score_error` is e).  This is the term
+  that large logits (|S| u_c no longer small) and huge biases make large,
+  and only where P lets the scores reach x.
+* The storage of its result in the dtype: one rounding to nearest, u |x_ref|
+  (the result's own accumulation error only adds u times itself).  In 16
+  bits this is the floor's largest term, 0.4% of x in bfloat16.
+* ``R_x``: Delta = rowsum(dO o O) formed from O as the kernel stored it
+  (16-bit storage and a kept P: O off by u (|O| + K_out)), the same move for
+  every key of a row (`attngrad.verify.reference.magnitudes`).  The plain
+  run forms Delta from P and dP instead, so it need not pay this.
 * With dropout, P o Z / (1 - p) takes P's place on the paths to out and dv,
   and dP is scaled alike; with a softcap, the slope 1 - tanh^2 <= 1 of the
   cap multiplies the path from dS back to q and k; sinks join P's
   normalisation, and dsinks is bounded by p_sink rowsum(P o |dO| |v|^T).
-* ``C_x`` (same function): what a perturbation of every score by at most
-  C_S = scale |q| |k|^T (+ |S| for a bias, + the cap's roundings) does to
-  x, to first order.  The
-  d-term product behind each score rounds as above (LAMBDA sqrt(d) u_c), and
-  q and k, rounded to the dtype, once each (2 u).  This is the term that
-  large logits (|S| u no longer small) and huge biases make large, and only
-  where P lets the scores reach x; the plain run's error also carries it,
-  but a max over one draw of roundings is no bound for another draw.
-* Single roundings to the dtype along a path to x, each bounded by u A_x in
-  the worst case (no sqrt: they need not cancel): v and dO as inputs, an
-  intermediate kept or multiplied in the dtype (the saved P or O, P or dS
-  before a 16-bit product), the accumulators, the result itself:
-  ``DTYPE_ROUNDINGS`` = 5.
-* ``n``: the longest sum along the computation, max(d, dv, Nk, G * Nq, the
-  number of score entries each element of a broadcast float mask collects,
-  and the rows each per-head sink's gradient collects).
 * Underflow: A_x is joined by n * tiny * M (tiny: the compute dtype's smallest
   normal number, so u_c * tiny is the absolute error of one rounding into the
   subnormal range; M: the product of the operands' largest magnitudes, what
@@ -62,12 +85,25 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask, dsinks
 The floor is what lets a correct implementation that sums in another order
 pass where the plain computation happens to be exact (one key: P = 1 and
 dS = 0 exactly, while dS = P * (dP - Delta) with Delta from dO . O leaves
-|dP| u).  It follows the data, not max(1, |ref|): where P is zero (masked
+|dP| u_c).  It follows the data, not max(1, |ref|): where P is zero (masked
 keys, a bias at ``finfo.min`` beside live scores, dead rows) the floor is
 zero too.  Where the scores cannot be trusted (a whole row of scores at
 ``finfo.min``, which swallow q k^T) the floor says so and grows; the tests
 pin those rows to the answer the math gives by name.
 NaN anywhere fails.
+
+lse, where an implementation returns it, has its own verdict (`judge_lse`):
+attention returns it in the compute dtype, so it answers to a floor of the
+compute dtype alone.
+
+The rule's power is measured, not assumed: `attngrad.verify.planted` plants
+bugs in copies of a strategy (a gradient 5% off in 16 bits and 1% in
+float32, the softmax backward without its row sum, lse kept in 16 bits --
+seen by the lse verdict: in 16-bit inputs it moves the gradients no more
+than plain 16-bit PyTorch errs --, zeros, a skipped tile rescale);
+tests/verify/test_planted.py checks each fails at realistic sizes with
+several tiles, and benchmarks/benchmark_rule_power.py prints the margin between
+correct code's worst ratio and each bug's.
 """
 
 from __future__ import annotations
@@ -86,36 +122,46 @@ from attngrad.verify.cases import (
     default_mask_shape,
     input_tensor,
     outputs_and_grads,
+    received,
     reference_keywords,
 )
-from attngrad.verify.reference import magnitudes, plain_attention, reference_attention
+from attngrad.verify.reference import (
+    LAMBDA,
+    lse_sensitivity,
+    magnitudes,
+    plain_attention,
+    reference_attention,
+    reference_lse,
+)
 
 __all__ = [
-    "DTYPE_ROUNDINGS",
     "GRADIENTS",
     "LAMBDA",
     "PLAIN",
     "REFERENCE",
+    "SCORE_ROUNDINGS",
     "Verdict",
     "abs_error",
+    "case_bounds",
     "case_floors",
     "judge",
+    "judge_lse",
     "judge_outputs",
+    "kept_bound",
     "largest",
     "operand_scale",
     "rounding_floor",
+    "score_error",
     "terms",
     "unit_roundoff",
 ]
 
-# the quantities the rule judges (a case has those of its inputs)
-GRADIENTS = ("out", "dq", "dk", "dv", "dmask", "dsinks")
-# lambda of the probabilistic bound (module docstring): it holds with probability 1 - 3e-8
-LAMBDA = 6.0
-# single roundings to the dtype along one path to a result: v and dO as inputs, one
-# intermediate kept or multiplied in the dtype (saved P or O, P or dS before a 16-bit
-# product), the result itself; and one more for the gradients' accumulators
-DTYPE_ROUNDINGS = 5
+# the quantities the rule judges (a case has those of its inputs; lse where the
+# implementation returns it, `judge_lse`)
+GRADIENTS = ("out", "dq", "dk", "dv", "dmask", "dsinks", "lse")
+# single roundings of each score in the compute dtype besides its d-term product: the scale,
+# the bias add, the row-max shift and the change of base of exp (module docstring)
+SCORE_ROUNDINGS = 4
 
 # the two runs every judgement compares with, called like `attngrad.attention`: the float64
 # reference and the plain computation in the case's dtype
@@ -170,6 +216,15 @@ def terms(case: Case) -> int:
     return n
 
 
+def score_error(dtype: torch.dtype, head_dim: int) -> float:
+    """e of the rule: the relative error of one score, in units of C_S, for inputs in ``dtype``.
+
+    A d-term product in the compute dtype and `SCORE_ROUNDINGS` single roundings
+    (module docstring); `attngrad.verify.reference.magnitudes` takes it.
+    """
+    return unit_roundoff(compute_dtype(dtype)) * (LAMBDA * math.sqrt(head_dim) + SCORE_ROUNDINGS)
+
+
 def rounding_floor(
     magnitude: torch.Tensor,
     sensitivity: torch.Tensor,
@@ -177,19 +232,27 @@ def rounding_floor(
     n: int,
     head_dim: int,
     operands: float = 1.0,
+    result: torch.Tensor | None = None,
+    readback: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rule's floor for one quantity (module docstring), shaped like it.
 
-    magnitude: A_x, sensitivity: C_x (`attngrad.verify.reference.magnitudes`);
-    operands: the product of the operands' largest magnitudes (`operand_scale`).
-    The sums run in the compute dtype (float32 for 16-bit inputs), the few
-    single roundings to the dtype in the dtype itself.
+    magnitude: A_x, sensitivity: C_x, readback: R_x
+    (`attngrad.verify.reference.magnitudes`, given `score_error`; None: no
+    Delta on the way); operands: the product of the operands' largest
+    magnitudes (`operand_scale`); result: |x_ref|, whose storage in ``dtype``
+    rounds once (None: its bound, the magnitude).  The sums and the scores
+    run in the compute dtype (float32 for 16-bit inputs), O and the result
+    are stored in the dtype itself.
     """
     u_c, u = unit_roundoff(compute_dtype(dtype)), unit_roundoff(dtype)
     underflow = n * torch.finfo(compute_dtype(dtype)).tiny * operands
-    sums = LAMBDA * (math.sqrt(n) * (magnitude + underflow) + math.sqrt(head_dim) * sensitivity)
-    single = DTYPE_ROUNDINGS * magnitude + 2 * sensitivity + torch.finfo(dtype).tiny
-    return u_c * sums + u * single
+    sums = u_c * LAMBDA * math.sqrt(n) * (magnitude + underflow)
+    scores = score_error(dtype, head_dim) * sensitivity
+    stored = (magnitude if result is None else result).abs() + torch.finfo(dtype).tiny
+    if readback is not None:
+        stored = stored + readback
+    return sums + scores + u * stored
 
 
 def judge(
@@ -198,19 +261,24 @@ def judge(
     ref: torch.Tensor,
     floor: torch.Tensor,
     plain: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> Verdict:
-    """The rule for one quantity: |got - ref| <= 2 max|plain - ref| + floor, element by element.
+    """The rule for one quantity, element by element:
+    |got - ref| <= max(2 max|plain - ref|, kept) + floor.
 
     got: the implementation's x in any dtype; ref: the float64 reference;
     floor: `rounding_floor`; plain: the plain computation in the case's dtype
-    (None: no baseline term).  All shaped alike.
+    (None: no baseline term); kept: `kept_bound` (None: none).  All shaped alike.
     """
     got, ref = got.double(), ref.double()
     if got.shape != ref.shape:
         raise ValueError(f"{name}: shape {tuple(got.shape)} differs from {tuple(ref.shape)}")
     nan = bool(got.isnan().any())
     baseline = None if plain is None else largest(abs_error(plain.double(), ref))
-    bound = 2 * (baseline or 0.0) + floor.double()
+    allowance = torch.full_like(ref, 2 * (baseline or 0.0))
+    if kept is not None:
+        allowance = torch.maximum(allowance, kept.double())
+    bound = allowance + floor.double()
     err = abs_error(got, ref)
     if err.numel() == 0:
         return Verdict(name, 0.0, 0.0, 0.0, 0.0, baseline, False)
@@ -241,32 +309,89 @@ def judge_outputs(
 ) -> list[Verdict]:
     """Judge ``got`` (out and gradients of one run on ``inputs``) by the rule.
 
-    Computes the float64 reference, the plain run in the case's dtype and the
+    Computes the float64 reference on the inputs as the implementation
+    received them (`received`), the plain run in the case's dtype and the
     magnitudes itself.  names: the quantities to judge, in the reference's
     order (None: every one the reference has; an external function may give
     no dmask).
     """
-    ref = outputs_and_grads(REFERENCE, case, inputs, torch.float64)
-    plain = outputs_and_grads(PLAIN, case, inputs, case.dtype)
-    floors = case_floors(case, inputs)
+    exact = received(inputs, case.dtype)
+    ref = outputs_and_grads(REFERENCE, case, exact, torch.float64)
+    plain = outputs_and_grads(PLAIN, case, exact, case.dtype)
+    floors, kept = case_bounds(case, exact, ref)
     return [
-        judge(name, got[name], r, floors[name], plain[name])
+        judge(name, got[name], r, floors[name], plain[name], kept[name])
         for name, r in ref.items()
         if names is None or name in names
     ]
 
 
-def case_floors(case: Case, inputs: Inputs) -> dict[str, torch.Tensor]:
-    """The rule's floor (`rounding_floor`) of each quantity of the case, shaped like it."""
+def judge_lse(case: Case, inputs: Inputs, lse: torch.Tensor) -> Verdict:
+    """The rule for lse [..., Hq, Nq], which attention returns in the compute dtype (float32
+    for 16-bit inputs): no 2x term, as the plain run's lse would be in the dtype itself.
+
+    Each score may be off by e C_S (`score_error`), so lse by e rowsum(P o C_S)
+    (d lse / d S = P: `attngrad.verify.reference.lse_sensitivity`); l sums n
+    positive terms, each exp off by a unit or two, so log l moves by
+    u_c (LAMBDA sqrt(n) + 2); log and m + log l round once each, by at most
+    u_c (log n + |lse|).  n: the keys (and the sink).  A dead row's -inf is exact.
+    """
+    exact = received(inputs, case.dtype)
+    q, k = input_tensor(exact, "q"), input_tensor(exact, "k")
+    kw = {n: x for n, x in case.kwargs.items() if n not in ("dropout_p", "generator")}
+    sinks = {"sinks": exact["sinks"]} if exact.get("sinks") is not None else {}
+    ref = reference_lse(q, k, exact["mask"], **sinks, **kw)  # type: ignore[arg-type]
+    e = score_error(case.dtype, case.shapes.head_dim)
+    moved = lse_sensitivity(q, k, exact["mask"], **sinks, **kw, score_error=e)  # type: ignore[arg-type]
+    n = case.shapes.seq_k + (case.sinks != "none")
+    u_c = unit_roundoff(compute_dtype(case.dtype))
+    size = torch.where(ref.isfinite(), ref.abs(), 0.0)
+    floor = e * moved + u_c * (LAMBDA * math.sqrt(n) + 2 + math.log(max(n, 1)) + size)
+    return judge("lse", lse, ref, floor)
+
+
+def case_floors(
+    case: Case, inputs: Inputs, ref: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The rule's floor (`rounding_floor`) of each quantity of the case, shaped like it.
+
+    inputs: as the implementation received them (`received`); ref: the
+    float64 reference on them (None: computed here).
+    """
+    if ref is None:
+        ref = outputs_and_grads(REFERENCE, case, inputs, torch.float64)
+    return case_bounds(case, inputs, ref)[0]
+
+
+def kept_bound(kept: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """u K_x: what P and dS kept in ``dtype`` for its products can do to x (module
+    docstring); K_x from `attngrad.verify.reference.magnitudes`."""
+    return unit_roundoff(dtype) * kept
+
+
+def case_bounds(
+    case: Case, inputs: Inputs, ref: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(floor, kept bound) of each quantity (`rounding_floor`, `kept_bound`), shaped like it.
+
+    inputs: as the implementation received them (`received`); ref: the float64
+    reference on them.  The rule without its 2x term is |got - ref| <= kept +
+    floor: what a kernel that keeps its scores and sums in the compute dtype
+    answers to where the plain run is too far off to say anything (large
+    logits in 16 bits).
+    """
     q, k, v, dout = (input_tensor(inputs, n) for n in ("q", "k", "v", "dout"))
-    mags, sens = magnitudes(
-        q, k, v, dout, inputs["mask"], unit_roundoff=unit_roundoff(case.dtype),
+    d = case.shapes.head_dim
+    a, c, r, kept = magnitudes(
+        q, k, v, dout, inputs["mask"], score_error=score_error(case.dtype, d),
         sinks=inputs.get("sinks"), **reference_keywords(q, k, case.kwargs),  # type: ignore[arg-type]
     )  # fmt: skip
-    n, operands, d = terms(case), operand_scale(case, inputs), case.shapes.head_dim
-    return {
-        name: rounding_floor(mags[name], sens[name], case.dtype, n, d, operands) for name in mags
+    n, operands = terms(case), operand_scale(case, inputs)
+    floors = {
+        name: rounding_floor(a[name], c[name], case.dtype, n, d, operands, ref[name], r[name])
+        for name in a
     }
+    return floors, {name: kept_bound(kept[name], case.dtype) for name in a}
 
 
 def operand_scale(case: Case, inputs: Inputs) -> float:

@@ -53,6 +53,7 @@ from attngrad.verify.cases import (
     Inputs,
     default_cases,
     input_tensor,
+    long_cases,
     make_inputs,
     make_leaves,
 )
@@ -160,9 +161,11 @@ def sdpa_cases() -> list[Case]:
 
 def quick_cases() -> list[Case]:
     """A small grid for tests: every mask kind on the square and the GQA layout in float64
-    and float32, and the GQA layout in bfloat16 and float16."""
+    and float32, and the GQA layout in bfloat16 and float16 (no long case)."""
     keep = []
     for c in sdpa_cases():
+        if c in long_cases():
+            continue
         gqa = c.shapes.heads_q != c.shapes.heads_kv and c.shapes.seq_k > 1
         square = c.shapes.lead == (2,) and c.shapes.seq_q == c.shapes.seq_k
         if gqa or (square and c.dtype in (torch.float64, torch.float32)):

@@ -73,12 +73,42 @@ __all__ = [
 
 
 @triton.jit
+def _narrow(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """float32 ``x`` to ``dtype``, rounded to nearest even as the GPU does.
+
+    UPCAST (bfloat16 in the interpreter): the interpreter cuts float32 to
+    bfloat16 by dropping the low 16 bits (toward zero, up to a whole unit off,
+    always the same way) and garbles subnormals, so the bits are rounded and
+    moved by hand; NaN stays NaN.
+    """
+    if UPCAST:  # noqa: SIM102 - constexpr ifs, each compiled away on its own
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(x != x, 0x7FC0, bits).to(tl.uint16)
+            return bits.to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _widen(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """``x`` to the wider ``dtype``; exact.  UPCAST: bfloat16's bits moved by hand, as the
+    interpreter garbles its subnormals (`_narrow`)."""
+    if UPCAST:  # noqa: SIM102 - constexpr ifs, each compiled away on its own
+        if x.dtype == tl.bfloat16:
+            bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+            return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _dot(a, b, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b accumulated in ACC.  UPCAST: widen bfloat16 operands first (the
     interpreter's bfloat16 dot is wrong; products of bfloat16 are exact in
     float32, so the result is the same as the GPU's)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        a32, b32 = _widen(a, tl.float32, UPCAST), _widen(b, tl.float32, UPCAST)
+        return tl.dot(a32, b32, input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION, out_dtype=ACC)
 
@@ -109,12 +139,14 @@ def _load_tile(Ptr, head, r0, offs_r, n, offs_c, width):
 
 
 @triton.jit
-def _store_tile(Ptr, head, r0, offs_r, n, c0, offs_c, width, value, WIDE: tl.constexpr):
+def _store_tile(
+    Ptr, head, r0, offs_r, n, c0, offs_c, width, value, WIDE: tl.constexpr, UPCAST: tl.constexpr
+):
     """Store ``value`` into rows offs_r (from r0), columns offs_c (from c0) of head ``head``
-    (the layout of `_load_tile`; any width when WIDE)."""
+    (the layout of `_load_tile`; any width when WIDE), rounded as `_narrow` rounds."""
     corner, at = _tile_at(head, r0, offs_r, n, c0, offs_c, width, WIDE)
     mask = (offs_r[:, None] < n) & (offs_c[None, :] < width)
-    tl.store(Ptr + corner + at, value.to(Ptr.dtype.element_ty), mask=mask)
+    tl.store(Ptr + corner + at, _narrow(value, Ptr.dtype.element_ty, UPCAST), mask=mask)
 
 
 @triton.jit
@@ -322,7 +354,7 @@ def attention_forward(
         if HAS_DROPOUT:
             col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
             p = tl.where(_kept(row_words[:, None], col_words[None, :], threshold), p, 0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC, UPCAST, PRECISION)
+        acc = acc * alpha[:, None] + _dot(_narrow(p, v.dtype, UPCAST), v, ACC, UPCAST, PRECISION)
         m_i = m_new
     dead = l_i == 0.0
     o = acc / tl.where(dead, 1.0, l_i)[:, None]
@@ -330,7 +362,7 @@ def attention_forward(
         o = o * keep_scale
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     log_l = tl.where(dead, float("inf"), tl.log(tl.where(dead, 1.0, l_i)))
-    _store_tile(Out, bh, m0, offs_m, nq, 0, offs_dv, dv, o, False)
+    _store_tile(Out, bh, m0, offs_m, nq, 0, offs_dv, dv, o, False, UPCAST)
     tl.store(Stats + (bh * nq + offs_m) * 2, shift, mask=offs_m < nq)
     tl.store(Stats + (bh * nq + offs_m) * 2 + 1, log_l, mask=offs_m < nq)
 
@@ -338,15 +370,15 @@ def attention_forward(
 @triton.jit
 def attention_delta(
     Out, DO, Delta, nq, dv,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Delta = rowsum(O * dO): [B*Hq, Nq] in ACC."""
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
     m0 = tl.program_id(1) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o = _load_tile(Out, bh, m0, offs_m, nq, offs_dv, dv).to(ACC)
-    do = _load_tile(DO, bh, m0, offs_m, nq, offs_dv, dv).to(ACC)
+    o = _widen(_load_tile(Out, bh, m0, offs_m, nq, offs_dv, dv), ACC, UPCAST)
+    do = _widen(_load_tile(DO, bh, m0, offs_m, nq, offs_dv, dv), ACC, UPCAST)
     tl.store(Delta + bh * nq + offs_m, tl.sum(o * do, 1), mask=offs_m < nq)
 
 
@@ -418,13 +450,13 @@ def attention_dkdv(
                 dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
             else:
                 pv_t = p_t
-            dv_acc += _dot(pv_t.to(do.dtype), do, ACC, UPCAST, PRECISION)
+            dv_acc += _dot(_narrow(pv_t, do.dtype, UPCAST), do, ACC, UPCAST, PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             if HAS_SOFTCAP:
                 ds_t = ds_t * slope_t
-            dk += _dot(ds_t.to(q.dtype), q, ACC, UPCAST, PRECISION)
-    _store_tile(DK, bhk, n0, offs_n, nk, 0, offs_d, d, dk * scale, False)
-    _store_tile(DV, bhk, n0, offs_n, nk, 0, offs_dv, dv, dv_acc, False)
+            dk += _dot(_narrow(ds_t, q.dtype, UPCAST), q, ACC, UPCAST, PRECISION)
+    _store_tile(DK, bhk, n0, offs_n, nk, 0, offs_d, d, dk * scale, False, UPCAST)
+    _store_tile(DV, bhk, n0, offs_n, nk, 0, offs_dv, dv, dv_acc, False, UPCAST)
 
 
 @triton.jit
@@ -475,11 +507,11 @@ def attention_dq(
             dp = tl.where(kept, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if STORE_DS:
-            _store_tile(DS, bh, m0, offs_m, nq, n0, offs_n, nk, ds, WIDE_TILES)
+            _store_tile(DS, bh, m0, offs_m, nq, n0, offs_n, nk, ds, WIDE_TILES, UPCAST)
         if HAS_SOFTCAP:
             ds = ds * slope
-        dq += _dot(ds.to(k.dtype), k, ACC, UPCAST, PRECISION)
-    _store_tile(DQ, bh, m0, offs_m, nq, 0, offs_d, d, dq * scale, False)
+        dq += _dot(_narrow(ds, k.dtype, UPCAST), k, ACC, UPCAST, PRECISION)
+    _store_tile(DQ, bh, m0, offs_m, nq, 0, offs_d, d, dq * scale, False, UPCAST)
 
 
 INTERPRETED: bool = type(attention_forward).__name__ == "InterpretedFunction"

@@ -436,7 +436,8 @@ def backward_into(
     _launch(
         kernels.attention_delta, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
         Out=o, DO=dout, Delta=delta, nq=nq, dv=dv_dim,
-        BLOCK_M=tile["BLOCK_M"], BLOCK_DV=problem["BLOCK_DV"], ACC=dots["ACC"], **launch,
+        BLOCK_M=tile["BLOCK_M"], BLOCK_DV=problem["BLOCK_DV"], ACC=dots["ACC"],
+        UPCAST=dots["UPCAST"], **launch,
     )  # fmt: skip
     if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
         delta -= dlse.to(delta.dtype)
