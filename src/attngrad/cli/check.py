@@ -29,8 +29,10 @@ from attngrad.verify.rule import GRADIENTS
 __all__ = ["add_check", "check_records", "check_summary", "check_table", "run_check"]
 
 _RULE = (
-    "max abs error vs float64; ratio: worst error / bound of the rule, <= 2x plain PyTorch "
-    "+ a floor from the magnitudes (attngrad.verify.rule), at most 1 passes"
+    "max abs error vs float64 on the inputs as the strategy received them; ratio: worst "
+    "error / bound of the rule, max(2x plain PyTorch, a fused kernel's 16-bit products) + a "
+    "floor derived from the computation (lse: the floor alone; attngrad.verify.rule), at most "
+    "1 passes"
 )
 _DERIVATIVES = (
     "float64 only: d2 (double backward, a Hessian-vector product) and jvp (forward mode) "

@@ -21,7 +21,9 @@ teaching implementation.  `verify` runs, in order:
    options (no softcap, sinks, packed segments, window, bottom-right
    alignment or dropout: attngrad's extensions), each judged against the
    float64 reference by `attngrad.verify.rule` (at most 2x plain PyTorch's
-   error in the same dtype plus the floor of the magnitudes).
+   error in the same dtype, or a fused kernel's 16-bit products' if larger,
+   plus a floor derived from the computation), and the long 16-bit cases
+   (`attngrad.verify.cases.long_cases`) that span several tiles.
 3. ``gradcheck`` (fast mode) on each float64 case the function takes.
 4. Determinism: forward and backward `DETERMINISM_RUNS` times on one case
    (GQA, Nq != Nk, a float mask where supported) must agree bit for bit.
