@@ -624,7 +624,8 @@ def magnitudes(
         K_dmask = RSS of dS, summed like the mask
 
     With sinks merged after a 16-bit output, O is stored once more (K_out + |O|)
-    and dO comes back rounded (2 K_dv).
+    and dO comes back rounded: 2 K_dv, and dP = dO v^T with it, so dS moves by
+    up to u A_dS (K_dq + A_dq, K_dk + A_dk, K_dmask + A_dmask).
 
     Masked entries and dead rows contribute nothing (P = 0 there).  With GQA,
     dk and dv terms are summed over each kv head's query heads like dk and dv.
@@ -642,6 +643,8 @@ def magnitudes(
     paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, score_error))
     a, c = (_results(path, q, k, ke, ve, do, w, abs(s), mask, sigma) for path in paths)
     kept = _kept(f, w, dp, q, k, ke, ve, do, abs(s), mask, sigma)
+    if sigma is not None:  # dO' = dO w rounded on its way back moves dS by up to u A_dS
+        kept.update({name: kept[name] + a[name] for name in ("dq", "dk", "dmask") if name in a})
     readback = _readback(f, w, kept["out"], q, k, ke, ve, do, abs(s), mask, sigma)
     return Magnitudes(a, c, readback, kept)
 
