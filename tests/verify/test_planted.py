@@ -10,7 +10,7 @@ meet them: N from 97 to 1024, d from 59 to 128, flash on several tiles in
 both directions with a partial last tile.  At N = 1024 (about a second per
 judgement in float64) only the bugs nearest the bound run: the 16-bit
 gradients 5% off (bfloat16's plain run is the least accurate), the missing
-row sum, and the 16-bit lse, as the lse's bound grows with N (`judge_lse`).
+row sum, and the 16-bit lse, as the lse's bound grows with N (`lse_floor`).
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ def test_magnitudes_bound_every_result_of_the_reference(c):
     kwargs = {n: x for n, x in c.kwargs.items() if n != "generator"}
     if c.dropout:
         kwargs["dropout_mask"] = dropout_mask(q, k, c.dropout, c.kwargs["generator"])
-    mags, sens, readback, kept = magnitudes(
+    mags, sens, readback, kept, lse = magnitudes(
         q, k, v, dout, inputs["mask"], sinks=inputs["sinks"], **kwargs
     )
     assert set(mags) == set(sens) == set(readback) == set(kept) == set(want)
@@ -339,3 +339,4 @@ def test_magnitudes_bound_every_result_of_the_reference(c):
         assert (x.abs() <= mags[name] * (1 + 1e-12)).all(), name
         for bound in (sens[name], readback[name], kept[name]):
             assert (bound >= 0).all() and bound.shape == x.shape, name
+    assert (lse >= 0).all() and lse.shape == want["out"].shape[:-1]

@@ -42,7 +42,7 @@ from attngrad.verify.cases import (
     outputs_and_grads,
 )
 from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE, derivative_errors
-from attngrad.verify.rule import judge_lse, judge_outputs
+from attngrad.verify.rule import judge_outputs
 
 __all__ = [
     "GRADGRADCHECK_ELEMENTS",
@@ -131,7 +131,7 @@ def run_case(
 ) -> CaseResult:
     """Judge one strategy (or any SDPA-like ``fn``) on one case.
 
-    A strategy's lse (``return_lse=True``) is judged too (`judge_lse`); with
+    A strategy's lse (``return_lse=True``) is judged too (`lse_floor`); with
     ``fn``, the lse of ``lse`` (an ``fn`` that returns (out, lse)) if given.
 
     float64 cases also get ``gradcheck`` (when ``gradcheck``), the higher
@@ -147,13 +147,12 @@ def run_case(
     result = CaseResult(strategy=strategy, case=case.id, dtype=dtype_name(case.dtype))
     try:
         got = outputs_and_grads(fn, case, inputs, case.dtype)
-        got_lse = None if lse is None else _lse(lse, case, inputs)
+        if lse is not None:
+            got["lse"] = _lse(lse, case, inputs)
     except Exception as exc:  # a crash is a failed case, reported with its message
         result.message = f"{type(exc).__name__}: {exc}"
         return result
     verdicts = judge_outputs(case, inputs, got)
-    if got_lse is not None:
-        verdicts.append(judge_lse(case, inputs, got_lse))
     for v in verdicts:
         result.errors[v.name] = v.error
         result.bounds[v.name] = v.bound

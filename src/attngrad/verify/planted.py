@@ -30,7 +30,7 @@ measure the rule's power: the smallest ratio (error over bound, > 1 fails) a
 bug reaches over some cases, against the worst ratio of correct code
 (`correct_kernels`: explicit, recompute, flash with the same tiles and
 PyTorch's own SDPA) on the same cases.  Every run but SDPA's (which returns
-no lse) has its lse judged too (`attngrad.verify.rule.judge_lse`): the 16-bit
+no lse) has its lse judged too (`attngrad.verify.rule.lse_floor`): the 16-bit
 lse's gradients are as far off as plain 16-bit PyTorch's, which the rule's 2x
 term allows; its lse, which the rule judges without that term, is not.
 """
@@ -336,15 +336,12 @@ def _worst(ratios: Mapping[str, float]) -> tuple[float, str]:
     return ratios[name], name
 
 
-def _smallest(figures: Mapping[str, tuple[float, str]]) -> tuple[float, str, str]:
-    """figures: case -> (ratio, quantity); the smallest ratio, its case and its quantity."""
-    case = min(figures, key=figures.__getitem__)
-    return figures[case][0], case, figures[case][1]
-
-
-def _largest(figures: Mapping[str, tuple[float, str]]) -> tuple[float, str, str]:
-    """figures: case -> (ratio, quantity); the largest ratio, its case and its quantity."""
-    case = max(figures, key=figures.__getitem__)
+def _extreme(
+    figures: Mapping[str, tuple[float, str]], pick: Callable[..., str]
+) -> tuple[float, str, str]:
+    """figures: case -> (ratio, quantity); ``pick`` (min or max) chooses the case by ratio:
+    its ratio, the case and the quantity."""
+    case = pick(figures, key=figures.__getitem__)
     return figures[case][0], case, figures[case][1]
 
 
@@ -368,13 +365,13 @@ def margins(
             figures = {
                 c.id: _worst(_ratios(name, kernel, c, seed)) for c in cases if c.dtype == dtype
             }
-            correct.append(CodeRatio(name, dtype, *_largest(figures)))
+            correct.append(CodeRatio(name, dtype, *_extreme(figures, max)))
         step(name)
     found = []
     for bug in bugs:
         mine = [c for c in cases if c.dtype == bug.dtype]
         figures = {c.id: _worst(bug_ratios(bug, c, blocks, seed)) for c in mine}
         if figures:
-            found.append(BugRatio(bug, *_smallest(figures)))
+            found.append(BugRatio(bug, *_extreme(figures, min)))
             step(bug.id)
     return Margins(correct, found)

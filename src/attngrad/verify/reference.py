@@ -36,7 +36,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 __all__ = [
     "LAMBDA",
     "Magnitudes",
-    "lse_sensitivity",
     "magnitudes",
     "plain_attention",
     "reference_attention",
@@ -290,36 +289,6 @@ def reference_lse(
     return torch.logsumexp(_with_sinks(s, sinks), dim=-1)
 
 
-def lse_sensitivity(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    window: Window = None,
-    *,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    align: str = "top-left",
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    score_error: float = 2.0**-53,
-) -> torch.Tensor:
-    """rowsum(P o C_S): how far each row's lse moves, per unit of ``score_error``, when every
-    score moves by at most score_error C_S (d lse / d S = P; C_S as in `magnitudes`).
-
-    The options as in `reference_lse`; float64 [..., Hq, Nq], 0 on a dead row.
-    """
-    q, k = query.double(), key.double()
-    ke, _ = _expand_kv(q, k, k, enable_gqa)
-    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double()
-    sigma = None if sinks is None else sinks.double()
-    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
-    f = _Scores.of(q, ke, _scale(q, scale), mask, band, softcap, sigma, score_error)
-    return (f.p * f.c_s).sum(-1)
-
-
 def plain_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -467,13 +436,16 @@ class Magnitudes(NamedTuple):
     tensors shaped like out, dq, dk, dv (dmask, dsinks).
 
     magnitude: A_x; sensitivity: C_x, per unit of ``score_error``; readback:
-    R_x and kept: K_x, per unit roundoff of the dtype O, P and dS are kept in.
+    R_x and kept: K_x, per unit roundoff of the dtype O, P and dS are kept in;
+    lse: rowsum(P o C_S) [..., Hq, Nq], how far each row's lse moves per unit
+    of ``score_error`` (d lse / d S = P), 0 on a dead row.
     """
 
     magnitude: dict[str, torch.Tensor]
     sensitivity: dict[str, torch.Tensor]
     readback: dict[str, torch.Tensor]
     kept: dict[str, torch.Tensor]
+    lse: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -563,7 +535,8 @@ def magnitudes(
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> Magnitudes:
-    r"""(A_x, C_x, R_x, K_x) for out, dq, dk, dv (dmask for a float mask, dsinks with sinks), float64.
+    r"""(A_x, C_x, R_x, K_x) for out, dq, dk, dv (dmask for a float mask, dsinks with sinks), float64,
+    and lse's move (`Magnitudes`).
 
     The options as in `reference_attention`.  P below is the sink-normalised
     softmax and p_sink the sink's share of a row; W = Z / (1 - p) with
@@ -642,11 +615,9 @@ def magnitudes(
     a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
     paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, score_error))
     a, c = (_results(path, q, k, ke, ve, do, w, abs(s), mask, sigma) for path in paths)
-    kept = _kept(f, w, dp, q, k, ke, ve, do, abs(s), mask, sigma)
-    if sigma is not None:  # dO' = dO w rounded on its way back moves dS by up to u A_dS
-        kept.update({name: kept[name] + a[name] for name in ("dq", "dk", "dmask") if name in a})
+    kept = _kept(f, w, dp, a, q, k, ke, ve, do, abs(s), mask, sigma)
     readback = _readback(f, w, kept["out"], q, k, ke, ve, do, abs(s), mask, sigma)
-    return Magnitudes(a, c, readback, kept)
+    return Magnitudes(a, c, readback, kept, (f.p * f.c_s).sum(-1))
 
 
 def _group_sum(t: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -672,6 +643,12 @@ def _rounded_terms(
     worst, squares = a @ b, a**2 @ b**2
     if k is not None and q is not None:
         worst, squares = _group_sum(worst, k, q), _group_sum(squares, k, q)
+    return _smaller(worst, squares)
+
+
+def _smaller(worst: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+    """The bound on a sum of independently moving terms: the worst case (the sum of their
+    bounds) or LAMBDA times the root of the sum of their squares, whichever is smaller."""
     return torch.minimum(worst, LAMBDA * squares.sqrt())
 
 
@@ -679,6 +656,7 @@ def _kept(
     f: _Scores,
     w: torch.Tensor,
     dp: torch.Tensor,
+    a: dict[str, torch.Tensor],
     q: torch.Tensor,
     k: torch.Tensor,
     ke: torch.Tensor,
@@ -690,8 +668,8 @@ def _kept(
 ) -> dict[str, torch.Tensor]:
     """K_x: the root-sum-square of the terms that sum P or dS kept in the dtype into x (`magnitudes`).
 
-    Arguments as `_results`' (dp: W o dO v^T, signed).  With sinks, one more
-    rounding of O and of dO (the merge's).
+    Arguments as `_results`' (dp: W o dO v^T, signed; a: the A_x).  With sinks,
+    one more rounding of O and of dO (the merge's).
     """
     pw = f.p * w
     ds = f.p * (dp - (f.p * dp).sum(-1, keepdim=True))
@@ -703,13 +681,16 @@ def _kept(
         "dv": _rounded_terms(pw.transpose(-2, -1), do, k, q),
     }
     if mask is not None and mask.dtype != torch.bool:
-        summed = ds.abs().sum_to_size(mask.shape)
-        part["dmask"] = torch.minimum(summed, LAMBDA * (ds**2).sum_to_size(mask.shape).sqrt())
+        part["dmask"] = _smaller(ds.abs().sum_to_size(mask.shape), (ds**2).sum_to_size(mask.shape))
     if sinks is not None:
         # a sink merged after the keys' 16-bit output (as attngrad does, `attngrad.core.sinks`)
-        # stores O once more and hands back dO' = dO w rounded: each term of dv moves twice
+        # stores O once more and hands back dO' = dO w rounded: each term of dv moves twice,
+        # and dP = dO' v^T moves dS by up to u A_dS
         part["out"] = part["out"] + (pw @ ve).abs()
         part["dv"] = 2 * part["dv"]
+        for name in ("dq", "dk", "dmask"):
+            if name in part:
+                part[name] = part[name] + a[name]
         part["dsinks"] = torch.zeros_like(sinks)  # d sigma = -p_sink Delta: no kept product
     return part
 
@@ -740,11 +721,10 @@ def _readback(
     o = (f.p * w) @ ve
     moves = do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
     squares = (moves**2).sum(-1, keepdim=True)
-    e = torch.minimum(moves.sum(-1, keepdim=True), LAMBDA * squares.sqrt())  # [..., Hq, Nq, 1]
+    e = _smaller(moves.sum(-1, keepdim=True), squares)  # [..., Hq, Nq, 1]
     px = f.slope * f.p
     pt = s * px.transpose(-2, -1)
-    dk_worst = _group_sum(pt @ (e * q.abs()), k, q)
-    dk = torch.minimum(dk_worst, LAMBDA * _group_sum(pt**2 @ (squares * q**2), k, q).sqrt())
+    dk = _smaller(_group_sum(pt @ (e * q.abs()), k, q), _group_sum(pt**2 @ (squares * q**2), k, q))
     part = {
         "out": torch.zeros_like(o),
         "dq": s * e * (px @ ke).abs(),

@@ -92,9 +92,9 @@ zero too.  Where the scores cannot be trusted (a whole row of scores at
 pin those rows to the answer the math gives by name.
 NaN anywhere fails.
 
-lse, where an implementation returns it, has its own verdict (`judge_lse`):
-attention returns it in the compute dtype, so it answers to a floor of the
-compute dtype alone.
+lse, where an implementation returns it (``got["lse"]`` of `judge_outputs`),
+answers to a floor of the compute dtype alone (`lse_floor`): attention
+returns it in the compute dtype whatever the inputs.
 
 The rule's power is measured, not assumed: `attngrad.verify.planted` plants
 bugs in copies of a strategy (a gradient 5% off in 16 bits and 1% in
@@ -127,7 +127,6 @@ from attngrad.verify.cases import (
 )
 from attngrad.verify.reference import (
     LAMBDA,
-    lse_sensitivity,
     magnitudes,
     plain_attention,
     reference_attention,
@@ -145,10 +144,10 @@ __all__ = [
     "case_bounds",
     "case_floors",
     "judge",
-    "judge_lse",
     "judge_outputs",
     "kept_bound",
     "largest",
+    "lse_floor",
     "operand_scale",
     "rounding_floor",
     "score_error",
@@ -157,7 +156,7 @@ __all__ = [
 ]
 
 # the quantities the rule judges (a case has those of its inputs; lse where the
-# implementation returns it, `judge_lse`)
+# implementation returns it, `lse_floor`)
 GRADIENTS = ("out", "dq", "dk", "dv", "dmask", "dsinks", "lse")
 # single roundings of each score in the compute dtype besides its d-term product: the scale,
 # the bias add, the row-max shift and the change of base of exp (module docstring)
@@ -307,7 +306,8 @@ def judge_outputs(
     got: Mapping[str, torch.Tensor],
     names: Collection[str] | None = None,
 ) -> list[Verdict]:
-    """Judge ``got`` (out and gradients of one run on ``inputs``) by the rule.
+    """Judge ``got`` (out and gradients of one run on ``inputs``, and lse [..., Hq, Nq] if
+    given, `lse_floor`) by the rule.
 
     Computes the float64 reference on the inputs as the implementation
     received them (`received`), the plain run in the case's dtype and the
@@ -317,37 +317,42 @@ def judge_outputs(
     """
     exact = received(inputs, case.dtype)
     ref = outputs_and_grads(REFERENCE, case, exact, torch.float64)
+    if "lse" in got:
+        ref["lse"] = _reference_lse(case, exact)
     plain = outputs_and_grads(PLAIN, case, exact, case.dtype)
     floors, kept = case_bounds(case, exact, ref)
     return [
-        judge(name, got[name], r, floors[name], plain[name], kept[name])
+        judge(name, got[name], r, floors[name], plain.get(name), kept.get(name))
         for name, r in ref.items()
         if names is None or name in names
     ]
 
 
-def judge_lse(case: Case, inputs: Inputs, lse: torch.Tensor) -> Verdict:
-    """The rule for lse [..., Hq, Nq], which attention returns in the compute dtype (float32
-    for 16-bit inputs): no 2x term, as the plain run's lse would be in the dtype itself.
-
-    Each score may be off by e C_S (`score_error`), so lse by e rowsum(P o C_S)
-    (d lse / d S = P: `attngrad.verify.reference.lse_sensitivity`); l sums n
-    positive terms, each exp off by a unit or two, so log l moves by
-    u_c (LAMBDA sqrt(n) + 2); log and m + log l round once each, by at most
-    u_c (log n + |lse|).  n: the keys (and the sink).  A dead row's -inf is exact.
-    """
-    exact = received(inputs, case.dtype)
-    q, k = input_tensor(exact, "q"), input_tensor(exact, "k")
+def _reference_lse(case: Case, inputs: Inputs) -> torch.Tensor:
+    """The float64 lse of the case's rows on ``inputs`` (dropout does not enter it)."""
+    q, k = input_tensor(inputs, "q"), input_tensor(inputs, "k")
     kw = {n: x for n, x in case.kwargs.items() if n not in ("dropout_p", "generator")}
-    sinks = {"sinks": exact["sinks"]} if exact.get("sinks") is not None else {}
-    ref = reference_lse(q, k, exact["mask"], **sinks, **kw)  # type: ignore[arg-type]
-    e = score_error(case.dtype, case.shapes.head_dim)
-    moved = lse_sensitivity(q, k, exact["mask"], **sinks, **kw, score_error=e)  # type: ignore[arg-type]
+    sinks = {"sinks": inputs["sinks"]} if inputs.get("sinks") is not None else {}
+    return reference_lse(q, k, inputs["mask"], **sinks, **kw)  # type: ignore[arg-type]
+
+
+def lse_floor(moved: torch.Tensor, ref: torch.Tensor, case: Case) -> torch.Tensor:
+    """The floor of lse [..., Hq, Nq], which attention returns in the compute dtype (float32
+    for 16-bit inputs): no 2x term and no kept bound, as the plain run's lse would be in the
+    dtype itself.
+
+    moved: rowsum(P o C_S) (`attngrad.verify.reference.Magnitudes`); ref: the
+    float64 lse.  Each score may be off by e C_S (`score_error`), so lse by
+    e rowsum(P o C_S) (d lse / d S = P); l sums n positive terms, each exp off
+    by a unit or two, so log l moves by u_c (LAMBDA sqrt(n) + 2); log and
+    m + log l round once each, by at most u_c (log n + |lse|).  n: the keys
+    (and the sink).  A dead row's -inf is exact.
+    """
     n = case.shapes.seq_k + (case.sinks != "none")
     u_c = unit_roundoff(compute_dtype(case.dtype))
     size = torch.where(ref.isfinite(), ref.abs(), 0.0)
-    floor = e * moved + u_c * (LAMBDA * math.sqrt(n) + 2 + math.log(max(n, 1)) + size)
-    return judge("lse", lse, ref, floor)
+    e = score_error(case.dtype, case.shapes.head_dim)
+    return e * moved + u_c * (LAMBDA * math.sqrt(n) + 2 + math.log(max(n, 1)) + size)
 
 
 def case_floors(
@@ -382,7 +387,7 @@ def case_bounds(
     """
     q, k, v, dout = (input_tensor(inputs, n) for n in ("q", "k", "v", "dout"))
     d = case.shapes.head_dim
-    a, c, r, kept = magnitudes(
+    a, c, r, kept, moved = magnitudes(
         q, k, v, dout, inputs["mask"], score_error=score_error(case.dtype, d),
         sinks=inputs.get("sinks"), **reference_keywords(q, k, case.kwargs),  # type: ignore[arg-type]
     )  # fmt: skip
@@ -391,6 +396,8 @@ def case_bounds(
         name: rounding_floor(a[name], c[name], case.dtype, n, d, operands, ref[name], r[name])
         for name in a
     }
+    if "lse" in ref:
+        floors["lse"] = lse_floor(moved, ref["lse"], case)
     return floors, {name: kept_bound(kept[name], case.dtype) for name in a}
 
 
