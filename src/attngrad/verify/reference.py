@@ -611,13 +611,38 @@ def magnitudes(
     band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
     f = _Scores.of(q, ke, s, mask, band, softcap, sigma, score_error)
     w = _dropped(torch.ones_like(f.p), dropout_mask, dropout_p)
+    x = _Operands(q, k, ke, ve, do, w, abs(s), mask, sigma)
     dp = w * (do @ ve.transpose(-2, -1))
     a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
     paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, score_error))
-    a, c = (_results(path, q, k, ke, ve, do, w, abs(s), mask, sigma) for path in paths)
-    kept = _kept(f, w, dp, a, q, k, ke, ve, do, abs(s), mask, sigma)
-    readback = _readback(f, w, kept["out"], q, k, ke, ve, do, abs(s), mask, sigma)
-    return Magnitudes(a, c, readback, kept, (f.p * f.c_s).sum(-1))
+    a, c = (_results(path, x) for path in paths)
+    kept = _kept(f, dp, a, x)
+    return Magnitudes(a, c, _readback(f, kept["out"], x), kept, (f.p * f.c_s).sum(-1))
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """What every bound of `magnitudes` is built from, float64.
+
+    q: [..., Hq, Nq, d], k: [..., Hkv, Nk, d] (ke, ve: per query head), do: dO,
+    w: the dropout's factors, like P; s: |scale|; mask and sinks as given (None
+    without).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    ke: torch.Tensor
+    ve: torch.Tensor
+    do: torch.Tensor
+    w: torch.Tensor
+    s: float
+    mask: torch.Tensor | None
+    sinks: torch.Tensor | None
+
+    @property
+    def float_mask(self) -> bool:
+        """A float mask, whose gradient dmask is bounded too."""
+        return self.mask is not None and self.mask.dtype != torch.bool
 
 
 def _group_sum(t: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -653,118 +678,82 @@ def _smaller(worst: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
 
 
 def _kept(
-    f: _Scores,
-    w: torch.Tensor,
-    dp: torch.Tensor,
-    a: dict[str, torch.Tensor],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    ke: torch.Tensor,
-    ve: torch.Tensor,
-    do: torch.Tensor,
-    s: float,
-    mask: torch.Tensor | None,
-    sinks: torch.Tensor | None,
+    f: _Scores, dp: torch.Tensor, a: dict[str, torch.Tensor], x: _Operands
 ) -> dict[str, torch.Tensor]:
     """K_x: the root-sum-square of the terms that sum P or dS kept in the dtype into x (`magnitudes`).
 
-    Arguments as `_results`' (dp: W o dO v^T, signed; a: the A_x).  With sinks,
-    one more rounding of O and of dO (the merge's).
+    dp: W o dO v^T, signed; a: the A_x.  With sinks, one more rounding of O and
+    of dO (the merge's).
     """
-    pw = f.p * w
+    pw = f.p * x.w
     ds = f.p * (dp - (f.p * dp).sum(-1, keepdim=True))
     dx = f.slope * ds
     part = {
-        "out": _rounded_terms(pw, ve),
-        "dq": s * _rounded_terms(dx, ke),
-        "dk": s * _rounded_terms(dx.transpose(-2, -1), q, k, q),
-        "dv": _rounded_terms(pw.transpose(-2, -1), do, k, q),
+        "out": _rounded_terms(pw, x.ve),
+        "dq": x.s * _rounded_terms(dx, x.ke),
+        "dk": x.s * _rounded_terms(dx.transpose(-2, -1), x.q, x.k, x.q),
+        "dv": _rounded_terms(pw.transpose(-2, -1), x.do, x.k, x.q),
     }
-    if mask is not None and mask.dtype != torch.bool:
-        part["dmask"] = _smaller(ds.abs().sum_to_size(mask.shape), (ds**2).sum_to_size(mask.shape))
-    if sinks is not None:
+    if x.float_mask:
+        shape = x.mask.shape  # type: ignore[union-attr]
+        part["dmask"] = _smaller(ds.abs().sum_to_size(shape), (ds**2).sum_to_size(shape))
+    if x.sinks is not None:
         # a sink merged after the keys' 16-bit output (as attngrad does, `attngrad.core.sinks`)
         # stores O once more and hands back dO' = dO w rounded: each term of dv moves twice,
         # and dP = dO' v^T moves dS by up to u A_dS
-        part["out"] = part["out"] + (pw @ ve).abs()
+        part["out"] = part["out"] + (pw @ x.ve).abs()
         part["dv"] = 2 * part["dv"]
         for name in ("dq", "dk", "dmask"):
             if name in part:
                 part[name] = part[name] + a[name]
-        part["dsinks"] = torch.zeros_like(sinks)  # d sigma = -p_sink Delta: no kept product
+        part["dsinks"] = torch.zeros_like(x.sinks)  # d sigma = -p_sink Delta: no kept product
     return part
 
 
-def _readback(
-    f: _Scores,
-    w: torch.Tensor,
-    k_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    ke: torch.Tensor,
-    ve: torch.Tensor,
-    do: torch.Tensor,
-    s: float,
-    mask: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-) -> dict[str, torch.Tensor]:
+def _readback(f: _Scores, k_out: torch.Tensor, x: _Operands) -> dict[str, torch.Tensor]:
     """R_x: what Delta = rowsum(dO o O) formed from O as stored in the dtype does to x (`magnitudes`).
 
-    Arguments as `_results`' (w: the dropout's factors; k_out: K_out, O's
-    error from a kept P).  O_ic moves by at most |O_ic| + K_out_ic per unit u,
+    k_out: K_out, O's error from a kept P.  O_ic moves by at most |O_ic| + K_out_ic per unit u,
     each element on its own, so each row's Delta by at most E: the worst case
     rowsum(|dO| o (|O| + K_out)), or LAMBDA times its root-sum-square where
     smaller.  Delta's move is the same for every key of its row, so dS moves
     by P o E and dq by s E |(slope o P) k| exactly; dk sums the moves of every
     (row, O element) behind it (`_rounded_terms`, over rows and elements).
     """
-    o = (f.p * w) @ ve
-    moves = do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
+    o = (f.p * x.w) @ x.ve
+    moves = x.do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
     squares = (moves**2).sum(-1, keepdim=True)
     e = _smaller(moves.sum(-1, keepdim=True), squares)  # [..., Hq, Nq, 1]
     px = f.slope * f.p
-    pt = s * px.transpose(-2, -1)
+    pt = x.s * px.transpose(-2, -1)
+    q, k = x.q, x.k
     dk = _smaller(_group_sum(pt @ (e * q.abs()), k, q), _group_sum(pt**2 @ (squares * q**2), k, q))
     part = {
         "out": torch.zeros_like(o),
-        "dq": s * e * (px @ ke).abs(),
+        "dq": x.s * e * (px @ x.ke).abs(),
         "dk": dk,
-        "dv": torch.zeros(*k.shape[:-1], ve.shape[-1], dtype=o.dtype, device=o.device),
+        "dv": torch.zeros(*k.shape[:-1], x.ve.shape[-1], dtype=o.dtype, device=o.device),
     }
-    if mask is not None and mask.dtype != torch.bool:
-        part["dmask"] = (f.p * e).sum_to_size(mask.shape)
-    if sinks is not None:
-        part["dsinks"] = _sum_to_sinks(f.p_sink * e.squeeze(-1), sinks)
+    if x.float_mask:
+        part["dmask"] = (f.p * e).sum_to_size(x.mask.shape)  # type: ignore[union-attr]
+    if x.sinks is not None:
+        part["dsinks"] = _sum_to_sinks(f.p_sink * e.squeeze(-1), x.sinks)
     return part
 
 
-def _results(
-    path: _Path,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    ke: torch.Tensor,
-    ve: torch.Tensor,
-    do: torch.Tensor,
-    w: torch.Tensor,
-    s: float,
-    mask: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-) -> dict[str, torch.Tensor]:
-    """One path's bound on each result from its P, dS, dX and d sigma bounds (`magnitudes`).
-
-    q: [..., Hq, Nq, d], k: [..., Hkv, Nk, d] (ke, ve: per query head), do: dO,
-    w: the dropout's factors, like P; s: |scale|; dk and dv summed over each kv head's group.
-    """
-    pw = path.p * w
+def _results(path: _Path, x: _Operands) -> dict[str, torch.Tensor]:
+    """One path's bound on each result from its P, dS, dX and d sigma bounds (`magnitudes`);
+    dk and dv summed over each kv head's group."""
+    pw = path.p * x.w
     part = {
-        "out": pw @ ve.abs(),
-        "dq": s * (path.dx @ ke.abs()),
-        "dk": s * (path.dx.transpose(-2, -1) @ q.abs()),
-        "dv": pw.transpose(-2, -1) @ do.abs(),
+        "out": pw @ x.ve.abs(),
+        "dq": x.s * (path.dx @ x.ke.abs()),
+        "dk": x.s * (path.dx.transpose(-2, -1) @ x.q.abs()),
+        "dv": pw.transpose(-2, -1) @ x.do.abs(),
     }
-    part["dk"], part["dv"] = (_group_sum(part[n], k, q) for n in ("dk", "dv"))
-    if mask is not None and mask.dtype != torch.bool:
-        part["dmask"] = path.ds.sum_to_size(mask.shape)
-    if sinks is not None:
-        part["dsinks"] = _sum_to_sinks(path.dsink, sinks)
+    part["dk"], part["dv"] = (_group_sum(part[n], x.k, x.q) for n in ("dk", "dv"))
+    if x.float_mask:
+        part["dmask"] = path.ds.sum_to_size(x.mask.shape)  # type: ignore[union-attr]
+    if x.sinks is not None:
+        part["dsinks"] = _sum_to_sinks(path.dsink, x.sinks)
     return part
