@@ -130,6 +130,13 @@ class Dropout:
         salt = mix32(torch.tensor(self.seed ^ _COLUMN_SALT, dtype=torch.int64, device=device))
         return _signed(mix32(salt ^ j))
 
+    def words(
+        self, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_k: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row words int32 [B*Hq, Nq], column words int32 [Nk]): what a kernel finishes per score."""
+        rows = self.row_words(batch, heads_q, heads_kv, slice(0, seq_q), device)
+        return rows.reshape(batch * heads_q, seq_q), self.col_words(slice(0, seq_k), device)
+
     def tiles(
         self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
     ) -> Callable[[slice, slice], torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 
 from attngrad.core.contract import Shapes
 from attngrad.strategies import explicit, flash, recompute
+from attngrad.strategies.fused import strategy as fused_strategy
 from attngrad.strategies.triton import strategy as triton_strategy
 
 __all__ = [
@@ -39,6 +40,7 @@ MODULES: dict[str, ModuleType] = {
     "explicit": explicit,
     "recompute": recompute,
     "flash": flash,
+    "fused": fused_strategy,
     "triton": triton_strategy,
 }
 

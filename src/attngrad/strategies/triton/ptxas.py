@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from attngrad.core.cache import cache_root
+
 __all__ = [
     "Bound",
     "Resources",
@@ -78,11 +80,8 @@ class Bound:
 
 
 def default_cache_dir() -> Path:
-    """$ATTNGRAD_CACHE_DIR, else $XDG_CACHE_HOME/attngrad, else ~/.cache/attngrad; then /kernels."""
-    root = os.environ.get("ATTNGRAD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attngrad"
-    )
-    return Path(root) / "kernels"
+    """`attngrad.core.cache.cache_root` / kernels."""
+    return cache_root() / "kernels"
 
 
 def _target(arch: int) -> Any:

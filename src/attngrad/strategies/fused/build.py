@@ -1,0 +1,260 @@
+"""Building and loading strategy "fused"'s C++ kernels, once per torch version and CPU.
+
+The kernels (``csrc/``) are compiled the PyTorch way, with
+`torch.utils.cpp_extension` (ninja and the system's C++ compiler), into
+``<cache>/fused/<tag>/`` (`attngrad.core.cache.cache_root`: $ATTNGRAD_CACHE_DIR,
+else ~/.cache/attngrad).  The tag names the torch version, the CPU model, the
+vector width ATen runs at (`torch.backends.cpu.get_cpu_capability`, which
+``ATEN_CPU_CAPABILITY`` lowers) and a digest of the sources, so a process finds
+a library built for exactly its torch and CPU and loads it without compiling:
+only the first call on a machine needs a compiler.  ``attngrad build`` builds
+ahead of time.
+
+The library registers the ops ``attngrad_fused::forward``, ``::backward`` and
+``::product_rate`` with ``TORCH_LIBRARY``; `load` adds their fake (meta)
+kernels, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
+settles the engine of the tile products (`Library.engine`): each engine of
+``csrc/products.h`` is timed on the tiles' shapes, once per library, and the
+fastest is kept beside it (``ATTNGRAD_FUSED_ENGINE`` overrides, for benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attngrad.core.cache import cache_root
+from attngrad.tools.machine import processor_name
+
+__all__ = [
+    "ENGINES",
+    "NAME",
+    "BuildError",
+    "Library",
+    "capability",
+    "library_dir",
+    "load",
+    "tile_shapes",
+    "unavailable_reason",
+]
+
+NAME = "attngrad_fused"
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("fused.cpp",)
+HEADERS = ("products.h", "tile.h")
+ENGINES = ("brgemm", "micro", "aten")  # the order of csrc/products.h's Engine
+
+# The vector width at::vec compiles for: ATen's own names and the flags that enable them.
+_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be built or loaded here; the message says what to install."""
+
+
+@dataclass(frozen=True)
+class Library:
+    """The loaded kernels: where they are, and the tile products' engine.
+
+    rates: GFLOP/s of each engine on one thread over `tile_shapes` (the
+    slowest shape's), the measurement the engine was chosen by.
+    """
+
+    path: Path
+    engine: str
+    rates: dict[str, float]
+
+    @property
+    def engine_id(self) -> int:
+        """The engine as the ops take it."""
+        return ENGINES.index(self.engine)
+
+
+def capability() -> str:
+    """The vector width ATen runs at here: "AVX512", "AVX2", "DEFAULT", ..."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update((SOURCE_DIR / name).read_bytes())
+    h.update(" ".join(_flags()).encode())
+    return h.hexdigest()[:12]
+
+
+def _flags() -> list[str]:
+    cap = capability()
+    defines = [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"] if cap in _FLAGS else []
+    # OpenMP: at::parallel_for is a header template, threaded only where the extension itself
+    # is compiled with OpenMP; it then shares torch's runtime (the same libgomp.so.1 soname)
+    return ["-O3", "-fopenmp", *_FLAGS.get(cap, []), *defines]
+
+
+def library_dir() -> Path:
+    """``<cache>/fused/<torch version>-<CPU>-<capability>-<sources' digest>``."""
+    cpu = hashlib.sha256(processor_name().encode()).hexdigest()[:8]
+    version = importlib.metadata.version("torch")
+    return cache_root() / "fused" / f"torch{version}-cpu{cpu}-{capability()}-{_digest()}"
+
+
+def _library_file(directory: Path) -> Path:
+    return directory / f"{NAME}.so"
+
+
+def _missing_tools() -> str | None:
+    """What to install before the kernels can be compiled, or None."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return (
+            f"no C++ compiler was found ({compiler!r} is not on PATH): install one "
+            "(e.g. `apt install g++`, `dnf install gcc-c++`, Xcode's command line tools) "
+            "or point $CXX at it"
+        )
+    if not is_ninja_available():
+        return "ninja is not installed: `pip install ninja`"
+    return None
+
+
+def _compile(directory: Path, quiet: bool) -> None:
+    missing = _missing_tools()
+    if missing is not None:
+        raise BuildError(f"strategy='fused' compiles C++ kernels once per machine, but {missing}.")
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(
+            f"attngrad: compiling the fused CPU kernels for torch {torch.__version__} "
+            f"({capability()}) into {directory} -- once per machine, about a minute ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            load_extension(
+                NAME,
+                [str(SOURCE_DIR / s) for s in SOURCES],
+                extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(SOURCE_DIR)],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+    except (RuntimeError, OSError) as e:
+        raise BuildError(
+            f"strategy='fused' could not compile its C++ kernels in {directory}: {e}\n"
+            f"{log.getvalue()[-4000:]}"
+        ) from e
+
+
+_loaded: Library | None = None
+_failure: BuildError | None = None
+
+
+def load(quiet: bool = False) -> Library:
+    """The kernels, compiled first when this torch and CPU have no library yet; once per process.
+
+    BuildError when they cannot be built here (its message says what to install).
+    """
+    global _loaded, _failure
+    if _loaded is not None:
+        return _loaded
+    if _failure is not None:
+        raise _failure
+    directory = library_dir()
+    try:
+        path = _library_file(directory)
+        if not path.exists():
+            _compile(directory, quiet)
+        if not hasattr(torch.ops, NAME) or not hasattr(getattr(torch.ops, NAME), "forward"):
+            torch.ops.load_library(str(path))
+        _register_fakes()
+        engine, rates = _engine(directory)
+    except BuildError as e:
+        _failure = e
+        raise
+    _loaded = Library(path, engine, rates)
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here (what to install), or None once they are loaded."""
+    try:
+        load()
+    except BuildError as e:
+        return str(e)
+    return None
+
+
+def tile_shapes(block_q: int = 64, block_k: int = 128, d: int = 64) -> list[tuple[int, int, int]]:
+    """The products (M, N, K) of one tile: S = q k^T, O += P v, dK += dS^T q."""
+    return [(block_q, block_k, d), (block_q, d, block_k), (block_k, d, block_q)]
+
+
+def _rate(engine: str, shape: tuple[int, int, int]) -> float:
+    m, n, k = shape
+    reps = max(8, int(2e7 // (2 * m * n * k)))
+    rates = [
+        torch.ops.attngrad_fused.product_rate(ENGINES.index(engine), m, n, k, reps)
+        for _ in range(3)
+    ]
+    return max(rates)
+
+
+def _engine(directory: Path) -> tuple[str, dict[str, float]]:
+    """The engine of the tile products and each engine's rate (measured once, kept as JSON)."""
+    record = directory / "engine.json"
+    try:
+        rates = json.loads(record.read_text())
+    except (OSError, ValueError):
+        rates = {}
+        for engine in ENGINES:
+            with contextlib.suppress(RuntimeError):  # an engine this CPU lacks
+                rates[engine] = min(_rate(engine, s) for s in tile_shapes())
+        with contextlib.suppress(OSError):
+            record.write_text(json.dumps(rates))
+    chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or max(rates, key=rates.__getitem__)
+    if chosen not in ENGINES:
+        raise BuildError(
+            f"ATTNGRAD_FUSED_ENGINE={chosen!r} is not an engine; use one of {', '.join(ENGINES)}."
+        )
+    return chosen, rates
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops' results without running them (torch.compile's tracing, meta tensors)."""
+    if getattr(_register_fakes, "done", False):
+        return
+
+    @torch.library.register_fake("attngrad_fused::forward")  # type: ignore[misc]
+    def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+        o = q.new_empty(*q.shape[:3], v.shape[3])
+        return o, q.new_empty(*q.shape[:3], 2)
+
+    @torch.library.register_fake("attngrad_fused::backward")  # type: ignore[misc]
+    def _backward(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
+    ) -> tuple[torch.Tensor, ...]:
+        need_ds = bool(rest[-1])
+        ds = q.new_empty(*q.shape[:3], k.shape[2]) if need_ds else q.new_empty(0)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
+
+    _register_fakes.done = True  # type: ignore[attr-defined]

@@ -1,0 +1,515 @@
+// Strategy "fused": flash attention's forward and backward as C++ CPU kernels.
+//
+// Every pass walks [block_q, block_k] tiles of the scores on key-block
+// boundaries that are multiples of block_k (the same tiles in every pass),
+// skipping those the band masks entirely.  Per tile, the products run through
+// one engine (`products.h`) and every elementwise step -- cap, bias, mask,
+// max, exp, row sums, dropout, dS -- runs on the tile while it is in cache
+// (`tile.h`):
+//
+//   forward  (b, kv head, query block):  S = (s q) k^T, online softmax,
+//                                        O += P v; writes O, (m, log l)
+//   dQ pass  (b, kv head, query block):  P, dP = dO v^T, dS, dQ += dS k;
+//                                        writes dQ and, on request, dS
+//   dK/dV    (b, kv head, key block):    P, dV += P^T dO, dP, dS,
+//                                        dK += dS^T (s q)
+//
+// Units are independent (no atomics on results, each gradient row written by
+// one unit) and each unit's arithmetic does not depend on which thread runs
+// it: results are bitwise identical for any thread count.  Threads take units
+// from a shared counter, most expensive first under a band.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <vector>
+
+#include "products.h"
+#include "tile.h"
+
+namespace attngrad_fused {
+
+namespace {
+
+using at::Tensor;
+
+// Run work(unit) for units 0 .. n - 1 on the intra-op threads; each thread gets its own
+// scratch (made by `scratch()`) and releases the engine's state when done.
+template <typename Scratch, typename MakeScratch, typename Work>
+void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      Scratch s = scratch();
+      for (int64_t u = next.fetch_add(1); u < n; u = next.fetch_add(1)) work(u, s);
+      release(engine);
+    }
+  });
+}
+
+template <typename T>
+struct RowScratch {  // forward and dQ pass: one block of query rows
+  std::vector<T> q, dout, s, ds, slope, acc;
+};
+
+template <typename T>
+Problem<T> problem(const Tensor& q, const Tensor& k, const Tensor& v,
+                   const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
+                   const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
+                   const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words,
+                   double scale, double cap, int64_t threshold, double keep_scale,
+                   int64_t block_q, int64_t block_k) {
+  Problem<T> pb;
+  pb.B = q.size(0);
+  pb.Hq = q.size(1);
+  pb.Nq = q.size(2);
+  pb.d = q.size(3);
+  pb.Hkv = k.size(1);
+  pb.Nk = k.size(2);
+  pb.dv = v.size(3);
+  pb.G = pb.Hq / pb.Hkv;
+  pb.block_q = block_q;
+  pb.block_k = block_k;
+  pb.scale = static_cast<T>(scale);
+  pb.cap = static_cast<T>(cap);
+  pb.keep_scale = static_cast<T>(keep_scale);
+  pb.threshold = static_cast<int32_t>(threshold);
+  if (bias) {
+    pb.bias = bias->data_ptr<T>();
+    for (int a = 0; a < 4; ++a) pb.sb[a] = bias->stride(a);
+  }
+  if (keep) {
+    pb.keep = keep->data_ptr<bool>();
+    for (int a = 0; a < 4; ++a) pb.sk[a] = keep->stride(a);
+  }
+  if (lo) {
+    pb.lo = lo->data_ptr<int64_t>();
+    pb.hi = hi->data_ptr<int64_t>();
+  }
+  if (row_words) {
+    pb.row_words = row_words->data_ptr<int32_t>();
+    pb.col_words = col_words->data_ptr<int32_t>();
+  }
+  return pb;
+}
+
+// Unit u -> (b, kv head, block), blocks in reverse order (the band's longest rows first).
+inline void unpack(int64_t u, int64_t blocks, int64_t hkv, int64_t& b, int64_t& h, int64_t& blk) {
+  blk = blocks - 1 - u % blocks;
+  h = (u / blocks) % hkv;
+  b = u / (blocks * hkv);
+}
+
+// rows i0 .. i0 + r of q[b, h] times s, into dst [r, d].
+template <typename T>
+void scaled_rows(const T* q, int64_t r, int64_t d, T s, T* dst) {
+  for (int64_t x = 0; x < r * d; ++x) dst[x] = q[x] * s;
+}
+
+template <typename T>
+void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, const T* v, T* o,
+                  T* stats) {
+  const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
+  const int64_t blocks = pb.row_blocks();
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  for_each_unit<RowScratch<T>>(
+      pb.B * pb.Hkv * blocks, engine,
+      [&] {
+        RowScratch<T> s;
+        s.q.resize(bq * d);
+        s.s.resize(bq * bk);
+        s.acc.resize(bq * dv);
+        return s;
+      },
+      [&](int64_t u, RowScratch<T>& w) {
+        int64_t b, hk, blk;
+        unpack(u, blocks, pb.Hkv, b, hk, blk);
+        const int64_t i0 = blk * bq, r = std::min(bq, pb.Nq - i0);
+        int64_t first, stop;
+        pb.key_block_span(i0, i0 + r, first, stop);
+        const T* kt_h = kt + (b * pb.Hkv + hk) * pb.key_blocks() * d * bk;
+        const T* v_h = v + (b * pb.Hkv + hk) * nk * dv;
+        std::vector<T> m(r), l(r), shift(r);
+        for (int64_t g = 0; g < pb.G; ++g) {
+          const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
+          scaled_rows(q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
+          std::fill(m.begin(), m.end(), neg_inf);
+          std::fill(l.begin(), l.end(), T(0));
+          std::fill(shift.begin(), shift.end(), T(0));
+          std::fill(w.acc.begin(), w.acc.end(), T(0));
+          for (int64_t kb = first; kb < stop; ++kb) {
+            const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
+            T* S = w.s.data();
+            product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk, bk, S, bk, false);
+            mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr));
+            for (int64_t ii = 0; ii < r; ++ii) {
+              T* srow = S + ii * bk;
+              Vec vmax(neg_inf);
+              int64_t j = 0;
+              for (; j + W <= c; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(srow + j));
+              T mx = lanes_max(vmax);
+              for (; j < c; ++j) mx = std::max(mx, srow[j]);
+              const T m_new = std::max(m[ii], mx);
+              // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
+              const T sh = m_new == neg_inf ? T(0) : m_new;
+              const Vec vsh(sh), log2e(static_cast<T>(kLog2e));
+              Vec vsum(T(0));
+              for (j = 0; j < c; j += W) {
+                int64_t n = std::min(W, c - j);
+                Vec p = ((Vec::loadu(srow + j, n) - vsh) * log2e).exp2();
+                p.store(srow + j, n);
+                if (n < W) p = Vec::set(Vec(T(0)), p, n);
+                vsum = vsum + p;
+              }
+              const T alpha = std::exp2((m[ii] - sh) * static_cast<T>(kLog2e));
+              l[ii] = l[ii] * alpha + lanes_sum(vsum);
+              T* acc = w.acc.data() + ii * dv;
+              for (int64_t x = 0; x < dv; ++x) acc[x] *= alpha;
+              m[ii] = m_new;
+              shift[ii] = sh;
+            }
+            if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, S, bk);
+            product(engine, r, dv, c, S, bk, v_h + j0 * dv, dv, w.acc.data(), dv, true);
+          }
+          T* o_h = o + (bh * pb.Nq + i0) * dv;
+          T* st = stats + (bh * pb.Nq + i0) * 2;
+          for (int64_t ii = 0; ii < r; ++ii) {
+            const T denom = l[ii] == T(0) ? T(1) : l[ii];
+            for (int64_t x = 0; x < dv; ++x) o_h[ii * dv + x] = w.acc[ii * dv + x] * pb.keep_scale / denom;
+            st[2 * ii] = shift[ii];
+            st[2 * ii + 1] = l[ii] == T(0) ? std::numeric_limits<T>::infinity() : std::log(l[ii]);
+          }
+        }
+      });
+}
+
+// dS of one tile in place over dP: P * (dP - Delta), or with dropout (P Z) * dP - P * Delta;
+// P itself becomes P Z (what dV needs) when dropout is on.
+template <typename T>
+void score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0, int64_t c,
+                    T* P, T* dP, int64_t ld, const T* delta) {
+  if (pb.row_words == nullptr) {
+    for (int64_t ii = 0; ii < r; ++ii) {
+      T* p = P + ii * ld;
+      T* dp = dP + ii * ld;
+      const T dl = delta[ii];
+      for (int64_t j = 0; j < c; ++j) dp[j] = (dp[j] - dl) * p[j];
+    }
+    return;
+  }
+  const int32_t* cols = pb.col_words + j0;
+  for (int64_t ii = 0; ii < r; ++ii) {
+    const int32_t row = pb.row_words[bh * pb.Nq + i0 + ii];
+    T* p = P + ii * ld;
+    T* dp = dP + ii * ld;
+    const T dl = delta[ii];
+    for (int64_t j = 0; j < c; ++j) {
+      const T pz = keeps(row, cols[j], pb.threshold) ? p[j] : T(0);
+      dp[j] = dp[j] * pz - p[j] * dl;
+      p[j] = pz;
+    }
+  }
+}
+
+template <typename T>
+struct Operands {  // what the backward passes read
+  const T *q, *kt, *k, *v, *vt, *dout, *stats, *delta;
+};
+
+// The rebuilt P and dS of tile (rows i0 .. i0 + r of head h, key block kb), in w.s and w.ds.
+template <typename T>
+void tile_gradient(const Problem<T>& pb, Engine engine, const Operands<T>& x, int64_t b, int64_t hk,
+                   int64_t h, int64_t i0, int64_t r, int64_t j0, int64_t c, const T* qs,
+                   const T* dos, T* S, T* dS, T* slope) {
+  const int64_t bk = pb.block_k, nk = pb.Nk, bh = b * pb.Hq + h;
+  const int64_t kb = j0 / bk, panels = pb.key_blocks();
+  const T* kt_h = x.kt + ((b * pb.Hkv + hk) * panels + kb) * pb.d * bk;
+  const T* vt_h = x.vt + ((b * pb.Hkv + hk) * panels + kb) * pb.dv * bk;
+  product(engine, r, c, pb.d, qs, pb.d, kt_h, bk, S, bk, false);
+  mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope);
+  probabilities(r, c, S, bk, x.stats + (bh * pb.Nq + i0) * 2);
+  product(engine, r, c, pb.dv, dos, pb.dv, vt_h, bk, dS, bk, false);
+  score_gradient(pb, bh, i0, r, j0, c, S, dS, bk, x.delta + bh * pb.Nq + i0);
+}
+
+template <typename T>
+void slope_(int64_t r, int64_t c, T* dS, const T* slope, int64_t ld) {
+  for (int64_t ii = 0; ii < r; ++ii)
+    for (int64_t j = 0; j < c; ++j) dS[ii * ld + j] *= slope[ii * ld + j];
+}
+
+// dS of a tile into ds_out [B, Hq, Nq, Nk] (the bias gradient), when asked for.
+template <typename T>
+void keep_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0,
+                         int64_t c, const T* dS, T* ds_out) {
+  if (ds_out == nullptr) return;
+  T* dst = ds_out + (bh * pb.Nq + i0) * pb.Nk + j0;
+  for (int64_t ii = 0; ii < r; ++ii)
+    std::copy(dS + ii * pb.block_k, dS + ii * pb.block_k + c, dst + ii * pb.Nk);
+}
+
+template <typename T>
+void query_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* ds_out) {
+  const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
+  const int64_t blocks = pb.row_blocks();
+  for_each_unit<RowScratch<T>>(
+      pb.B * pb.Hkv * blocks, engine,
+      [&] {
+        RowScratch<T> s;
+        s.q.resize(bq * d);
+        s.dout.resize(bq * dv);
+        s.s.resize(bq * bk);
+        s.ds.resize(bq * bk);
+        if (pb.cap != T(0)) s.slope.resize(bq * bk);
+        s.acc.resize(bq * d);
+        return s;
+      },
+      [&](int64_t u, RowScratch<T>& w) {
+        int64_t b, hk, blk;
+        unpack(u, blocks, pb.Hkv, b, hk, blk);
+        const int64_t i0 = blk * bq, r = std::min(bq, pb.Nq - i0);
+        int64_t first, stop;
+        pb.key_block_span(i0, i0 + r, first, stop);
+        const T* k_h = x.k + (b * pb.Hkv + hk) * nk * d;
+        T* slope = w.slope.empty() ? nullptr : w.slope.data();
+        for (int64_t g = 0; g < pb.G; ++g) {
+          const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
+          scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
+          scaled_rows(x.dout + (bh * pb.Nq + i0) * dv, r, dv, pb.keep_scale, w.dout.data());
+          std::fill(w.acc.begin(), w.acc.end(), T(0));
+          for (int64_t kb = first; kb < stop; ++kb) {
+            const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
+            tile_gradient(pb, engine, x, b, hk, h, i0, r, j0, c, w.q.data(), w.dout.data(),
+                          w.s.data(), w.ds.data(), slope);
+            keep_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
+            if (slope != nullptr) slope_(r, c, w.ds.data(), slope, bk);
+            product(engine, r, d, c, w.ds.data(), bk, k_h + j0 * d, d, w.acc.data(), d, true);
+          }
+          T* dq_h = dq + (bh * pb.Nq + i0) * d;
+          for (int64_t e = 0; e < r * d; ++e) dq_h[e] = w.acc[e] * pb.scale;
+        }
+      });
+}
+
+template <typename T>
+struct KeyScratch {  // one block of keys
+  std::vector<T> q, dout, s, ds, slope, t, dk, dv;
+};
+
+template <typename T>
+KeyScratch<T> key_scratch(const Problem<T>& pb) {
+  const int64_t bq = pb.block_q, bk = pb.block_k;
+  KeyScratch<T> s;
+  s.q.resize(bq * pb.d);
+  s.dout.resize(bq * pb.dv);
+  s.s.resize(bq * bk);
+  s.ds.resize(bq * bk);
+  if (pb.cap != T(0)) s.slope.resize(bq * bk);
+  s.t.resize(bq * bk);
+  s.dk.resize(bk * pb.d);
+  s.dv.resize(bk * pb.dv);
+  return s;
+}
+
+// The key blocks [first[rb], stop[rb]) each block of query rows reaches, as in every pass.
+template <typename T>
+struct Spans {
+  std::vector<int64_t> first, stop;
+  explicit Spans(const Problem<T>& pb) : first(pb.row_blocks()), stop(pb.row_blocks()) {
+    for (int64_t rb = 0; rb < pb.row_blocks(); ++rb)
+      pb.key_block_span(rb * pb.block_q, std::min(pb.Nq, (rb + 1) * pb.block_q), first[rb],
+                        stop[rb]);
+  }
+};
+
+// dK and dV of key block kb of kv head (b, hk), written whole.  With `dq` (the one-pass
+// schedule, where this unit's thread owns every row of the heads), dS k is also added into
+// those rows of dq (zeroed before, scaled after) and dS written into ds_out: the same
+// products, in the same order, as the dQ pass would run them.
+template <typename T>
+void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const Spans<T>& spans,
+               int64_t b, int64_t hk, int64_t kb, KeyScratch<T>& w, T* dk, T* dv, T* dq,
+               T* ds_out) {
+  const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dvd = pb.dv, nk = pb.Nk;
+  const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
+  const T* k_h = x.k + (b * pb.Hkv + hk) * nk * d;
+  std::fill(w.dk.begin(), w.dk.end(), T(0));
+  std::fill(w.dv.begin(), w.dv.end(), T(0));
+  T* slope = w.slope.empty() ? nullptr : w.slope.data();
+  for (int64_t g = 0; g < pb.G; ++g) {
+    const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
+    for (int64_t rb = 0; rb < pb.row_blocks(); ++rb) {
+      if (kb < spans.first[rb] || kb >= spans.stop[rb]) continue;
+      const int64_t i0 = rb * bq, r = std::min(bq, pb.Nq - i0);
+      scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
+      scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data());
+      tile_gradient(pb, engine, x, b, hk, h, i0, r, j0, c, w.q.data(), w.dout.data(), w.s.data(),
+                    w.ds.data(), slope);
+      transpose(r, c, w.s.data(), bk, w.t.data());  // (P Z)^T: [c, r]
+      product(engine, c, dvd, r, w.t.data(), r, w.dout.data(), dvd, w.dv.data(), dvd, true);
+      if (dq != nullptr) keep_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
+      if (slope != nullptr) slope_(r, c, w.ds.data(), slope, bk);
+      transpose(r, c, w.ds.data(), bk, w.t.data());  // dS^T: [c, r]
+      product(engine, c, d, r, w.t.data(), r, w.q.data(), d, w.dk.data(), d, true);
+      if (dq != nullptr)
+        product(engine, r, d, c, w.ds.data(), bk, k_h + j0 * d, d, dq + (bh * pb.Nq + i0) * d, d,
+                true);
+    }
+  }
+  const int64_t bhk = b * pb.Hkv + hk;
+  std::copy(w.dk.begin(), w.dk.begin() + c * d, dk + (bhk * nk + j0) * d);
+  std::copy(w.dv.begin(), w.dv.begin() + c * dvd, dv + (bhk * nk + j0) * dvd);
+}
+
+// The dK/dV pass: units (b, kv head, key block), keys in order.
+template <typename T>
+void key_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dk, T* dv) {
+  const int64_t blocks = pb.key_blocks();
+  const Spans<T> spans(pb);
+  for_each_unit<KeyScratch<T>>(
+      pb.B * pb.Hkv * blocks, engine, [&] { return key_scratch(pb); },
+      [&](int64_t u, KeyScratch<T>& w) {
+        int64_t b, hk, kb;
+        unpack(u, blocks, pb.Hkv, b, hk, kb);
+        kb = blocks - 1 - kb;  // early keys first: under causal they serve the most rows
+        key_block(pb, engine, x, spans, b, hk, kb, w, dk, dv, static_cast<T*>(nullptr),
+                  static_cast<T*>(nullptr));
+      });
+}
+
+// The one-pass backward: units (b, kv head), each walking its key blocks in order.
+template <typename T>
+void head_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* dk, T* dv,
+               T* ds_out) {
+  const Spans<T> spans(pb);
+  const int64_t rows = pb.G * pb.Nq * pb.d;
+  for_each_unit<KeyScratch<T>>(
+      pb.B * pb.Hkv, engine, [&] { return key_scratch(pb); },
+      [&](int64_t u, KeyScratch<T>& w) {
+        const int64_t b = u / pb.Hkv, hk = u % pb.Hkv;
+        T* dq_h = dq + (b * pb.Hq + hk * pb.G) * pb.Nq * pb.d;  // the group's rows of dq
+        std::fill(dq_h, dq_h + rows, T(0));
+        for (int64_t kb = 0; kb < pb.key_blocks(); ++kb)
+          key_block(pb, engine, x, spans, b, hk, kb, w, dk, dv, dq, ds_out);
+        for (int64_t e = 0; e < rows; ++e) dq_h[e] *= pb.scale;
+      });
+}
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu(), "attngrad_fused runs on CPU tensors, got ", q.device());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "attngrad_fused computes in float32 or float64, got ", q.scalar_type());
+  for (const Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == q.scalar_type(),
+                "attngrad_fused takes contiguous [B, H, N, d] q, k, v of one dtype");
+  }
+}
+
+// t: [B, H, N, x] -> [B, H, ceil(N / block), x, block]: each key block's columns of t^T
+// side by side (zero past N), so a tile's product reads one dense [x, block] panel.
+Tensor panels(const Tensor& t, int64_t block) {
+  const int64_t n = t.size(2), blocks = (n + block - 1) / block;
+  Tensor padded = at::constant_pad_nd(t, {0, 0, 0, blocks * block - n});
+  return padded.view({t.size(0), t.size(1), blocks, block, t.size(3)}).transpose(-2, -1).contiguous();
+}
+
+std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const std::optional<Tensor>& bias,
+                                   const std::optional<Tensor>& keep,
+                                   const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
+                                   const std::optional<Tensor>& row_words,
+                                   const std::optional<Tensor>& col_words, double scale, double cap,
+                                   int64_t threshold, double keep_scale, int64_t block_q,
+                                   int64_t block_k, int64_t engine) {
+  check_inputs(q, k, v);
+  Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor stats = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options());
+  Tensor kt = panels(k, block_k);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward", [&] {
+    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
+                                threshold, keep_scale, block_q, block_k);
+    forward_impl<scalar_t>(pb, static_cast<Engine>(engine), q.data_ptr<scalar_t>(),
+                           kt.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                           o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>());
+  });
+  return {o, stats};
+}
+
+// Whether the (b, kv head) units keep every thread busy: then one pass per head (five
+// products a tile) beats the dQ and dK/dV passes (seven), with the same results bit for bit.
+bool one_pass(int64_t heads) {
+  const int64_t threads = at::get_num_threads();
+  return heads >= threads && (heads % threads == 0 || heads >= 4 * threads);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
+    const Tensor& delta, const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
+    const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
+    const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words, double scale,
+    double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
+    int64_t engine, bool need_ds) {
+  check_inputs(q, k, v);
+  Tensor kt = panels(k, block_k), vt = panels(v, block_k);
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  Tensor ds = need_ds ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options())
+                      : at::empty({0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::backward", [&] {
+    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
+                                threshold, keep_scale, block_q, block_k);
+    Operands<scalar_t> x{q.data_ptr<scalar_t>(),  kt.data_ptr<scalar_t>(),
+                         k.data_ptr<scalar_t>(),  v.data_ptr<scalar_t>(),
+                         vt.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
+                         stats.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>()};
+    const Engine e = static_cast<Engine>(engine);
+    scalar_t* ds_out = need_ds ? ds.data_ptr<scalar_t>() : nullptr;
+    if (one_pass(pb.B * pb.Hkv)) {
+      head_pass<scalar_t>(pb, e, x, dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                          dv.data_ptr<scalar_t>(), ds_out);
+    } else {
+      query_pass<scalar_t>(pb, e, x, dq.data_ptr<scalar_t>(), ds_out);
+      key_pass<scalar_t>(pb, e, x, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>());
+    }
+  });
+  return {dq, dk, dv, ds};
+}
+
+// GFLOP/s of `reps` products [m, k] x [k, n] on one thread through `engine` (float32).
+double product_rate(int64_t engine, int64_t m, int64_t n, int64_t k, int64_t reps) {
+  std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n, 0.0f);
+  const Engine e = static_cast<Engine>(engine);
+  product(e, m, n, k, a.data(), k, b.data(), n, c.data(), n, false);  // warm up, JIT
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < reps; ++i)
+    product(e, m, n, k, a.data(), k, b.data(), n, c.data(), n, true);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  release(e);
+  return 2.0 * m * n * k * reps / seconds / 1e9;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attngrad_fused, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, "
+      "Tensor? row_words, Tensor? col_words, float scale, float cap, int threshold, "
+      "float keep_scale, int block_q, int block_k, int engine) -> (Tensor, Tensor)");
+  m.def(
+      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor delta, "
+      "Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, Tensor? row_words, Tensor? col_words, "
+      "float scale, float cap, int threshold, float keep_scale, int block_q, int block_k, "
+      "int engine, bool need_ds) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("product_rate(int engine, int m, int n, int k, int reps) -> float", &product_rate);
+}
+
+TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {
+  m.impl("forward", &forward);
+  m.impl("backward", &backward);
+}
+
+}  // namespace attngrad_fused

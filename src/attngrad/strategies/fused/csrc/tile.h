@@ -1,0 +1,176 @@
+// One tile of scores, in cache: the steps every pass runs between its products.
+//
+// A tile is S[r, c] for query rows i0 .. i0 + r of head (b, h) against keys
+// j0 .. j0 + c, row-major with leading dimension ld.  `mask_tile` caps, biases
+// and masks it exactly as `attngrad.core.scores.ScoreMods.apply_` does (same
+// order: softcap, bias, bool mask, band); every pass calls it on the same
+// product, so backward's scores are bit for bit forward's.  `keep_bits` is
+// the dropout hash of `attngrad.core.dropout`, finished per score.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace attngrad_fused {
+
+constexpr double kLog2e = 1.4426950408889634;  // exp(x) == exp2(x * log2(e))
+
+// The call: sizes, the score modifiers and the tiles, as the ops receive them.
+template <typename T>
+struct Problem {
+  int64_t B, Hq, Hkv, G, Nq, Nk, d, dv;
+  int64_t block_q, block_k;
+  T scale, cap;           // cap = 0: no softcap
+  T keep_scale;           // 1 / (1 - p) with dropout, else 1
+  int32_t threshold;      // dropout keeps a score where its hash y < threshold
+  const T* bias = nullptr;  // [B, Hq, Nq, Nk] through strides (0 where broadcast)
+  int64_t sb[4] = {0, 0, 0, 0};
+  const bool* keep = nullptr;  // likewise, true where a score is kept
+  int64_t sk[4] = {0, 0, 0, 0};
+  const int64_t* lo = nullptr;  // band: query i attends keys lo[i] <= j < hi[i]
+  const int64_t* hi = nullptr;
+  const int32_t* row_words = nullptr;  // dropout: [B * Hq, Nq] and [Nk]
+  const int32_t* col_words = nullptr;
+
+  int64_t row_blocks() const { return (Nq + block_q - 1) / block_q; }
+  int64_t key_blocks() const { return (Nk + block_k - 1) / block_k; }
+
+  // [first, stop) of the key blocks that rows i0 .. i1 reach (the band's span, aligned).
+  void key_block_span(int64_t i0, int64_t i1, int64_t& first, int64_t& stop) const {
+    int64_t c0 = 0, c1 = Nk;
+    if (lo != nullptr) {
+      c0 = Nk;
+      c1 = 0;
+      for (int64_t i = i0; i < i1; ++i) {
+        if (lo[i] >= hi[i]) continue;  // a row that attends nothing
+        c0 = std::min(c0, lo[i]);
+        c1 = std::max(c1, hi[i]);
+      }
+    }
+    if (c0 >= c1) {
+      first = stop = 0;
+      return;
+    }
+    first = c0 / block_k;
+    stop = (c1 + block_k - 1) / block_k;
+  }
+};
+
+// The largest and the sum of a vector's lanes (the sum in lane order).
+template <typename T>
+inline T lanes_max(const at::vec::Vectorized<T>& x) {
+  T lanes[at::vec::Vectorized<T>::size()];
+  x.store(lanes);
+  T m = lanes[0];
+  for (int64_t i = 1; i < at::vec::Vectorized<T>::size(); ++i) m = std::max(m, lanes[i]);
+  return m;
+}
+
+template <typename T>
+inline T lanes_sum(const at::vec::Vectorized<T>& x) {
+  T lanes[at::vec::Vectorized<T>::size()];
+  x.store(lanes);
+  T sum = T(0);
+  for (int64_t i = 0; i < at::vec::Vectorized<T>::size(); ++i) sum += lanes[i];
+  return sum;
+}
+
+// Dropout: the hash's last steps for key j of a row whose word is `row`.
+inline bool keeps(int32_t row, int32_t col, int32_t threshold) {
+  uint32_t x = static_cast<uint32_t>(row ^ col);
+  int32_t y = static_cast<int32_t>(x + x * x) >> 1;  // x (x + 1) / 2 mod 2^31
+  return y < threshold;
+}
+
+// Cap, bias and mask the tile in place; with a softcap, `slope` (like S) gets 1 - tanh^2.
+template <typename T>
+void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r, int64_t j0,
+               int64_t c, T* S, int64_t ld, T* slope) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  for (int64_t ii = 0; ii < r; ++ii) {
+    const int64_t i = i0 + ii;
+    T* s = S + ii * ld;
+    if (pb.cap != T(0)) {
+      const Vec cap(pb.cap), inv(T(1) / pb.cap), one(T(1));
+      T* sl = slope == nullptr ? nullptr : slope + ii * ld;
+      for (int64_t j = 0; j < c; j += W) {
+        int64_t n = std::min(W, c - j);
+        Vec t = (Vec::loadu(s + j, n) / cap).tanh();
+        if (sl != nullptr) (one - t * t).store(sl + j, n);
+        (t * cap).store(s + j, n);
+      }
+    }
+    if (pb.bias != nullptr) {
+      const T* bias = pb.bias + b * pb.sb[0] + h * pb.sb[1] + i * pb.sb[2] + j0 * pb.sb[3];
+      const int64_t step = pb.sb[3];
+      if (step == 1) {
+        for (int64_t j = 0; j < c; j += W) {
+          int64_t n = std::min(W, c - j);
+          (Vec::loadu(s + j, n) + Vec::loadu(bias + j, n)).store(s + j, n);
+        }
+      } else {
+        for (int64_t j = 0; j < c; ++j) s[j] += bias[j * step];
+      }
+    }
+    if (pb.keep != nullptr) {
+      const bool* keep = pb.keep + b * pb.sk[0] + h * pb.sk[1] + i * pb.sk[2] + j0 * pb.sk[3];
+      const int64_t step = pb.sk[3];
+      for (int64_t j = 0; j < c; ++j) s[j] = keep[j * step] ? s[j] : neg_inf;
+    }
+    if (pb.lo != nullptr) {
+      int64_t a = std::clamp<int64_t>(pb.lo[i] - j0, 0, c);
+      int64_t e = std::clamp<int64_t>(pb.hi[i] - j0, 0, c);
+      if (a >= e) a = e = c;  // a row that attends nothing here
+      std::fill(s, s + a, neg_inf);
+      std::fill(s + e, s + c, neg_inf);
+    }
+  }
+}
+
+// P = exp((S - m) - log l) in place from the row statistics (m, log l) of rows i0 ..
+template <typename T>
+void probabilities(int64_t r, int64_t c, T* S, int64_t ld, const T* stats) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec log2e(static_cast<T>(kLog2e));
+  for (int64_t ii = 0; ii < r; ++ii) {
+    T* s = S + ii * ld;
+    const Vec m(stats[2 * ii]), offset(-stats[2 * ii + 1] * static_cast<T>(kLog2e));
+    for (int64_t j = 0; j < c; j += W) {
+      int64_t n = std::min(W, c - j);
+      at::vec::fmadd(Vec::loadu(s + j, n) - m, log2e, offset).exp2().store(s + j, n);
+    }
+  }
+}
+
+// Z applied to P in place (dropped entries become 0) for rows i0 .. of head bh.
+template <typename T>
+void drop(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0, int64_t c, T* P,
+          int64_t ld) {
+  const int32_t* cols = pb.col_words + j0;
+  for (int64_t ii = 0; ii < r; ++ii) {
+    const int32_t row = pb.row_words[bh * pb.Nq + i0 + ii];
+    T* p = P + ii * ld;
+    for (int64_t j = 0; j < c; ++j) p[j] = keeps(row, cols[j], pb.threshold) ? p[j] : T(0);
+  }
+}
+
+// A[r, c] (leading dim lda) -> At[c, r] (leading dim r), in 16 x 16 blocks of at::vec.
+template <typename T>
+void transpose(int64_t r, int64_t c, const T* A, int64_t lda, T* At) {
+  constexpr int64_t kB = 16;
+  for (int64_t i = 0; i < r; i += kB)
+    for (int64_t j = 0; j < c; j += kB)
+      at::vec::transpose_mxn<T>(A + i * lda + j, lda, At + j * r + i, r,
+                                static_cast<int>(std::min(kB, r - i)),
+                                static_cast<int>(std::min(kB, c - j)));
+}
+
+}  // namespace attngrad_fused
