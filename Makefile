@@ -15,11 +15,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,dev,plot,hf,docs]'
 	touch $(STAMP)
 
+# `attngrad build`: the fused strategy's C++ kernels, compiled once per torch version and CPU
+# into $ATTNGRAD_CACHE_DIR (else ~/.cache/attngrad); a no-op once built.
 # TRITON_INTERPRET=1: the triton strategy's kernels run on CPU in Triton's interpreter
 check: $(STAMP)
+	$(BIN)/attngrad build
 	TRITON_INTERPRET=1 $(BIN)/attngrad check
 
 test: $(STAMP)
+	$(BIN)/attngrad build
 	$(BIN)/python -m pytest -n 2
 
 lint: $(STAMP)

@@ -51,6 +51,7 @@ TENSOR_STRATEGIES = tuple(s for s in attngrad.STRATEGIES if s != "triton")
 # Triton's tiles are powers of two from 16 (its `tiles` check), so it needs Nq, Nk > 16.
 SMALL_TILES: dict[str, tuple[tuple[int, int], ...]] = {
     "flash": ((16, 16), (7, 5)),
+    "fused": ((16, 16), (7, 5)),
     "triton": ((16, 16),),
 }
 # Triton's interpreter costs ~0.3 s a tile: where its small tiles run, its own (one tile of

@@ -234,13 +234,13 @@ EXACT_MESSAGES = [
         dict(strategy="fastest"),
         attngrad.ArgumentError,
         "unknown strategy 'fastest'; choose one of 'auto', 'explicit', 'recompute', 'flash', "
-        "'triton'.",
+        "'fused', 'triton'.",
         id="strategy-unknown",
     ),
     pytest.param(
         dict(strategy="explicit", block_q=32),
         attngrad.ArgumentError,
-        "block_q=32 only applies to the tiled strategies 'flash' and 'triton', not 'explicit'. "
+        "block_q=32 only applies to the tiled strategies 'flash', 'fused' and 'triton', not 'explicit'. "
         "Drop it or pass strategy='flash'.",
         id="block_q-on-explicit",
     ),

@@ -24,7 +24,7 @@ STRATEGY_MODULES = {name: module.__name__ for name, module in strategies.MODULES
 
 def test_tiled_is_collected_from_the_modules_in_strategies_order():
     declared = tuple(n for n in strategies.STRATEGIES if strategies.MODULES[n].TILED)
-    assert strategies.TILED == declared == ("flash", "triton")
+    assert strategies.TILED == declared == ("flash", "fused", "triton")
     assert BLOCK_STRATEGIES == strategies.TILED
 
 
@@ -54,5 +54,7 @@ def test_no_strategy_imports_another(name):
 
 def test_block_sizes_on_an_untiled_strategy_name_the_tiled_ones():
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(attngrad.ArgumentError, match="tiled strategies 'flash' and 'triton'"):
+    with pytest.raises(
+        attngrad.ArgumentError, match="tiled strategies 'flash', 'fused' and 'triton'"
+    ):
         attngrad.attention(q, q, q, strategy="recompute", block_k=32)

@@ -49,4 +49,19 @@ def test_line_and_columns_say_the_same() -> None:
         "gemm_dtype": "float16",
         "gemm_size": 512,
         "gemm_gflops": "1.25",
+        "tile_gflops": "",
     }
+
+
+def test_the_ceiling_is_the_tile_products_rate_where_measured() -> None:
+    machine = Machine("AMD EPYC", 2, "float32", 512, 120.0, tile_gflops=210.0)
+    assert machine.ceiling_gflops == 210.0
+    assert machine.line().endswith("tile products 210.0 GFLOP/s (2 x one thread's)")
+    assert machine.columns()["tile_gflops"] == "210"
+    assert Machine("AMD EPYC", 2, "float32", 512, 120.0).ceiling_gflops == 120.0
+
+
+def test_probe_measures_the_tile_products_on_cpu() -> None:
+    machine = probe(torch.float32, budget=0.005)
+    assert machine.tile_gflops is not None and machine.tile_gflops > 0
+    assert probe(torch.float64, budget=0.005).tile_gflops is None

@@ -17,6 +17,8 @@ attngrad grade FILE [--json PATH] [--timeout S]  grade a solution; exit 0 when e
 attngrad kernels --target sm_90|sm_80 [--json PATH|-] [--quick]
                  compile every triton kernel configuration for the GPU, without one: registers,
                  spills, shared memory; exit 1 on a spill or overrun, 2 when it can't compile here
+attngrad build   [--force] [--json PATH|-]         compile the fused strategy's C++ CPU kernels
+                 now (else on first use); exit 2 when they cannot be built here
 attngrad --version
 
 Each command lives in ``attngrad.cli.<command>`` (``bench --order 2`` and ``--features``
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 
 import attngrad
 from attngrad.cli.bench import add_bench
+from attngrad.cli.build import add_build
 from attngrad.cli.check import add_check
 from attngrad.cli.exercise import add_exercise
 from attngrad.cli.explain import add_explain
@@ -64,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         add_exercise,
         add_grade,
         add_kernels,
+        add_build,
     ):
         add(sub)
     return parser

@@ -96,6 +96,8 @@ def bench_table(rows: Sequence[BenchRow], machine: Machine) -> str:
         return machine.line() + "\n(no measurements)"
     first = rows[0]
     baselines = list(first.ratios)
+    # of ceiling: of the tile products' rate (`Machine.ceiling_gflops`), where it was measured
+    ceiling = [] if machine.tile_gflops is None else ["of ceiling"]
     cells = [
         [
             r.pass_,
@@ -104,11 +106,12 @@ def bench_table(rows: Sequence[BenchRow], machine: Machine) -> str:
             f"{r.low_s * 1e3:.2f}–{r.high_s * 1e3:.2f}",
             f"{r.gflops:.1f}",
             f"{r.gemm_fraction:.1%}" + ("*" if r.gemm_fraction > 1 else " "),
+            *(f"{r.gflops / machine.ceiling_gflops:.1%}" for _ in ceiling),
             *(f"{r.ratios[b]:.2f}" for b in baselines),
         ]
         for r in rows
     ]
-    header = ["pass", "contender", "median ms", "min–max ms", "GFLOP/s", "of GEMM "]
+    header = ["pass", "contender", "median ms", "min–max ms", "GFLOP/s", "of GEMM ", *ceiling]
     head, lines = columns([*header, *(f"vs {b}" for b in baselines)], cells, left=2)
     out = [
         machine.line(),
@@ -195,14 +198,15 @@ def run_bench(args: argparse.Namespace) -> int:
             step=bar.step,
         )
     print(bench_table(rows, machine))
-    if "flash" in strategies and "explicit" in strategies:
+    tiled = [s for s in ("fused", "flash") if s in strategies]
+    if tiled and "explicit" in strategies:
         print()
         for causal in causal_modes:
-            n = bench_step.crossover(rows, causal=causal)
+            n = bench_step.crossover(rows, fast=tiled[0], causal=causal)
             where = f"from N={n}" if n is not None else "at no measured N"
             print(
                 f"forward+backward, causal={'yes' if causal else 'no'}: "
-                f"flash is faster than explicit {where}"
+                f"{tiled[0]} is faster than explicit {where}"
             )
     csv_path = destination(args.csv, "results/bench.csv")
     write_file(csv_path, lambda path: write_csv(bench_records(rows), path, machine))

@@ -357,7 +357,7 @@ def validate_blocks(
         if strategy not in tiled:
             raise ArgumentError(
                 f"{name}={size} only applies to the tiled strategies "
-                f"{' and '.join(repr(s) for s in tiled)}, not {strategy!r}. "
+                f"{', '.join(repr(s) for s in tiled[:-1])} and {tiled[-1]!r}, not {strategy!r}. "
                 f"Drop it or pass strategy={tiled[0]!r}."
             )
         sizes.append(size)

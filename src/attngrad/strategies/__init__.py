@@ -10,13 +10,14 @@ imports another; what they share is `attngrad.strategies.common`.
 
 This module alone knows which strategies exist (`MODULES`, `STRATEGIES`),
 which are tiled (`TILED`, collected from the modules), which run here
-(`available`, `unavailable_reason`; only "triton" ever has a reason not to
-run) and what "auto" stands for (`resolve`, and `tiled_default` among the
-tiled ones).
+(`available`, `unavailable_reason`: "triton" needs Triton and CUDA or its
+interpreter, "fused" a CPU and its compiled kernels) and what "auto" stands
+for (`resolve`, and `tiled_default` among the tiled ones).
 """
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 import torch
@@ -54,9 +55,16 @@ TILED: tuple[str, ...] = tuple(name for name, module in MODULES.items() if modul
 # N = 512 (Nq * Nk = 2**18; explicit wins at 256); without a band explicit is
 # 3% faster at N = 512 and flash 27% faster at N = 1024 (2**20).  Past these
 # sizes explicit's saved P (B*H*Nq*Nk elements) is also the largest tensor of
-# the call.
+# the call.  These apply where "fused" cannot run.
 AUTO_FLASH_SCORES = 2**20
 AUTO_FLASH_SCORES_BANDED = 2**18
+# Where "fused" runs, it replaces flash from these sizes on, read off
+# `benchmarks/benchmark_auto.py` (B=1, H=8, d=64, float32, fwd+bwd, N = 64 ... 4096,
+# all three strategies interleaved in one run; the table is in docs/fused.md).
+AUTO_FUSED_SCORES = 2**14
+AUTO_FUSED_SCORES_BANDED = 2**14
+
+_fell_back: list[str] = []  # the reason "auto" once fell back from fused to flash (warned once)
 
 
 def unavailable_reason(strategy: str, device: torch.device) -> str | None:
@@ -91,16 +99,22 @@ def resolve(
     """The strategy "auto" stands for; the others resolve to themselves.
 
     "auto": triton on CUDA when Triton is installed and the head dims fit its
-    kernels; otherwise flash when block sizes are given or Nq * Nk reaches
-    AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED with is_causal or a window),
-    else explicit.
+    kernels.  On CPU, fused when block sizes are given or Nq * Nk reaches
+    AUTO_FUSED_SCORES (AUTO_FUSED_SCORES_BANDED with is_causal or a window),
+    if its kernels can be built here (else flash, with one warning).
+    Otherwise flash when block sizes are given or Nq * Nk reaches
+    AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED under a band), else explicit.
     """
     if strategy != "auto":
         return strategy
     if _triton_runs(device, shapes.head_dim, shapes.value_dim):
         return "triton"
+    scores = shapes.seq_q * shapes.seq_k
+    fused_from = AUTO_FUSED_SCORES_BANDED if banded else AUTO_FUSED_SCORES
+    if (tiling_given or scores >= fused_from) and _fused_runs(device):
+        return "fused"
     threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
-    if tiling_given or shapes.seq_q * shapes.seq_k >= threshold:
+    if tiling_given or scores >= threshold:
         return "flash"
     return "explicit"
 
@@ -109,9 +123,30 @@ def tiled_default(device: torch.device, head_dim: int, value_dim: int) -> str:
     """The tiled strategy for ``device`` tensors with head dims d, dv (ring attention's blocks).
 
     triton on CUDA when Triton is installed and the head dims fit its kernels
-    (as "auto" picks), else flash.
+    (as "auto" picks), fused on CPU where its kernels build, else flash.
     """
-    return "triton" if _triton_runs(device, head_dim, value_dim) else "flash"
+    if _triton_runs(device, head_dim, value_dim):
+        return "triton"
+    return "fused" if _fused_runs(device) else "flash"
+
+
+def _fused_runs(device: torch.device | None) -> bool:
+    """Whether "auto" may take fused: CPU tensors and kernels that build here.
+
+    Where they cannot be built, the first call that would have taken fused warns
+    once, with the reason (what to install), and every such call takes flash.
+    """
+    if device is not None and device.type != "cpu":
+        return False
+    reason = unavailable_reason("fused", torch.device("cpu"))
+    if reason is not None and not _fell_back:
+        _fell_back.append(reason)
+        warnings.warn(
+            f"attngrad: strategy='auto' runs 'flash' on CPU instead of 'fused': {reason}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return reason is None
 
 
 def _triton_runs(device: torch.device | None, head_dim: int, value_dim: int) -> bool:

@@ -9,7 +9,6 @@ milliseconds on a GPU.
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from attngrad.core.contract import dtype_name
+from attngrad.core.host import processor_name
 
-__all__ = ["MAX_GEMM_SIZE", "Machine", "gemm_rate", "probe", "processor_name"]
+__all__ = ["MAX_GEMM_SIZE", "Machine", "gemm_rate", "probe", "processor_name", "tile_rate"]
 
 # Growth stops here: on a GPU even 8192³ takes milliseconds, and the rate has long
 # stopped rising with the size.
@@ -38,12 +38,24 @@ class Machine:
     gemm_dtype: str
     gemm_size: int
     gemm_gflops: float
+    tile_gflops: float | None = None
+
+    @property
+    def ceiling_gflops(self) -> float:
+        """What attention's products can reach here: the tile rate where measured, else the GEMM's."""
+        return max(self.gemm_gflops, self.tile_gflops or 0.0)
 
     def line(self) -> str:
-        """One header line, e.g. ``machine: AMD EPYC, 2 threads, float32 GEMM 1536² 61.2 GFLOP/s``."""
+        """One header line, e.g. ``machine: AMD EPYC, 2 threads, float32 GEMM 1536² 61.2 GFLOP/s``
+        (then the tile products' ceiling, where measured)."""
+        tiles = (
+            ""
+            if self.tile_gflops is None
+            else f", tile products {self.tile_gflops:.1f} GFLOP/s ({self.threads} x one thread's)"
+        )
         return (
             f"machine: {self.processor}, {self.threads} threads, {self.gemm_dtype} GEMM "
-            f"{self.gemm_size}² {self.gemm_gflops:.1f} GFLOP/s"
+            f"{self.gemm_size}² {self.gemm_gflops:.1f} GFLOP/s{tiles}"
         )
 
     def columns(self) -> dict[str, object]:
@@ -54,22 +66,8 @@ class Machine:
             "gemm_dtype": self.gemm_dtype,
             "gemm_size": self.gemm_size,
             "gemm_gflops": f"{self.gemm_gflops:.6g}",
+            "tile_gflops": "" if self.tile_gflops is None else f"{self.tile_gflops:.6g}",
         }
-
-
-def processor_name(device: torch.device | None = None) -> str:
-    """The GPU's name for a CUDA ``device``; else the CPU model from /proc/cpuinfo
-    (Linux) or `platform` elsewhere."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # not Linux: platform knows less, but something
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def _seconds(fn: Callable[[], object], device: torch.device) -> float:
@@ -130,12 +128,32 @@ def probe(
     budget: float = 0.2,
     note: Callable[[str], None] | None = None,
 ) -> Machine:
-    """The `Machine` here: its processor, thread count and calibrated ``dtype`` GEMM rate."""
+    """The `Machine` here: its processor, thread count and calibrated ``dtype`` GEMM rate,
+    and on CPU the ceiling of attention's tile products (`tile_rate`)."""
     size, gflops = gemm_rate(dtype, device, budget, note=note)
+    cpu = device is None or device.type == "cpu"
     return Machine(
         processor=processor_name(device),
         threads=torch.get_num_threads(),
         gemm_dtype=dtype_name(dtype),
         gemm_size=size,
         gemm_gflops=gflops,
+        tile_gflops=tile_rate() if cpu and dtype != torch.float64 else None,
     )
+
+
+def tile_rate() -> float | None:
+    """GFLOP/s the CPU's tile products reach: the fastest engine of strategy "fused"
+    (oneDNN's brgemm, its own micro-kernel, the BLAS) on one thread, over attention's
+    tile shapes, times the threads; None where fused's kernels cannot be built.
+
+    This, not a multi-threaded square GEMM, is the ceiling of a tiled attention: each
+    thread runs its own tiles' products.
+    """
+    from attngrad.strategies.fused import build
+
+    try:
+        library = build.load()
+    except build.BuildError:
+        return None
+    return max(library.rates.values()) * torch.get_num_threads()

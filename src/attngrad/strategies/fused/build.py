@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from attngrad.core.cache import cache_root
-from attngrad.tools.machine import processor_name
+from attngrad.core.host import processor_name
 
 __all__ = [
     "ENGINES",
@@ -44,6 +44,7 @@ __all__ = [
     "capability",
     "library_dir",
     "load",
+    "product_rate",
     "tile_shapes",
     "unavailable_reason",
 ]
@@ -204,18 +205,24 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def tile_shapes(block_q: int = 64, block_k: int = 128, d: int = 64) -> list[tuple[int, int, int]]:
+def tile_shapes(block_q: int = 128, block_k: int = 256, d: int = 64) -> list[tuple[int, int, int]]:
     """The products (M, N, K) of one tile: S = q k^T, O += P v, dK += dS^T q."""
     return [(block_q, block_k, d), (block_q, d, block_k), (block_k, d, block_q)]
 
 
-def _rate(engine: str, shape: tuple[int, int, int]) -> float:
+def product_rate(engine: str, shape: tuple[int, int, int], flops: float = 4e7) -> float:
+    """GFLOP/s of ``engine`` on products of ``shape`` (M, N, K), one thread, best of three."""
     m, n, k = shape
-    reps = max(8, int(2e7 // (2 * m * n * k)))
-    rates = [
-        torch.ops.attngrad_fused.product_rate(ENGINES.index(engine), m, n, k, reps)
-        for _ in range(3)
-    ]
+    reps = max(8, int(flops // (2 * m * n * k)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the BLAS engine would otherwise thread a lone product
+    try:
+        rates = [
+            torch.ops.attngrad_fused.product_rate(ENGINES.index(engine), m, n, k, reps)
+            for _ in range(3)
+        ]
+    finally:
+        torch.set_num_threads(threads)
     return max(rates)
 
 
@@ -228,7 +235,7 @@ def _engine(directory: Path) -> tuple[str, dict[str, float]]:
         rates = {}
         for engine in ENGINES:
             with contextlib.suppress(RuntimeError):  # an engine this CPU lacks
-                rates[engine] = min(_rate(engine, s) for s in tile_shapes())
+                rates[engine] = min(product_rate(engine, s) for s in tile_shapes())
         with contextlib.suppress(OSError):
             record.write_text(json.dumps(rates))
     chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or max(rates, key=rates.__getitem__)
@@ -245,7 +252,9 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("attngrad_fused::forward")  # type: ignore[misc]
-    def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         o = q.new_empty(*q.shape[:3], v.shape[3])
         return o, q.new_empty(*q.shape[:3], 2)
 

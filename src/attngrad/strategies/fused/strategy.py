@@ -50,8 +50,8 @@ TILED = True  # takes block sizes (block_q, block_k)
 probabilities = rebuilt_probabilities  # P from the saved stats: forward mode, second order
 
 # Tile sizes, measured with `benchmarks/benchmark_fused.py --tiles` (see `tiles`).
-BLOCK_Q = 64
-BLOCK_K = 128
+BLOCK_Q = 128
+BLOCK_K = 256
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ def _operands(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(compute_dtype(t.dtype)).contiguous() for t in tensors]
 
 
-def _mask_args(mask: ScoreMods, shape: tuple[int, int, int, int], dtype: torch.dtype) -> list[object]:
+def _mask_args(
+    mask: ScoreMods, shape: tuple[int, int, int, int], dtype: torch.dtype
+) -> list[object]:
     """The ops' mask arguments: bias, keep (broadcast views at the scores' [B, Hq, Nq, Nk]),
     the band's lo and hi, dropout's row and column words, the softcap (0: none), the
     threshold and 1 / (1 - p)."""
@@ -104,7 +106,9 @@ def _mask_args(mask: ScoreMods, shape: tuple[int, int, int, int], dtype: torch.d
     dropout = mask.dropout
     words: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if dropout is not None:
-        words = dropout.words(shape[0], shape[1], mask.heads_kv, shape[2], shape[3], torch.device("cpu"))
+        words = dropout.words(
+            shape[0], shape[1], mask.heads_kv, shape[2], shape[3], torch.device("cpu")
+        )
     cap = 0.0 if mask.softcap is None else float(mask.softcap)
     threshold = 0 if dropout is None else dropout.threshold
     keep_scale = 1.0 if dropout is None else dropout.scale

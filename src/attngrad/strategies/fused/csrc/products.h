@@ -24,9 +24,16 @@ namespace attngrad_fused {
 
 enum class Engine : int64_t { BRGEMM = 0, MICRO = 1, ATEN = 2 };
 
-// C[MR rows, NV vectors] (+)= A[MR, K] B[K, NV vectors]; `cols` < NV * width
-// masks the last vector (loads and stores of the tail only).
-template <typename T, int MR, int NV>
+// The micro-kernel's register block: MR rows by NV vectors of C stay in registers while
+// k runs (6 x 4 vectors on AVX-512's 32 registers, 6 x 2 on AVX2's 16).
+template <typename T>
+constexpr int kRows = 6;
+template <typename T>
+constexpr int kVectors = at::vec::Vectorized<T>::size() * sizeof(T) >= 64 ? 4 : 2;
+
+// C[MR, NV vectors] (+)= A[MR, K] B[K, NV vectors]; a `cols` short of NV vectors (the right
+// edge) loads and stores only what is there.
+template <typename T, int MR, int NV, bool kFull>
 inline void micro_block(int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
                         int64_t ldc, bool add, int64_t cols) {
   using Vec = at::vec::Vectorized<T>;
@@ -34,48 +41,60 @@ inline void micro_block(int64_t K, const T* A, int64_t lda, const T* B, int64_t 
   Vec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec(T(0));
-  const bool full = cols == NV * W;
+  int64_t width[NV];
+  for (int v = 0; v < NV; ++v) width[v] = std::clamp<int64_t>(cols - v * W, 0, W);
   for (int64_t k = 0; k < K; ++k) {
     const T* b = B + k * ldb;
     Vec bv[NV];
-    for (int v = 0; v < NV; ++v) {
-      int64_t n = std::min<int64_t>(W, cols - v * W);
-      bv[v] = full || n == W ? Vec::loadu(b + v * W) : (n > 0 ? Vec::loadu(b + v * W, n) : Vec(T(0)));
-    }
+    for (int v = 0; v < NV; ++v)
+      bv[v] = kFull ? Vec::loadu(b + v * W) : Vec::loadu(b + v * W, width[v]);
     for (int r = 0; r < MR; ++r) {
-      Vec a(A[r * lda + k]);
+      const Vec a(A[r * lda + k]);
       for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(a, bv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r) {
     T* c = C + r * ldc;
     for (int v = 0; v < NV; ++v) {
-      int64_t n = std::min<int64_t>(W, cols - v * W);
-      if (n <= 0) break;
-      Vec out = acc[r][v];
-      if (add) out = out + (n == W ? Vec::loadu(c + v * W) : Vec::loadu(c + v * W, n));
-      if (n == W) out.store(c + v * W);
-      else out.store(c + v * W, n);
+      if (kFull) {
+        (add ? acc[r][v] + Vec::loadu(c + v * W) : acc[r][v]).store(c + v * W);
+      } else if (width[v] > 0) {
+        Vec out = add ? acc[r][v] + Vec::loadu(c + v * W, width[v]) : acc[r][v];
+        out.store(c + v * W, width[v]);
+      }
     }
   }
 }
 
-template <typename T, int MR>
-inline void micro_rows(int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
-                       T* C, int64_t ldc, bool add) {
-  constexpr int NV = 2;
-  constexpr int64_t step = NV * at::vec::Vectorized<T>::size();
-  for (int64_t j = 0; j < N; j += step)
-    micro_block<T, MR, NV>(K, A, lda, B + j, ldb, C + j, ldc, add, std::min(step, N - j));
+// Column blocks outer, row blocks inner: one [K, NV vectors] slice of B stays in L1 while
+// every row block of A passes over it.
+template <typename T, bool kFull>
+inline void micro_columns(int64_t M, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                          T* C, int64_t ldc, bool add, int64_t cols) {
+  constexpr int MR = kRows<T>, NV = kVectors<T>;
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR)
+    micro_block<T, MR, NV, kFull>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add, cols);
+  const T* a = A + i * lda;
+  T* c = C + i * ldc;
+  switch (M - i) {  // the last rows, in one block of their own height
+    case 5: micro_block<T, 5, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 4: micro_block<T, 4, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 3: micro_block<T, 3, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 2: micro_block<T, 2, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 1: micro_block<T, 1, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    default: break;
+  }
 }
 
 template <typename T>
 void micro_product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
                    int64_t ldb, T* C, int64_t ldc, bool add) {
-  constexpr int MR = 6;
-  int64_t i = 0;
-  for (; i + MR <= M; i += MR) micro_rows<T, MR>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add);
-  for (; i < M; ++i) micro_rows<T, 1>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add);
+  constexpr int64_t step = kVectors<T> * at::vec::Vectorized<T>::size();
+  int64_t j = 0;
+  for (; j + step <= N; j += step)
+    micro_columns<T, true>(M, K, A, lda, B + j, ldb, C + j, ldc, add, step);
+  if (j < N) micro_columns<T, false>(M, K, A, lda, B + j, ldb, C + j, ldc, add, N - j);
 }
 
 template <typename T>

@@ -1,0 +1,189 @@
+"""Strategy "fused": its C++ kernels' own promises beyond the shared grids.
+
+The conformance grid, gradcheck, the edge inputs and the property tests run
+"fused" with every other strategy (it is in `helpers.TENSOR_STRATEGIES`); here:
+results bitwise identical for any thread count and either backward schedule,
+the dropout mask bit for bit, each engine of the tile products, the fake
+kernels under torch.compile, the build cache and `attngrad build`, and the
+fallback where no compiler exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import attngrad
+from attngrad.cli.app import main
+from attngrad.core.contract import Shapes
+from attngrad.core.dropout import Dropout, draw_seed, keep_mask
+from attngrad.strategies import resolve
+from attngrad.strategies.fused import build
+from attngrad.verify.cases import make_inputs, outputs_and_grads
+from attngrad.verify.check import strategy_fn
+from helpers import assert_rule, case
+
+
+@contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(shape, seed: int = 0, **kw):
+    """O, lse and the gradients of q, k, v and a float mask, for [B, Hq, Hkv, Nq, Nk, d]."""
+    b, hq, hkv, nq, nk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g, requires_grad=True)
+    k = torch.randn(b, hkv, nk, d, generator=g, requires_grad=True)
+    v = torch.randn(b, hkv, nk, d, generator=g, requires_grad=True)
+    bias = torch.randn(b, hq, nq, nk, generator=g, requires_grad=True)
+    torch.manual_seed(seed)  # dropout's seed
+    out, lse = attngrad.attention(
+        q, k, v, attn_mask=bias, strategy="fused", enable_gqa=hq != hkv, return_lse=True, **kw
+    )
+    grads = torch.autograd.grad((out.square().sum(), lse.sum()), (q, k, v, bias))
+    return (out, lse, *grads)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1, 300, 280, 64), (1, 3, 3, 200, 200, 32), (2, 4, 2, 130, 150, 64)],
+    ids=["B1H1", "B1H3", "B2H4:2"],
+)
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"window": (None, 0)}, {"dropout_p": 0.3, "softcap": 5.0, "block_q": 48, "block_k": 40}],
+    ids=["plain", "causal", "dropout-softcap"],
+)
+def test_bitwise_identical_for_any_thread_count(shape, kw):
+    # one thread runs the one-pass backward for every shape; two threads the dQ and dK/dV
+    # passes where B * Hkv is below 2 (B1H1) or odd (B1H3): the bits must not move
+    with threads(1):
+        one = _run(shape, **kw)
+    with threads(2):
+        two = _run(shape, **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), one, two, strict=True):
+        assert torch.equal(a, b), name
+        assert torch.isfinite(a).all(), name
+
+
+@pytest.mark.parametrize("p", [0.2, 0.75])
+def test_dropout_mask_is_the_hash_bit_for_bit(p):
+    # q = 0 makes every row's P uniform (1 / Nk) and v = I makes O the mask itself:
+    # O[i, j] = Z[i, j] / (Nk (1 - p)); dV = (P Z)^T dO / (1 - p) shows it again
+    b, h, n = 2, 3, 40
+    q = torch.zeros(b, h, n, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.zeros(b, h, n, 8, dtype=torch.float64)
+    v = torch.eye(n, dtype=torch.float64).expand(b, h, n, n).clone().requires_grad_(True)
+    torch.manual_seed(3)
+    drop = Dropout(p, *draw_seed(torch.device("cpu"), None))
+    expected = keep_mask(drop, b, h, n, n, torch.device("cpu")).to(torch.float64)
+    for strategy in ("fused", "flash"):
+        torch.manual_seed(3)
+        out = attngrad.attention(q, k, v, dropout_p=p, strategy=strategy, block_q=16, block_k=8)
+        assert torch.equal(out != 0, expected != 0), strategy
+        (dv,) = torch.autograd.grad(out, v, torch.eye(n, dtype=torch.float64).expand(b, h, n, n))
+        assert torch.equal(dv.transpose(-2, -1) != 0, expected != 0), strategy
+
+
+@pytest.mark.parametrize("engine", build.ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_every_engine_of_the_tile_products(engine, dtype, monkeypatch):
+    library = build.load()
+    monkeypatch.setattr(build, "_loaded", build.Library(library.path, engine, library.rates))
+    c = case((1,), 4, 2, 97, 130, 40, 24, "float", dtype=dtype, window=(None, 3))
+    inputs = make_inputs(c)
+    for tiles in ((None, None), (7, 5)):
+        fn = strategy_fn("fused", block_q=tiles[0], block_k=tiles[1])
+        assert_rule(c, inputs, outputs_and_grads(fn, c, inputs, c.dtype))
+
+
+def test_fake_kernels_trace_under_torch_compile():
+    q, k, v = (torch.randn(1, 2, 50, 16) for _ in range(3))
+    args = (None,) * 6
+
+    def forward(q, k, v):
+        o, stats = torch.ops.attngrad_fused.forward(q, k, v, *args, 0.25, 0.0, 0, 1.0, 16, 16, 1)
+        return o * 2, stats
+
+    build.load()
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v), forward(q, k, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        o, stats = torch.ops.attngrad_fused.forward(fq, fk, fv, *args, 0.25, 0.0, 0, 1.0, 16, 16, 1)
+        assert o.shape == (1, 2, 50, 16) and stats.shape == (1, 2, 50, 2)
+
+
+def test_library_lives_in_the_cache_dir_per_torch_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNGRAD_CACHE_DIR", str(tmp_path))
+    directory = build.library_dir()
+    assert directory.parent == tmp_path / "fused"
+    assert torch.__version__.split("+")[0] in directory.name
+    assert build.capability() in directory.name
+
+
+def test_build_command_prints_where_the_library_went(capsys):
+    assert main(["build", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["library"] == str(build.load().path)
+    assert os.path.exists(report["library"])
+    assert report["engine"] in build.ENGINES
+    assert set(report["rates_gflops"]) <= set(build.ENGINES)
+
+
+def test_auto_takes_fused_on_cpu_from_its_threshold():
+    shapes = Shapes(
+        lead=(1,), heads_q=8, heads_kv=8, seq_q=1024, seq_k=1024, head_dim=64, value_dim=64
+    )
+    assert resolve("auto", shapes, False, False, torch.device("cpu")) == "fused"
+    assert resolve("auto", shapes, True, False, torch.device("cpu")) == "fused"
+
+
+_NO_COMPILER = textwrap.dedent(
+    """
+    import warnings, torch, attngrad
+    from attngrad.strategies import resolve
+    from attngrad.core.contract import Shapes
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    try:
+        attngrad.attention(q, k, v, strategy="fused")
+    except RuntimeError as e:
+        print("ERROR", e)
+    shapes = Shapes.of(q, k, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        picks = [resolve("auto", shapes, True, False, q.device) for _ in range(3)]
+        out = attngrad.attention(q, k, v, block_q=64)
+    print("PICKS", picks, "WARNINGS", len(caught), caught[0].message if caught else "")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    print("CLOSE", torch.allclose(out, ref, atol=1e-5))
+    """
+)
+
+
+def test_without_a_compiler_fused_says_what_to_install_and_auto_takes_flash(tmp_path):
+    env = {**os.environ, "ATTNGRAD_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()}
+    assert "no C++ compiler" in lines["ERROR"] and "install" in lines["ERROR"]
+    assert "['flash', 'flash', 'flash']" in lines["PICKS"]
+    assert "WARNINGS 1 " in lines["PICKS"] and "no C++ compiler" in lines["PICKS"]
+    assert lines["CLOSE"] == "CLOSE True"
+    assert not list((tmp_path / "fused").glob("*/*.so"))
