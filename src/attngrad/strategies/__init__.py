@@ -62,7 +62,7 @@ AUTO_FLASH_SCORES_BANDED = 2**18
 # `benchmarks/benchmark_auto.py` (B=1, H=8, d=64, float32, fwd+bwd, N = 64 ... 4096,
 # all three strategies interleaved in one run; the table is in docs/fused.md).
 AUTO_FUSED_SCORES = 2**14
-AUTO_FUSED_SCORES_BANDED = 2**14
+AUTO_FUSED_SCORES_BANDED = 2**12
 
 _fell_back: list[str] = []  # the reason "auto" once fell back from fused to flash (warned once)
 

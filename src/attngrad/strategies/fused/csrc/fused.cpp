@@ -1,23 +1,21 @@
 // Strategy "fused": flash attention's forward and backward as C++ CPU kernels.
 //
-// Every pass walks [block_q, block_k] tiles of the scores on key-block
-// boundaries that are multiples of block_k (the same tiles in every pass),
-// skipping those the band masks entirely.  Per tile, the products run through
-// one engine (`products.h`) and every elementwise step -- cap, bias, mask,
-// max, exp, row sums, dropout, dS -- runs on the tile while it is in cache
+// Both passes walk [block_q, block_k] tiles of the scores on key-block boundaries that are
+// multiples of block_k (the same tiles in both), skipping those the band masks entirely.
+// Per tile, the products run through one engine (`products.h`) and every elementwise step --
+// cap, bias, mask, max, exp, row sums, dropout, dS -- runs on the tile while it is in cache
 // (`tile.h`):
 //
-//   forward  (b, kv head, query block):  S = (s q) k^T, online softmax,
-//                                        O += P v; writes O, (m, log l)
-//   dQ pass  (b, kv head, query block):  P, dP = dO v^T, dS, dQ += dS k;
-//                                        writes dQ and, on request, dS
-//   dK/dV    (b, kv head, key block):    P, dV += P^T dO, dP, dS,
-//                                        dK += dS^T (s q)
+//   forward   units (b, kv head, query block):  S = (s q) k^T, online softmax, O += P v;
+//                                               writes O and (m, log l)
+//   backward  units (b, kv head, slab of key blocks):  per key block, over the query heads
+//             of the group and the row blocks that reach it: P, dV += P^T dO, dP = dO v^T,
+//             dS, dK += dS^T (s q), dQ += dS k; dK, dV written whole, dQ summed per slab
 //
-// Units are independent (no atomics on results, each gradient row written by
-// one unit) and each unit's arithmetic does not depend on which thread runs
-// it: results are bitwise identical for any thread count.  Threads take units
-// from a shared counter, most expensive first under a band.
+// Units are independent (no atomics on results: each dK/dV row and each slab's dQ rows
+// belong to one unit), the partition is a function of the shape alone, and each unit's
+// arithmetic does not depend on which thread runs it: results are bitwise identical for
+// any thread count.  Threads take units from a shared counter.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -51,8 +49,8 @@ void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
 }
 
 template <typename T>
-struct RowScratch {  // forward and dQ pass: one block of query rows
-  std::vector<T> q, dout, s, ds, slope, acc;
+struct RowScratch {  // forward: one block of query rows
+  std::vector<T> q, s, acc;
 };
 
 template <typename T>
@@ -169,7 +167,8 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
               const T alpha = std::exp2((m[ii] - sh) * static_cast<T>(kLog2e));
               l[ii] = l[ii] * alpha + lanes_sum(vsum);
               T* acc = w.acc.data() + ii * dv;
-              for (int64_t x = 0; x < dv; ++x) acc[x] *= alpha;
+              if (alpha != T(1))  // the running max moved: rescale what the row has summed
+                for (int64_t x = 0; x < dv; ++x) acc[x] *= alpha;
               m[ii] = m_new;
               shift[ii] = sh;
             }
@@ -217,23 +216,22 @@ void score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int
 }
 
 template <typename T>
-struct Operands {  // what the backward passes read
-  const T *q, *kt, *k, *v, *vt, *dout, *stats, *delta;
+struct Operands {  // what the backward pass reads
+  const T *q, *k, *v, *dout, *stats, *delta;
 };
 
-// The rebuilt P and dS of tile (rows i0 .. i0 + r of head h, key block kb), in w.s and w.ds.
+// The rebuilt P (P Z under dropout) and dS of the tile of rows i0 .. i0 + r of head (b, h)
+// against keys j0 .. j0 + c, into S and dS; kt, vt: the key block's panels of k^T and v^T
+// ([d, block_k] and [dv, block_k]), so S is the very product forward took.
 template <typename T>
-void tile_gradient(const Problem<T>& pb, Engine engine, const Operands<T>& x, int64_t b, int64_t hk,
-                   int64_t h, int64_t i0, int64_t r, int64_t j0, int64_t c, const T* qs,
-                   const T* dos, T* S, T* dS, T* slope) {
-  const int64_t bk = pb.block_k, nk = pb.Nk, bh = b * pb.Hq + h;
-  const int64_t kb = j0 / bk, panels = pb.key_blocks();
-  const T* kt_h = x.kt + ((b * pb.Hkv + hk) * panels + kb) * pb.d * bk;
-  const T* vt_h = x.vt + ((b * pb.Hkv + hk) * panels + kb) * pb.dv * bk;
-  product(engine, r, c, pb.d, qs, pb.d, kt_h, bk, S, bk, false);
+void tile_gradient(const Problem<T>& pb, Engine engine, const Operands<T>& x, int64_t b, int64_t h,
+                   int64_t i0, int64_t r, int64_t j0, int64_t c, const T* qs, const T* dos,
+                   const T* kt, const T* vt, T* S, T* dS, T* slope) {
+  const int64_t bk = pb.block_k, bh = b * pb.Hq + h;
+  product(engine, r, c, pb.d, qs, pb.d, kt, bk, S, bk, false);
   mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope);
   probabilities(r, c, S, bk, x.stats + (bh * pb.Nq + i0) * 2);
-  product(engine, r, c, pb.dv, dos, pb.dv, vt_h, bk, dS, bk, false);
+  product(engine, r, c, pb.dv, dos, pb.dv, vt, bk, dS, bk, false);
   score_gradient(pb, bh, i0, r, j0, c, S, dS, bk, x.delta + bh * pb.Nq + i0);
 }
 
@@ -254,57 +252,16 @@ void keep_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r
 }
 
 template <typename T>
-void query_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* ds_out) {
-  const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
-  const int64_t blocks = pb.row_blocks();
-  for_each_unit<RowScratch<T>>(
-      pb.B * pb.Hkv * blocks, engine,
-      [&] {
-        RowScratch<T> s;
-        s.q.resize(bq * d);
-        s.dout.resize(bq * dv);
-        s.s.resize(bq * bk);
-        s.ds.resize(bq * bk);
-        if (pb.cap != T(0)) s.slope.resize(bq * bk);
-        s.acc.resize(bq * d);
-        return s;
-      },
-      [&](int64_t u, RowScratch<T>& w) {
-        int64_t b, hk, blk;
-        unpack(u, blocks, pb.Hkv, b, hk, blk);
-        const int64_t i0 = blk * bq, r = std::min(bq, pb.Nq - i0);
-        int64_t first, stop;
-        pb.key_block_span(i0, i0 + r, first, stop);
-        const T* k_h = x.k + (b * pb.Hkv + hk) * nk * d;
-        T* slope = w.slope.empty() ? nullptr : w.slope.data();
-        for (int64_t g = 0; g < pb.G; ++g) {
-          const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
-          scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
-          scaled_rows(x.dout + (bh * pb.Nq + i0) * dv, r, dv, pb.keep_scale, w.dout.data());
-          std::fill(w.acc.begin(), w.acc.end(), T(0));
-          for (int64_t kb = first; kb < stop; ++kb) {
-            const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
-            tile_gradient(pb, engine, x, b, hk, h, i0, r, j0, c, w.q.data(), w.dout.data(),
-                          w.s.data(), w.ds.data(), slope);
-            keep_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
-            if (slope != nullptr) slope_(r, c, w.ds.data(), slope, bk);
-            product(engine, r, d, c, w.ds.data(), bk, k_h + j0 * d, d, w.acc.data(), d, true);
-          }
-          T* dq_h = dq + (bh * pb.Nq + i0) * d;
-          for (int64_t e = 0; e < r * d; ++e) dq_h[e] = w.acc[e] * pb.scale;
-        }
-      });
-}
-
-template <typename T>
-struct KeyScratch {  // one block of keys
-  std::vector<T> q, dout, s, ds, slope, t, dk, dv;
+struct KeyScratch {  // one block of keys: its panels, one tile's operands and its sums
+  std::vector<T> kt, vt, q, dout, s, ds, slope, t, dk, dv;
 };
 
 template <typename T>
 KeyScratch<T> key_scratch(const Problem<T>& pb) {
   const int64_t bq = pb.block_q, bk = pb.block_k;
   KeyScratch<T> s;
+  s.kt.resize(pb.d * bk);
+  s.vt.resize(pb.dv * bk);
   s.q.resize(bq * pb.d);
   s.dout.resize(bq * pb.dv);
   s.s.resize(bq * bk);
@@ -316,7 +273,7 @@ KeyScratch<T> key_scratch(const Problem<T>& pb) {
   return s;
 }
 
-// The key blocks [first[rb], stop[rb]) each block of query rows reaches, as in every pass.
+// The key blocks [first[rb], stop[rb]) each block of query rows reaches, as in forward.
 template <typename T>
 struct Spans {
   std::vector<int64_t> first, stop;
@@ -327,17 +284,17 @@ struct Spans {
   }
 };
 
-// dK and dV of key block kb of kv head (b, hk), written whole.  With `dq` (the one-pass
-// schedule, where this unit's thread owns every row of the heads), dS k is also added into
-// those rows of dq (zeroed before, scaled after) and dS written into ds_out: the same
-// products, in the same order, as the dQ pass would run them.
+// dK and dV of key block kb of kv head (b, hk), written whole, and dS k added into the rows of
+// `dq` ([B, Hq, Nq, d]; this unit's alone); dS itself into ds_out when asked for.
 template <typename T>
 void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const Spans<T>& spans,
                int64_t b, int64_t hk, int64_t kb, KeyScratch<T>& w, T* dk, T* dv, T* dq,
                T* ds_out) {
   const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dvd = pb.dv, nk = pb.Nk;
-  const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
-  const T* k_h = x.k + (b * pb.Hkv + hk) * nk * d;
+  const int64_t j0 = kb * bk, c = std::min(bk, nk - j0), bhk = b * pb.Hkv + hk;
+  const T* k_h = x.k + bhk * nk * d;
+  transpose(c, d, k_h + j0 * d, d, w.kt.data(), bk);  // the panels forward read
+  transpose(c, dvd, x.v + (bhk * nk + j0) * dvd, dvd, w.vt.data(), bk);
   std::fill(w.dk.begin(), w.dk.end(), T(0));
   std::fill(w.dv.begin(), w.dv.end(), T(0));
   T* slope = w.slope.empty() ? nullptr : w.slope.data();
@@ -348,56 +305,84 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
       const int64_t i0 = rb * bq, r = std::min(bq, pb.Nq - i0);
       scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
       scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data());
-      tile_gradient(pb, engine, x, b, hk, h, i0, r, j0, c, w.q.data(), w.dout.data(), w.s.data(),
-                    w.ds.data(), slope);
-      transpose(r, c, w.s.data(), bk, w.t.data());  // (P Z)^T: [c, r]
+      tile_gradient(pb, engine, x, b, h, i0, r, j0, c, w.q.data(), w.dout.data(), w.kt.data(),
+                    w.vt.data(), w.s.data(), w.ds.data(), slope);
+      transpose(r, c, w.s.data(), bk, w.t.data(), r);  // (P Z)^T: [c, r]
       product(engine, c, dvd, r, w.t.data(), r, w.dout.data(), dvd, w.dv.data(), dvd, true);
-      if (dq != nullptr) keep_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
+      keep_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
       if (slope != nullptr) slope_(r, c, w.ds.data(), slope, bk);
-      transpose(r, c, w.ds.data(), bk, w.t.data());  // dS^T: [c, r]
+      transpose(r, c, w.ds.data(), bk, w.t.data(), r);  // dS^T: [c, r]
       product(engine, c, d, r, w.t.data(), r, w.q.data(), d, w.dk.data(), d, true);
-      if (dq != nullptr)
-        product(engine, r, d, c, w.ds.data(), bk, k_h + j0 * d, d, dq + (bh * pb.Nq + i0) * d, d,
-                true);
+      product(engine, r, d, c, w.ds.data(), bk, k_h + j0 * d, d, dq + (bh * pb.Nq + i0) * d, d,
+              true);
     }
   }
-  const int64_t bhk = b * pb.Hkv + hk;
   std::copy(w.dk.begin(), w.dk.begin() + c * d, dk + (bhk * nk + j0) * d);
   std::copy(w.dv.begin(), w.dv.begin() + c * dvd, dv + (bhk * nk + j0) * dvd);
 }
 
-// The dK/dV pass: units (b, kv head, key block), keys in order.
+// Slabs of key blocks per kv head: enough units for eight threads where B * Hkv is small,
+// at most kMaxSlabs (each slab past the first holds a partial dQ of the head's rows).  A
+// function of the shape alone, so every thread count runs the same partition.
+constexpr int64_t kUnits = 8, kMaxSlabs = 4;
+
 template <typename T>
-void key_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dk, T* dv) {
-  const int64_t blocks = pb.key_blocks();
-  const Spans<T> spans(pb);
-  for_each_unit<KeyScratch<T>>(
-      pb.B * pb.Hkv * blocks, engine, [&] { return key_scratch(pb); },
-      [&](int64_t u, KeyScratch<T>& w) {
-        int64_t b, hk, kb;
-        unpack(u, blocks, pb.Hkv, b, hk, kb);
-        kb = blocks - 1 - kb;  // early keys first: under causal they serve the most rows
-        key_block(pb, engine, x, spans, b, hk, kb, w, dk, dv, static_cast<T*>(nullptr),
-                  static_cast<T*>(nullptr));
-      });
+int64_t slab_count(const Problem<T>& pb) {
+  const int64_t heads = pb.B * pb.Hkv;
+  return std::clamp<int64_t>((kUnits + heads - 1) / heads, 1,
+                             std::min<int64_t>(kMaxSlabs, std::max<int64_t>(1, pb.key_blocks())));
 }
 
-// The one-pass backward: units (b, kv head), each walking its key blocks in order.
+// [edge[s], edge[s + 1]): the key blocks of slab s, cut where the tiles they cost (the row
+// blocks each reaches, causal or not) are shared evenly.
 template <typename T>
-void head_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* dk, T* dv,
-               T* ds_out) {
+std::vector<int64_t> slab_edges(const Problem<T>& pb, const Spans<T>& spans, int64_t slabs) {
+  const int64_t blocks = pb.key_blocks();
+  std::vector<int64_t> cost(blocks + 1, 0);  // cost[kb]: tiles of key blocks before kb
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    int64_t tiles = 0;
+    for (size_t rb = 0; rb < spans.first.size(); ++rb)
+      tiles += kb >= spans.first[rb] && kb < spans.stop[rb];
+    cost[kb + 1] = cost[kb] + tiles + 1;  // + 1: a block's own panels and sums
+  }
+  std::vector<int64_t> edge(slabs + 1, blocks);
+  edge[0] = 0;
+  for (int64_t s = 1; s < slabs; ++s) {
+    const int64_t target = cost[blocks] * s / slabs;
+    edge[s] = std::lower_bound(cost.begin(), cost.end(), target) - cost.begin();
+    edge[s] = std::clamp(edge[s], edge[s - 1], blocks);
+  }
+  return edge;
+}
+
+// The backward pass: units (b, kv head, slab of key blocks), each walking its key blocks in
+// order; slab 0 adds dS k into dq, slab s > 0 into partial[s - 1], and the partials join dq
+// in slab order afterwards (then dq *= scale): no atomics, the same sums for any threads.
+template <typename T>
+void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* dk,
+                   T* dv, T* ds_out) {
   const Spans<T> spans(pb);
-  const int64_t rows = pb.G * pb.Nq * pb.d;
+  const int64_t slabs = slab_count(pb), group = pb.G * pb.Nq * pb.d;
+  const std::vector<int64_t> edge = slab_edges(pb, spans, slabs);
+  const int64_t size = pb.B * pb.Hq * pb.Nq * pb.d;
+  std::vector<T> partial((slabs - 1) * size);
   for_each_unit<KeyScratch<T>>(
-      pb.B * pb.Hkv, engine, [&] { return key_scratch(pb); },
+      pb.B * pb.Hkv * slabs, engine, [&] { return key_scratch(pb); },
       [&](int64_t u, KeyScratch<T>& w) {
-        const int64_t b = u / pb.Hkv, hk = u % pb.Hkv;
-        T* dq_h = dq + (b * pb.Hq + hk * pb.G) * pb.Nq * pb.d;  // the group's rows of dq
-        std::fill(dq_h, dq_h + rows, T(0));
-        for (int64_t kb = 0; kb < pb.key_blocks(); ++kb)
-          key_block(pb, engine, x, spans, b, hk, kb, w, dk, dv, dq, ds_out);
-        for (int64_t e = 0; e < rows; ++e) dq_h[e] *= pb.scale;
+        const int64_t s = u % slabs, hk = (u / slabs) % pb.Hkv, b = u / (slabs * pb.Hkv);
+        T* target = s == 0 ? dq : partial.data() + (s - 1) * size;
+        T* rows = target + (b * pb.Hq + hk * pb.G) * pb.Nq * pb.d;  // the group's rows
+        std::fill(rows, rows + group, T(0));
+        for (int64_t kb = edge[s]; kb < edge[s + 1]; ++kb)
+          key_block(pb, engine, x, spans, b, hk, kb, w, dk, dv, target, ds_out);
       });
+  at::parallel_for(0, size, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      T sum = dq[e];
+      for (int64_t s = 1; s < slabs; ++s) sum += partial[(s - 1) * size + e];
+      dq[e] = sum * pb.scale;
+    }
+  });
 }
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -440,13 +425,6 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   return {o, stats};
 }
 
-// Whether the (b, kv head) units keep every thread busy: then one pass per head (five
-// products a tile) beats the dQ and dK/dV passes (seven), with the same results bit for bit.
-bool one_pass(int64_t heads) {
-  const int64_t threads = at::get_num_threads();
-  return heads >= threads && (heads % threads == 0 || heads >= 4 * threads);
-}
-
 std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
     const Tensor& delta, const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
@@ -455,26 +433,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
     int64_t engine, bool need_ds) {
   check_inputs(q, k, v);
-  Tensor kt = panels(k, block_k), vt = panels(v, block_k);
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Tensor ds = need_ds ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options())
                       : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::backward", [&] {
     auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
                                 threshold, keep_scale, block_q, block_k);
-    Operands<scalar_t> x{q.data_ptr<scalar_t>(),  kt.data_ptr<scalar_t>(),
-                         k.data_ptr<scalar_t>(),  v.data_ptr<scalar_t>(),
-                         vt.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
+    Operands<scalar_t> x{q.data_ptr<scalar_t>(),    k.data_ptr<scalar_t>(),
+                         v.data_ptr<scalar_t>(),    dout.data_ptr<scalar_t>(),
                          stats.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>()};
-    const Engine e = static_cast<Engine>(engine);
-    scalar_t* ds_out = need_ds ? ds.data_ptr<scalar_t>() : nullptr;
-    if (one_pass(pb.B * pb.Hkv)) {
-      head_pass<scalar_t>(pb, e, x, dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                          dv.data_ptr<scalar_t>(), ds_out);
-    } else {
-      query_pass<scalar_t>(pb, e, x, dq.data_ptr<scalar_t>(), ds_out);
-      key_pass<scalar_t>(pb, e, x, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>());
-    }
+    backward_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dq.data_ptr<scalar_t>(),
+                            dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                            need_ds ? ds.data_ptr<scalar_t>() : nullptr);
   });
   return {dq, dk, dv, ds};
 }

@@ -162,13 +162,13 @@ void drop(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0, i
   }
 }
 
-// A[r, c] (leading dim lda) -> At[c, r] (leading dim r), in 16 x 16 blocks of at::vec.
+// A[r, c] (leading dim lda) -> At[c, r] (leading dim ldt), in 16 x 16 blocks of at::vec.
 template <typename T>
-void transpose(int64_t r, int64_t c, const T* A, int64_t lda, T* At) {
+void transpose(int64_t r, int64_t c, const T* A, int64_t lda, T* At, int64_t ldt) {
   constexpr int64_t kB = 16;
   for (int64_t i = 0; i < r; i += kB)
     for (int64_t j = 0; j < c; j += kB)
-      at::vec::transpose_mxn<T>(A + i * lda + j, lda, At + j * r + i, r,
+      at::vec::transpose_mxn<T>(A + i * lda + j, lda, At + j * ldt + i, ldt,
                                 static_cast<int>(std::min(kB, r - i)),
                                 static_cast<int>(std::min(kB, c - j)));
 }
