@@ -68,8 +68,8 @@ def _run(shape, seed: int = 0, **kw):
     ids=["plain", "causal", "dropout-softcap"],
 )
 def test_bitwise_identical_for_any_thread_count(shape, kw):
-    # one thread runs the one-pass backward for every shape; two threads the dQ and dK/dV
-    # passes where B * Hkv is below 2 (B1H1) or odd (B1H3): the bits must not move
+    # the backward's units split each kv head's keys into slabs where B * Hkv is small
+    # (4 for B1H1, 3 for B1H3, 2 for B2H4:2), each summing its own dQ: the bits must not move
     with threads(1):
         one = _run(shape, **kw)
     with threads(2):

@@ -251,14 +251,14 @@ def _register_fakes() -> None:
     if getattr(_register_fakes, "done", False):
         return
 
-    @torch.library.register_fake("attngrad_fused::forward")  # type: ignore[misc]
+    @torch.library.register_fake("attngrad_fused::forward")  # type: ignore[untyped-decorator]
     def _forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         o = q.new_empty(*q.shape[:3], v.shape[3])
         return o, q.new_empty(*q.shape[:3], 2)
 
-    @torch.library.register_fake("attngrad_fused::backward")  # type: ignore[misc]
+    @torch.library.register_fake("attngrad_fused::backward")  # type: ignore[untyped-decorator]
     def _backward(
         dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
     ) -> tuple[torch.Tensor, ...]:
