@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attngrad
+from attngrad import strategies
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed
 from attngrad.ring import ring_attention, shard, unshard
@@ -233,10 +234,12 @@ by_kernel = pytest.mark.parametrize(
 )
 
 
-def test_the_default_block_kernel_is_flash_on_cpu():
-    assert tiled_default(torch.device("cpu"), 64, 64) == "flash"
-    # and on CUDA, flash past the triton kernels' head dims
+def test_the_default_block_kernel_is_fused_on_cpu(monkeypatch):
+    assert tiled_default(torch.device("cpu"), 64, 64) == "fused"
+    # flash where fused cannot be built, and on CUDA past the triton kernels' head dims
     assert tiled_default(torch.device("cuda"), 300, 64) == "flash"
+    monkeypatch.setattr(strategies, "_fused_runs", lambda device: False)
+    assert tiled_default(torch.device("cpu"), 64, 64) == "flash"
 
 
 @by_kernel
@@ -374,13 +377,13 @@ def test_bad_arguments_raise_naming_the_value(inputs, kwargs, error, match):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_without_a_process_group_it_is_plain_flash_attention(layout):
+def test_without_a_process_group_it_is_plain_attention(layout):
     assert not dist.is_initialized()
     q = torch.randn(2, 4, 10, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 10, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 10, 8, dtype=torch.float64, requires_grad=True)
     got = ring_attention(q, k, v, is_causal=True, scale=0.3, layout=layout)
-    want = attngrad.attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True, strategy="flash")
+    want = attngrad.attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True, strategy="fused")
     assert torch.equal(got, want)
     assert got.grad_fn.name() == want.grad_fn.name()
 
@@ -391,7 +394,7 @@ def test_without_a_process_group_dropout_and_sinks_pass_to_attention():
     kw = {"is_causal": True, "dropout_p": 0.5, "sinks": sinks}
     got = ring_attention(q, k, v, generator=torch.Generator().manual_seed(3), **kw)
     want = attngrad.attention(
-        q, k, v, generator=torch.Generator().manual_seed(3), strategy="flash", **kw
+        q, k, v, generator=torch.Generator().manual_seed(3), strategy="fused", **kw
     )
     assert torch.equal(got, want)
 
@@ -403,7 +406,7 @@ def test_world_size_one_is_plain_attention(tmp_path):
     try:
         q, k, v = _qkv()
         got = ring_attention(q, k, v, is_causal=True)
-        assert torch.equal(got, attngrad.attention(q, k, v, is_causal=True, strategy="flash"))
+        assert torch.equal(got, attngrad.attention(q, k, v, is_causal=True, strategy="fused"))
     finally:
         dist.destroy_process_group()
 

@@ -143,8 +143,11 @@ def test_block_size_for_an_untiled_strategy_is_an_error(strategy):
         attngrad.attention(q, q, q, strategy=strategy, block_q=4)
 
 
-def test_auto_takes_flash_for_long_sequences_and_block_sizes():
+def test_where_fused_cannot_run_auto_takes_flash_for_long_sequences_and_block_sizes(monkeypatch):
+    from attngrad import strategies
     from attngrad.strategies import resolve
+
+    monkeypatch.setattr(strategies, "_fused_runs", lambda device: False)
 
     short = Shapes((1,), 8, 8, 256, 256, 64, 64)
     long = Shapes((1,), 8, 8, 4096, 4096, 64, 64)  # 2**24 scores

@@ -436,7 +436,7 @@ def test_auto_picks_triton_on_cuda_only():
     # head dims past the kernels' 256 stay on the tensor-op strategies, even on CUDA
     wide = Shapes((1,), 8, 8, 256, 256, 300, 300)
     assert resolve("auto", wide, False, device=torch.device("cuda")) == "explicit"
-    assert resolve("auto", shapes, False, device=CPU) == "explicit"
+    assert resolve("auto", shapes, False, device=CPU) != "triton"
     # the interpreter makes it runnable on CPU for the conformance check, not for timing
     assert "triton" in available(CPU, interpreted=True)
     assert "triton" not in available(CPU)

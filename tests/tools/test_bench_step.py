@@ -22,7 +22,7 @@ CSV_COLUMNS = [
     "batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "pass", "contender",
     "auto", "repeats", "median_ms", "min_ms", "max_ms", "gflops", "gemm_fraction",
 ]  # fmt: skip
-MACHINE_COLUMNS = ["machine", "threads", "gemm_dtype", "gemm_size", "gemm_gflops"]
+MACHINE_COLUMNS = ["machine", "threads", "gemm_dtype", "gemm_size", "gemm_gflops", "tile_gflops"]
 
 
 def _run(argv: list[str]) -> int:

@@ -329,6 +329,7 @@ constexpr int64_t kUnits = 8, kMaxSlabs = 4;
 template <typename T>
 int64_t slab_count(const Problem<T>& pb) {
   const int64_t heads = pb.B * pb.Hkv;
+  if (heads == 0) return 1;
   return std::clamp<int64_t>((kUnits + heads - 1) / heads, 1,
                              std::min<int64_t>(kMaxSlabs, std::max<int64_t>(1, pb.key_blocks())));
 }
