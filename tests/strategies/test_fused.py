@@ -26,9 +26,11 @@ from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
 from attngrad.strategies import resolve
 from attngrad.strategies.fused import build
-from attngrad.verify.cases import make_inputs, outputs_and_grads
+from attngrad.tools.memory import measure_saved_bytes
+from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
 from attngrad.verify.check import strategy_fn
-from helpers import assert_rule, case
+from attngrad.verify.rule import judge
+from helpers import StrictRule, assert_rule, case
 
 
 @contextmanager
@@ -187,3 +189,53 @@ def test_without_a_compiler_fused_says_what_to_install_and_auto_takes_flash(tmp_
     assert "WARNINGS 1 " in lines["PICKS"] and "no C++ compiler" in lines["PICKS"]
     assert lines["CLOSE"] == "CLOSE True"
     assert not list((tmp_path / "fused").glob("*/*.so"))
+
+
+def _edge_case(kind: str):
+    """(case, inputs) of the edge inputs where recomputing kernels lose digits."""
+    if kind == "large-logits":  # |S| ~ 1e3 - 1e4 in float32
+        case = Case(Shapes((2,), 2, 2, 50, 70, 16, 8), torch.float32, "causal")
+        inputs = make_inputs(case)
+        inputs["q"], inputs["k"] = inputs["q"] * 30, inputs["k"] * 30
+    elif kind == "finfo-min-padding":  # a padding bias at finfo.min, some rows all padding
+        case = Case(
+            Shapes((2,), 2, 1, 40, 90, 16, 16), torch.float32, "float", mask_shape=(2, 1, 1, 90)
+        )
+        inputs = make_inputs(case)
+        inputs["mask"][..., 60:] = torch.finfo(torch.float32).min
+        inputs["mask"][1] = torch.finfo(torch.float32).min
+    else:  # float16 inputs uniform in +-6e4
+        case = Case(Shapes((1,), 2, 2, 30, 30, 16, 16), torch.float16, "none")
+        inputs = make_inputs(case)
+        g = torch.Generator().manual_seed(4)
+        for name in ("q", "k", "v"):
+            inputs[name] = (torch.rand(inputs[name].shape, generator=g) * 2 - 1) * 6e4
+    return case, inputs
+
+
+@pytest.mark.parametrize("kind", ["large-logits", "finfo-min-padding", "float16-near-max"])
+@pytest.mark.parametrize("tiles", [None, (16, 16)], ids=["own-tiles", "16x16"])
+def test_as_accurate_as_flash_on_edge_inputs(kind, tiles):
+    # the rule with flash as the baseline: |fused - ref| <= max(2 max|flash - ref|, kept) + floor
+    case, inputs = _edge_case(kind)
+    blocks = {} if tiles is None else {"block_q": tiles[0], "block_k": tiles[1]}
+    got = {
+        s: outputs_and_grads(strategy_fn(s, **blocks), case, inputs, case.dtype)
+        for s in ("fused", "flash")
+    }
+    rule = StrictRule.of(case, inputs)
+    for name, fused in got["fused"].items():
+        assert torch.isfinite(fused).all() or not torch.isfinite(rule.ref[name]).all(), name
+        verdict = judge(
+            name, fused, rule.ref[name], rule.floor[name], got["flash"][name], rule.kept[name]
+        )
+        assert verdict.passed, str(verdict)
+
+
+def test_saves_what_flash_saves_to_the_byte():
+    q, k, v = (torch.randn(1, 4, 300, 32, requires_grad=True) for _ in range(3))
+    saved = {
+        s: measure_saved_bytes(lambda s=s: attngrad.attention(q, k, v, strategy=s))[0]
+        for s in ("fused", "flash")
+    }
+    assert saved["fused"] == saved["flash"] > 0

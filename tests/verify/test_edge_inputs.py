@@ -250,7 +250,7 @@ def test_the_output_can_be_edited_in_place(strategy):
     assert q.grad is not None
 
 
-@pytest.mark.parametrize("strategy", ["flash", "triton"])
+@pytest.mark.parametrize("strategy", ["flash", "fused", "triton"])
 def test_editing_a_saved_output_is_refused_by_autograd(strategy):
     # flash and triton save O for backward (Delta = rowsum(dO * O)), as PyTorch's
     # flash kernel does: editing it in place must be caught, never silently used
