@@ -58,9 +58,11 @@ TILED: tuple[str, ...] = tuple(name for name, module in MODULES.items() if modul
 # the call.  These apply where "fused" cannot run.
 AUTO_FLASH_SCORES = 2**20
 AUTO_FLASH_SCORES_BANDED = 2**18
-# Where "fused" runs, it replaces flash from these sizes on, read off
-# `benchmarks/benchmark_auto.py` (B=1, H=8, d=64, float32, fwd+bwd, N = 64 ... 4096,
-# all three strategies interleaved in one run; the table is in docs/fused.md).
+# Where "fused" runs, it is the fastest of explicit, flash and fused from these sizes on, read
+# off `benchmarks/benchmark_fused.py --auto` (B=1, H=8, d=64, float32, fwd+bwd, N = 64 ...
+# 2048, the three interleaved in one run; docs/strategies.md): without a band explicit 1.38 ms,
+# fused 1.49 ms at N = 64, fused 2.38 ms, explicit 2.52 ms at N = 128 (2**14); with is_causal
+# fused is fastest from N = 64 (2**12; 2.08 ms, explicit 2.62 ms), flash nowhere.
 AUTO_FUSED_SCORES = 2**14
 AUTO_FUSED_SCORES_BANDED = 2**12
 

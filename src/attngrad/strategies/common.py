@@ -14,7 +14,9 @@
   a row of -inf scores and `attngrad.core.ops.softmax_` gives it P = 0.
 * `rebuilt_probabilities`: tiles of P rebuilt from the saved statistics, for
   every strategy that does not keep P (recompute's backward; forward mode and
-  second order of recompute, flash and triton).
+  second order of recompute, flash, fused and triton).
+* `add_kernel_gradients`: the whole gradients a kernel wrote (fused, triton)
+  added into backward's accumulators.
 
 Over the canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d],
 v: [B, Hkv, Nk, dv]; G = Hq / Hkv query heads share a key/value head.
@@ -36,6 +38,7 @@ from attngrad.strategies.base import Grads
 __all__ = [
     "CHUNK_BYTES",
     "ProbabilityChunks",
+    "add_kernel_gradients",
     "backward_chunks",
     "chunk_rows",
     "chunks",
@@ -233,3 +236,18 @@ def rebuilt_probabilities(
         return ops.probabilities_(s, stats5[:, :, :, rows]).flatten(2, 3)
 
     return p_chunk
+
+
+def add_kernel_gradients(
+    grads: Grads, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ds: torch.Tensor
+) -> None:
+    """Add a kernel's whole dq, dk, dv (``parts``) into the accumulators ``grads`` wanted.
+
+    ds: dS at the scores' shape [B, Hq, Nq, Nk], summed over the dims the bias
+    broadcasts into grads' dbias (read only when dbias is wanted).
+    """
+    if grads[3] is not None:
+        grads[3].add_(ds.sum_to_size(grads[3].shape))
+    for total, part in zip(grads[:3], parts, strict=True):
+        if total is not None:
+            total += part

@@ -28,7 +28,7 @@ from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.ops import compute_dtype
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction, Grads
-from attngrad.strategies.common import declare, rebuilt_probabilities
+from attngrad.strategies.common import add_kernel_gradients, declare, rebuilt_probabilities
 from attngrad.strategies.fused import build
 
 __all__ = [
@@ -165,16 +165,11 @@ def backward_into(
         delta -= dlse.to(delta.dtype)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     args = _mask_args(mask, shape, qc.dtype)
-    dbias = grads[3]
     dq, dk, dv, ds = torch.ops.attngrad_fused.backward(
         doc, qc, kc, vc, stats, delta.contiguous(), *args[:6], scale, *args[6:],
-        tiles.block_q, tiles.block_k, library.engine_id, dbias is not None,
+        tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
     )  # fmt: skip
-    if dbias is not None:
-        dbias += ds.sum_to_size(dbias.shape)
-    for total, part in zip(grads[:3], (dq, dk, dv), strict=True):
-        if total is not None:
-            total += part
+    add_kernel_gradients(grads, (dq, dk, dv), ds)
 
 
 class FusedAttention(AttentionFunction):

@@ -35,7 +35,7 @@ from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.ops import LOG2E, compute_dtype
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction, Grads
-from attngrad.strategies.common import declare, rebuilt_probabilities
+from attngrad.strategies.common import add_kernel_gradients, declare, rebuilt_probabilities
 from attngrad.strategies.triton import configs
 
 __all__ = [
@@ -458,11 +458,7 @@ def backward_into(
         Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DQ=dq, DS=ds, **masks, **problem,
         **tile, **dots, **launch, STORE_DS=dbias is not None,
     )  # fmt: skip
-    if dbias is not None:
-        dbias += ds.sum_to_size(dbias.shape)
-    for total, part in zip(grads[:3], (dq, dk, dv), strict=True):
-        if total is not None:
-            total += part
+    add_kernel_gradients(grads, (dq, dk, dv), ds)
 
 
 class TritonAttention(AttentionFunction):
