@@ -14,8 +14,9 @@ The library registers the ops ``attngrad_fused::forward``, ``::backward`` and
 ``::product_rate`` with ``TORCH_LIBRARY``; `load` adds their fake (meta)
 kernels, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
 settles the engine of the tile products (`Library.engine`): each engine of
-``csrc/products.h`` is timed on the tiles' shapes, once per library, and the
-fastest is kept beside it (``ATTNGRAD_FUSED_ENGINE`` overrides, for benchmarks).
+``csrc/products.h`` is timed on the tiles' shapes and on a small attention
+call, once per library, and the one with the fastest attention is kept beside
+it (``ATTNGRAD_FUSED_ENGINE`` overrides, for benchmarks).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,19 +228,49 @@ def product_rate(engine: str, shape: tuple[int, int, int], flops: float = 4e7) -
     return max(rates)
 
 
+def _attention_seconds(engine: str) -> float:
+    """Seconds of one forward and backward of the ops through ``engine`` (best of three):
+    B=1, H=4, N=1024, d=64, float32, the default tiles, on the threads there are."""
+    from attngrad.strategies.fused.strategy import BLOCK_K, BLOCK_Q
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 4, 1024, 64, generator=g) for _ in range(4))
+    none = (None,) * 6
+    ops, e = torch.ops.attngrad_fused, ENGINES.index(engine)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        o, stats = ops.forward(q, k, v, *none, 0.125, 0.0, 0, 1.0, BLOCK_Q, BLOCK_K, e)
+        delta = (o * dout).sum(-1)
+        ops.backward(
+            dout, q, k, v, stats, delta, *none, 0.125, 0.0, 0, 1.0, BLOCK_Q, BLOCK_K, e, False
+        )
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _engine(directory: Path) -> tuple[str, dict[str, float]]:
-    """The engine of the tile products and each engine's rate (measured once, kept as JSON)."""
+    """The engine of the tile products and each engine's product rate, measured once per
+    library and kept beside it as JSON.
+
+    The rates (`product_rate` over `tile_shapes`) are what the products alone reach; the
+    engine is the one whose attention (forward and backward of a small call) is fastest,
+    which also counts what the rates cannot: a BLAS packing its operands per call, the
+    caches the tiles share.
+    """
     record = directory / "engine.json"
     try:
-        rates = json.loads(record.read_text())
-    except (OSError, ValueError):
-        rates = {}
+        measured = json.loads(record.read_text())
+        rates, seconds = measured["rates"], measured["attention_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        rates, seconds = {}, {}
         for engine in ENGINES:
             with contextlib.suppress(RuntimeError):  # an engine this CPU lacks
                 rates[engine] = min(product_rate(engine, s) for s in tile_shapes())
+                seconds[engine] = _attention_seconds(engine)
         with contextlib.suppress(OSError):
-            record.write_text(json.dumps(rates))
-    chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or max(rates, key=rates.__getitem__)
+            record.write_text(json.dumps({"rates": rates, "attention_seconds": seconds}))
+    chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or min(seconds, key=seconds.__getitem__)
     if chosen not in ENGINES:
         raise BuildError(
             f"ATTNGRAD_FUSED_ENGINE={chosen!r} is not an engine; use one of {', '.join(ENGINES)}."
