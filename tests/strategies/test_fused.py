@@ -2,10 +2,11 @@
 
 The conformance grid, gradcheck, the edge inputs and the property tests run
 "fused" with every other strategy (it is in `helpers.TENSOR_STRATEGIES`); here:
-results bitwise identical for any thread count and either backward schedule,
-the dropout mask bit for bit, each engine of the tile products, the fake
-kernels under torch.compile, the build cache and `attngrad build`, and the
-fallback where no compiler exists.
+results bitwise identical for any thread count (the backward's slabs included),
+the dropout mask bit for bit, each engine of the tile products, accuracy
+against flash's on edge inputs, the ops' own argument checks, the fake kernels
+under torch.compile, the build cache and `attngrad build`, and the fallback
+where the kernels cannot be built.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def _run(shape, seed: int = 0, **kw):
 )
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"window": (None, 0)}, {"dropout_p": 0.3, "softcap": 5.0, "block_q": 48, "block_k": 40}],
+    [{}, {"window": (None, 0)}, {"dropout_p": 0.3, "softcap": 5.0, "block_q": 48}],
     ids=["plain", "causal", "dropout-softcap"],
 )
 def test_bitwise_identical_for_any_thread_count(shape, kw):
-    # the backward's units split each kv head's keys into slabs where B * Hkv is small
-    # (4 for B1H1, 3 for B1H3, 2 for B2H4:2), each summing its own dQ: the bits must not move
+    # 40-key blocks: the backward's units split each kv head's keys into slabs where B * Hkv
+    # is small (4 for B1H1, 3 for B1H3, 2 for B2H4:2), each summing its own dQ; the bits
+    # must not move
+    kw = {"block_k": 40, **kw}
     with threads(1):
         one = _run(shape, **kw)
     with threads(2):
@@ -239,3 +242,50 @@ def test_saves_what_flash_saves_to_the_byte():
         for s in ("fused", "flash")
     }
     assert saved["fused"] == saved["flash"] > 0
+
+
+def test_block_sizes_beyond_the_sequence_are_the_sequence():
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=torch.float64) for _ in range(3))
+    out = attngrad.attention(q, k, v, strategy="fused", block_q=1 << 20, block_k=1 << 20)
+    torch.testing.assert_close(out, attngrad.attention(q, k, v, strategy="flash"))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"block_k": 0}, ValueError, "block_q and block_k must be >= 1"),
+        ({"k": torch.randn(1, 3, 10, 8)}, ValueError, "multiple of"),
+        ({"q": torch.randn(1, 2, 10, 8, dtype=torch.float16)}, TypeError, "float32 or float64"),
+        ({"engine": 7}, ValueError, "engine must be"),
+    ],
+    ids=["block-0", "heads", "dtype", "engine"],
+)
+def test_the_raw_ops_name_a_bad_argument(change, error, match):
+    build.load()
+    args = {"q": torch.randn(1, 2, 10, 8), "k": torch.randn(1, 2, 10, 8), "block_k": 16}
+    args.update(change)
+    v = torch.randn(*args["k"].shape)
+    with pytest.raises(error, match=match):
+        torch.ops.attngrad_fused.forward(
+            args["q"], args["k"], v, *(None,) * 6, 0.3, 0.0, 0, 1.0, 16, args["block_k"],
+            args.get("engine", 1),
+        )  # fmt: skip
+
+
+def test_an_unwritable_cache_or_a_stale_lock_is_a_build_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "_loaded", None)
+    monkeypatch.setattr(build, "_failure", None)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("ATTNGRAD_CACHE_DIR", str(blocked))
+    with pytest.raises(build.BuildError, match="ATTNGRAD_CACHE_DIR at a writable folder"):
+        build.load(quiet=True)
+    monkeypatch.setattr(build, "_failure", None)
+    monkeypatch.setenv("ATTNGRAD_CACHE_DIR", str(tmp_path / "cache"))
+    lock = build.library_dir() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    old = lock.stat().st_mtime - 2 * build.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    with pytest.raises(build.BuildError, match="attngrad build --force"):
+        build.load(quiet=True)

@@ -2,8 +2,9 @@
 
 The kernels are otherwise compiled on first use (`attngrad.strategies.fused.build`);
 this builds them ahead of time -- for a machine image, before a timed run, in CI --
-and prints where the library went and the tile products' engine with each engine's
-measured rate.  Exit 0 when the library loads, 2 when it cannot be built here (the
+and prints where the library went, the tile products' engine (the one whose small
+attention call ran fastest) and each engine's product rate.  ``--force`` deletes
+this machine's build first: it compiles and measures again.  Exit 0 when the library loads, 2 when it cannot be built here (the
 message says what to install).  Wired into the ``attngrad`` command by `add_build`.
 """
 
@@ -33,10 +34,8 @@ def run_build(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     print(f"fused CPU kernels: {library.path}", file=out)
     rates = ", ".join(f"{name} {rate:.1f}" for name, rate in library.rates.items())
-    print(
-        f"tile products: {library.engine} (GFLOP/s on one thread, the slowest tile shape: {rates})",
-        file=out,
-    )
+    print(f"tile products: {library.engine} (the fastest small attention call)", file=out)
+    print(f"their rates, GFLOP/s on one thread, the slowest tile shape: {rates}", file=out)
     if args.json:
         report = {
             "library": str(library.path),

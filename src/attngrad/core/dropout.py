@@ -8,7 +8,7 @@ probability 1 - p and scaled by 1 / (1 - p) (p = 1 keeps nothing)::
 Z is never stored.  Every strategy and every pass (forward, backward, the
 second-order and tangent passes) draws the tile of Z it needs from the same
 function of (seed, offset, batch*head, query position, key position), so
-explicit, recompute, flash, triton and ring attention see one mask, bit for
+explicit, recompute, flash, fused, triton and ring attention see one mask, bit for
 bit, whatever their tiling.  The hash, in 32-bit words (``mix`` is
 MurmurHash3's finalizer, a bijection of 32-bit words)::
 

@@ -156,4 +156,6 @@ def tile_rate() -> float | None:
         library = build.load()
     except build.BuildError:
         return None
+    if not library.rates:
+        return None
     return max(library.rates.values()) * torch.get_num_threads()

@@ -22,13 +22,17 @@ it (``ATTNGRAD_FUSED_ENGINE`` overrides, for benchmarks).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import importlib.metadata
 import io
 import json
 import os
+import shlex
 import shutil
 import sys
+import sysconfig
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +77,8 @@ class Library:
     """The loaded kernels: where they are, and the tile products' engine.
 
     rates: GFLOP/s of each engine on one thread over `tile_shapes` (the
-    slowest shape's), the measurement the engine was chosen by.
+    slowest shape's): what the products alone reach.  The engine itself was
+    chosen by a small attention call's time (`_engine`).
     """
 
     path: Path
@@ -118,20 +123,50 @@ def _library_file(directory: Path) -> Path:
     return directory / f"{NAME}.so"
 
 
+# A build lock older than this was left by a build that was killed (torch's lock file is
+# removed when a build ends, also when it fails).
+STALE_LOCK_SECONDS = 600
+
+
+def _with_ninja_on_path() -> None:
+    """Put this environment's scripts (where pip put ninja) on PATH: an unactivated venv's
+    ``bin`` is not, and torch looks for ``ninja`` there."""
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "")
+    if scripts and scripts not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([scripts, path]) if path else scripts
+
+
 def _missing_tools() -> str | None:
     """What to install before the kernels can be compiled, or None."""
     from torch.utils.cpp_extension import is_ninja_available
 
     compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
+    words = shlex.split(compiler) or ["c++"]  # e.g. CXX="ccache g++": each word must exist
+    missing = [w for w in words if shutil.which(w) is None]
+    if missing:
         return (
-            f"no C++ compiler was found ({compiler!r} is not on PATH): install one "
-            "(e.g. `apt install g++`, `dnf install gcc-c++`, Xcode's command line tools) "
-            "or point $CXX at it"
+            f"no C++ compiler was found ({missing[0]!r} of $CXX={compiler!r} is not on PATH): "
+            "install one (e.g. `apt install g++`, `dnf install gcc-c++`) or point $CXX at it"
         )
+    _with_ninja_on_path()
     if not is_ninja_available():
         return "ninja is not installed: `pip install ninja`"
     return None
+
+
+def _check_lock(directory: Path) -> None:
+    """BuildError on a build lock a killed build left behind (a later build would wait on it)."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        raise BuildError(
+            f"strategy='fused' found the lock of a build that did not finish ({lock}, "
+            f"{age / 60:.0f} minutes old): run `attngrad build --force` to build again."
+        )
 
 
 def _compile(directory: Path, quiet: bool) -> None:
@@ -140,7 +175,14 @@ def _compile(directory: Path, quiet: bool) -> None:
         raise BuildError(f"strategy='fused' compiles C++ kernels once per machine, but {missing}.")
     from torch.utils.cpp_extension import load as load_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BuildError(
+            f"strategy='fused' cannot write its build to {directory} ({e.strerror}): point "
+            "$ATTNGRAD_CACHE_DIR at a writable folder."
+        ) from e
+    _check_lock(directory)
     if not quiet:
         print(
             f"attngrad: compiling the fused CPU kernels for torch {torch.__version__} "
@@ -162,40 +204,68 @@ def _compile(directory: Path, quiet: bool) -> None:
                 verbose=False,
             )
     except (RuntimeError, OSError) as e:
+        hint = (
+            " The compiler has no OpenMP: with clang, install libomp (or use g++)."
+            if "fopenmp" in str(e) + log.getvalue()
+            else ""
+        )
         raise BuildError(
             f"strategy='fused' could not compile its C++ kernels in {directory}: {e}\n"
-            f"{log.getvalue()[-4000:]}"
+            f"{log.getvalue()[-4000:]}{hint}"
         ) from e
+    _prune(directory)
+
+
+def _prune(directory: Path) -> None:
+    """Remove the builds of older sources for this torch and CPU (same tag, other digest)."""
+    stem = directory.name.rsplit("-", 1)[0]
+    for other in directory.parent.glob(f"{glob.escape(stem)}-*"):
+        if other != directory and other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
 
 
 _loaded: Library | None = None
 _failure: BuildError | None = None
+_lock = threading.Lock()
 
 
 def load(quiet: bool = False) -> Library:
     """The kernels, compiled first when this torch and CPU have no library yet; once per process.
 
-    BuildError when they cannot be built here (its message says what to install).
+    BuildError when they cannot be built or loaded here (its message says what to do).
     """
     global _loaded, _failure
-    if _loaded is not None:
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if _failure is not None:
+            raise _failure
+        directory = library_dir()
+        try:
+            path = _library_file(directory)
+            if not path.exists():
+                _compile(directory, quiet)
+            _load_library(path)
+            _register_fakes()
+            engine, rates = _engine(directory)
+        except BuildError as e:
+            _failure = e
+            raise
+        _loaded = Library(path, engine, rates)
         return _loaded
-    if _failure is not None:
-        raise _failure
-    directory = library_dir()
+
+
+def _load_library(path: Path) -> None:
+    """Load the ops once into this process; BuildError for a library that does not load."""
+    if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "forward"):
+        return
     try:
-        path = _library_file(directory)
-        if not path.exists():
-            _compile(directory, quiet)
-        if not hasattr(torch.ops, NAME) or not hasattr(getattr(torch.ops, NAME), "forward"):
-            torch.ops.load_library(str(path))
-        _register_fakes()
-        engine, rates = _engine(directory)
-    except BuildError as e:
-        _failure = e
-        raise
-    _loaded = Library(path, engine, rates)
-    return _loaded
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        raise BuildError(
+            f"strategy='fused' could not load {path} ({e}): run `attngrad build --force` to "
+            "build it again."
+        ) from e
 
 
 def unavailable_reason() -> str | None:
@@ -249,6 +319,21 @@ def _attention_seconds(engine: str) -> float:
     return best
 
 
+def _measure(directory: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """Each engine's product rate and attention time; BuildError when none runs."""
+    rates, seconds = {}, {}
+    for engine in ENGINES:
+        with contextlib.suppress(RuntimeError):  # an engine this CPU lacks
+            rates[engine] = min(product_rate(engine, s) for s in tile_shapes())
+            seconds[engine] = _attention_seconds(engine)
+    if not seconds:
+        raise BuildError(
+            f"strategy='fused' loaded {directory} but none of its engines "
+            f"({', '.join(ENGINES)}) runs here: run `attngrad build --force`."
+        )
+    return rates, seconds
+
+
 def _engine(directory: Path) -> tuple[str, dict[str, float]]:
     """The engine of the tile products and each engine's product rate, measured once per
     library and kept beside it as JSON.
@@ -262,14 +347,15 @@ def _engine(directory: Path) -> tuple[str, dict[str, float]]:
     try:
         measured = json.loads(record.read_text())
         rates, seconds = measured["rates"], measured["attention_seconds"]
+        kept = bool(seconds) and set(seconds) <= set(ENGINES)
     except (OSError, ValueError, KeyError, TypeError):
-        rates, seconds = {}, {}
-        for engine in ENGINES:
-            with contextlib.suppress(RuntimeError):  # an engine this CPU lacks
-                rates[engine] = min(product_rate(engine, s) for s in tile_shapes())
-                seconds[engine] = _attention_seconds(engine)
-        with contextlib.suppress(OSError):
-            record.write_text(json.dumps({"rates": rates, "attention_seconds": seconds}))
+        kept = False
+    if not kept:
+        rates, seconds = _measure(directory)
+        partial = record.with_suffix(f".{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):  # a read-only cache measures again next time
+            partial.write_text(json.dumps({"rates": rates, "attention_seconds": seconds}))
+            os.replace(partial, record)
     chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or min(seconds, key=seconds.__getitem__)
     if chosen not in ENGINES:
         raise BuildError(

@@ -1,10 +1,11 @@
 """Strategy "fused": flash's tiles as C++ CPU kernels, every step of a tile while it is in cache.
 
 Same algorithm and saved tensors as "flash" (q, k, v, O and the row
-statistics (m, log l), plus the caller's mask): forward is one kernel, backward
-two (dQ by blocks of query rows; dK and dV by blocks of keys), each tile's mask,
-max, exp, row sums, dropout and dS computed between that tile's products
-instead of one memory pass per tensor op (``csrc/fused.cpp``).  16-bit inputs
+statistics (m, log l), plus the caller's mask): forward is one kernel by blocks
+of query rows, backward one by slabs of key blocks (dK and dV written whole, dQ
+summed per slab), each tile's mask, max, exp, row sums, dropout and dS computed
+between that tile's products instead of one memory pass per tensor op
+(``csrc/fused.cpp``).  16-bit inputs
 are computed in float32; float32 and float64 as they come.  The dropout mask
 is the hash of `attngrad.core.dropout`, bit for bit; a float mask that
 requires grad gets its gradient through dS written at the scores' shape
@@ -78,14 +79,16 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def tiles(shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> Tiles:
-    """The given block sizes or BLOCK_Q x BLOCK_K (B=1, H=8, N=4096, d=64, float32 measured).
+    """The given block sizes or BLOCK_Q x BLOCK_K (B=1, H=8, N=4096, d=64, float32 measured),
+    never beyond Nq and Nk (a tile's scratch is block_q x block_k per thread).
 
     ArgumentError for a block size below 1.
     """
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None and size < 1:
             raise ArgumentError(f"{name}={size}: tiles need at least one row, e.g. 64 or 128.")
-    return Tiles(block_q or BLOCK_Q, block_k or BLOCK_K)
+    bq = min(block_q or BLOCK_Q, max(1, shapes.seq_q))
+    return Tiles(bq, min(block_k or BLOCK_K, max(1, shapes.seq_k)))
 
 
 def _operands(*tensors: torch.Tensor) -> list[torch.Tensor]:

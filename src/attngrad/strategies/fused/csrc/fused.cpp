@@ -50,7 +50,7 @@ void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
 
 template <typename T>
 struct RowScratch {  // forward: one block of query rows
-  std::vector<T> q, s, acc;
+  Buffer<T> q, s, acc, m, l, shift;
 };
 
 template <typename T>
@@ -101,7 +101,7 @@ inline void unpack(int64_t u, int64_t blocks, int64_t hkv, int64_t& b, int64_t& 
   b = u / (blocks * hkv);
 }
 
-// rows i0 .. i0 + r of q[b, h] times s, into dst [r, d].
+// r rows of x ([r, d], dense) times s, into dst.
 template <typename T>
 void scaled_rows(const T* q, int64_t r, int64_t d, T s, T* dst) {
   for (int64_t x = 0; x < r * d; ++x) dst[x] = q[x] * s;
@@ -122,6 +122,9 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
         s.q.resize(bq * d);
         s.s.resize(bq * bk);
         s.acc.resize(bq * dv);
+        s.m.resize(bq);
+        s.l.resize(bq);
+        s.shift.resize(bq);
         return s;
       },
       [&](int64_t u, RowScratch<T>& w) {
@@ -132,13 +135,13 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
         pb.key_block_span(i0, i0 + r, first, stop);
         const T* kt_h = kt + (b * pb.Hkv + hk) * pb.key_blocks() * d * bk;
         const T* v_h = v + (b * pb.Hkv + hk) * nk * dv;
-        std::vector<T> m(r), l(r), shift(r);
+        T *m = w.m.data(), *l = w.l.data(), *shift = w.shift.data();
         for (int64_t g = 0; g < pb.G; ++g) {
           const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
           scaled_rows(q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
-          std::fill(m.begin(), m.end(), neg_inf);
-          std::fill(l.begin(), l.end(), T(0));
-          std::fill(shift.begin(), shift.end(), T(0));
+          std::fill(m, m + r, neg_inf);
+          std::fill(l, l + r, T(0));
+          std::fill(shift, shift + r, T(0));
           std::fill(w.acc.begin(), w.acc.end(), T(0));
           for (int64_t kb = first; kb < stop; ++kb) {
             const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
@@ -243,7 +246,7 @@ void slope_(int64_t r, int64_t c, T* dS, const T* slope, int64_t ld) {
 
 // dS of a tile into ds_out [B, Hq, Nq, Nk] (the bias gradient), when asked for.
 template <typename T>
-void keep_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0,
+void store_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0,
                          int64_t c, const T* dS, T* ds_out) {
   if (ds_out == nullptr) return;
   T* dst = ds_out + (bh * pb.Nq + i0) * pb.Nk + j0;
@@ -251,9 +254,15 @@ void keep_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r
     std::copy(dS + ii * pb.block_k, dS + ii * pb.block_k + c, dst + ii * pb.Nk);
 }
 
+// The panel of key block rows x[c, w] (dense) transposed: [w, block] with leading dim block.
+template <typename T>
+void panel(int64_t c, int64_t w, const T* x, T* out, int64_t block) {
+  transpose(c, w, x, w, out, block);
+}
+
 template <typename T>
 struct KeyScratch {  // one block of keys: its panels, one tile's operands and its sums
-  std::vector<T> kt, vt, q, dout, s, ds, slope, t, dk, dv;
+  Buffer<T> kt, vt, q, dout, s, ds, slope, t, dk, dv;
 };
 
 template <typename T>
@@ -293,8 +302,8 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
   const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dvd = pb.dv, nk = pb.Nk;
   const int64_t j0 = kb * bk, c = std::min(bk, nk - j0), bhk = b * pb.Hkv + hk;
   const T* k_h = x.k + bhk * nk * d;
-  transpose(c, d, k_h + j0 * d, d, w.kt.data(), bk);  // the panels forward read
-  transpose(c, dvd, x.v + (bhk * nk + j0) * dvd, dvd, w.vt.data(), bk);
+  panel(c, d, k_h + j0 * d, w.kt.data(), bk);  // the panel forward read
+  panel(c, dvd, x.v + (bhk * nk + j0) * dvd, w.vt.data(), bk);
   std::fill(w.dk.begin(), w.dk.end(), T(0));
   std::fill(w.dv.begin(), w.dv.end(), T(0));
   T* slope = w.slope.empty() ? nullptr : w.slope.data();
@@ -309,7 +318,7 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
                     w.vt.data(), w.s.data(), w.ds.data(), slope);
       transpose(r, c, w.s.data(), bk, w.t.data(), r);  // (P Z)^T: [c, r]
       product(engine, c, dvd, r, w.t.data(), r, w.dout.data(), dvd, w.dv.data(), dvd, true);
-      keep_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
+      store_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
       if (slope != nullptr) slope_(r, c, w.ds.data(), slope, bk);
       transpose(r, c, w.ds.data(), bk, w.t.data(), r);  // dS^T: [c, r]
       product(engine, c, d, r, w.t.data(), r, w.q.data(), d, w.dk.data(), d, true);
@@ -366,7 +375,7 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
   const int64_t slabs = slab_count(pb), group = pb.G * pb.Nq * pb.d;
   const std::vector<int64_t> edge = slab_edges(pb, spans, slabs);
   const int64_t size = pb.B * pb.Hq * pb.Nq * pb.d;
-  std::vector<T> partial((slabs - 1) * size);
+  Buffer<T> partial((slabs - 1) * size);  // each unit zeroes its own rows
   for_each_unit<KeyScratch<T>>(
       pb.B * pb.Hkv * slabs, engine, [&] { return key_scratch(pb); },
       [&](int64_t u, KeyScratch<T>& w) {
@@ -386,22 +395,89 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
   });
 }
 
-void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
-  TORCH_CHECK(q.device().is_cpu(), "attngrad_fused runs on CPU tensors, got ", q.device());
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "attngrad_fused computes in float32 or float64, got ", q.scalar_type());
-  for (const Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == q.scalar_type(),
-                "attngrad_fused takes contiguous [B, H, N, d] q, k, v of one dtype");
+// The ops' arguments, checked as `attngrad.strategies.fused.strategy` passes them; a
+// caller of the raw ops gets a ValueError or TypeError naming the argument.
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, int64_t block_q,
+                  int64_t block_k, int64_t engine) {
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "attngrad_fused: q must be a CPU tensor, got ",
+                    q.device());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+                   "attngrad_fused: q must be float32 or float64 (upcast 16-bit inputs), got ",
+                   q.scalar_type());
+  const char* names[] = {"q", "k", "v"};
+  const Tensor* ts[] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    const Tensor& t = *ts[i];
+    TORCH_CHECK_VALUE(t.dim() == 4 && t.is_contiguous() && t.device().is_cpu(), "attngrad_fused: ",
+                      names[i], " must be a contiguous CPU [B, H, N, d] tensor, got shape ",
+                      t.sizes());
+    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "attngrad_fused: ", names[i],
+                     " must have q's dtype ", q.scalar_type(), ", got ", t.scalar_type());
   }
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "attngrad_fused: q, k, v ",
+                    "need one batch size, got ", q.size(0), ", ", k.size(0), ", ", v.size(0));
+  TORCH_CHECK_VALUE(k.size(1) > 0 ? q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1)
+                                  : q.size(1) == 0,
+                    "attngrad_fused: q's heads must be a multiple of k's and v's, got ", q.size(1),
+                    ", ", k.size(1), ", ", v.size(1));
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3) && v.size(2) == k.size(2), "attngrad_fused: k must be ",
+                    "[B, Hkv, Nk, d] for q's d and v [B, Hkv, Nk, dv], got ", k.sizes(), ", ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(block_q >= 1 && block_k >= 1, "attngrad_fused: block_q and block_k must be ",
+                    ">= 1, got ", block_q, ", ", block_k);
+  TORCH_CHECK_VALUE(engine >= 0 && engine <= 2, "attngrad_fused: engine must be 0, 1 or 2, got ",
+                    engine);
 }
 
-// t: [B, H, N, x] -> [B, H, ceil(N / block), x, block]: each key block's columns of t^T
-// side by side (zero past N), so a tile's product reads one dense [x, block] panel.
-Tensor panels(const Tensor& t, int64_t block) {
-  const int64_t n = t.size(2), blocks = (n + block - 1) / block;
-  Tensor padded = at::constant_pad_nd(t, {0, 0, 0, blocks * block - n});
-  return padded.view({t.size(0), t.size(1), blocks, block, t.size(3)}).transpose(-2, -1).contiguous();
+// An optional argument, when given: `shape` elements in `dtype` where it is read.
+void check_optional(const std::optional<Tensor>& t, const char* name, at::ScalarType dtype,
+                    int64_t numel) {
+  if (!t) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == dtype, "attngrad_fused: ", name, " must be ", dtype,
+                   ", got ", t->scalar_type());
+  TORCH_CHECK_VALUE(t->device().is_cpu(), "attngrad_fused: ", name, " must be on the CPU");
+  if (numel >= 0)
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->numel() == numel, "attngrad_fused: ", name,
+                      " must be contiguous with ", numel, " elements, got shape ", t->sizes());
+}
+
+void check_mask(const Tensor& q, const Tensor& k, const std::optional<Tensor>& bias,
+                const std::optional<Tensor>& keep, const std::optional<Tensor>& lo,
+                const std::optional<Tensor>& hi, const std::optional<Tensor>& row_words,
+                const std::optional<Tensor>& col_words) {
+  const std::vector<int64_t> scores = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (const auto* t : {&bias, &keep})
+    if (*t)
+      TORCH_CHECK_VALUE((*t)->sizes() == at::IntArrayRef(scores), "attngrad_fused: the mask must ",
+                        "be [B, Hq, Nq, Nk] = ", at::IntArrayRef(scores), " (a broadcast view ",
+                        "will do), got ", (*t)->sizes());
+  check_optional(bias, "bias", q.scalar_type(), -1);
+  check_optional(keep, "keep", at::kBool, -1);
+  TORCH_CHECK_VALUE(lo.has_value() == hi.has_value(), "attngrad_fused: lo and hi come together");
+  check_optional(lo, "lo", at::kLong, q.size(2));
+  check_optional(hi, "hi", at::kLong, q.size(2));
+  TORCH_CHECK_VALUE(row_words.has_value() == col_words.has_value(),
+                    "attngrad_fused: row_words and col_words come together");
+  check_optional(row_words, "row_words", at::kInt, q.size(0) * q.size(1) * q.size(2));
+  check_optional(col_words, "col_words", at::kInt, k.size(2));
+}
+
+// k: [B, H, N, x] -> [B, H, ceil(N / block), x, block]: each key block's panel of k^T
+// (zero past N), so a tile's product reads one dense [x, block] panel.
+template <typename T>
+Tensor panels(const Tensor& k, int64_t block) {
+  const int64_t bh = k.size(0) * k.size(1), n = k.size(2), x = k.size(3);
+  const int64_t blocks = (n + block - 1) / block;
+  Tensor out = at::zeros({k.size(0), k.size(1), blocks, x, block}, k.options());
+  const T* src = k.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, bh * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t kb = u % blocks, c = std::min(block, n - kb * block);
+      panel(c, x, src + ((u / blocks) * n + kb * block) * x, dst + u * x * block, block);
+    }
+  });
+  return out;
 }
 
 std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -412,11 +488,12 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                                    const std::optional<Tensor>& col_words, double scale, double cap,
                                    int64_t threshold, double keep_scale, int64_t block_q,
                                    int64_t block_k, int64_t engine) {
-  check_inputs(q, k, v);
+  check_inputs(q, k, v, block_q, block_k, engine);
+  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor stats = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options());
-  Tensor kt = panels(k, block_k);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward", [&] {
+    Tensor kt = panels<scalar_t>(k, block_k);
     auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
                                 threshold, keep_scale, block_q, block_k);
     forward_impl<scalar_t>(pb, static_cast<Engine>(engine), q.data_ptr<scalar_t>(),
@@ -433,7 +510,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words, double scale,
     double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
     int64_t engine, bool need_ds) {
-  check_inputs(q, k, v);
+  check_inputs(q, k, v, block_q, block_k, engine);
+  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  const int64_t rows = q.size(0) * q.size(1) * q.size(2);
+  TORCH_CHECK_VALUE(dout.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}) &&
+                        dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
+                    "attngrad_fused: dout must be contiguous [B, Hq, Nq, dv] in q's dtype, got ",
+                    dout.sizes());
+  check_optional(stats, "stats", q.scalar_type(), 2 * rows);
+  check_optional(delta, "delta", q.scalar_type(), rows);
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Tensor ds = need_ds ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options())
                       : at::empty({0}, q.options());
@@ -452,7 +537,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
 
 // GFLOP/s of `reps` products [m, k] x [k, n] on one thread through `engine` (float32).
 double product_rate(int64_t engine, int64_t m, int64_t n, int64_t k, int64_t reps) {
-  std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n, 0.0f);
+  Buffer<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n, 0.0f);
   const Engine e = static_cast<Engine>(engine);
   product(e, m, n, k, a.data(), k, b.data(), n, c.data(), n, false);  // warm up, JIT
   auto t0 = std::chrono::steady_clock::now();

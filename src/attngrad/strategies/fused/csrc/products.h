@@ -1,7 +1,8 @@
 // Tile products C[M, N] (+)= A[M, K] B[K, N], row-major with leading dimensions.
 //
-// Three engines compute them, and `attngrad.strategies.fused.build` measures
-// each on the tile shapes and hands the fastest to every call:
+// Three engines compute them; `attngrad.strategies.fused.build` times each on the
+// tile shapes and on a small attention call, and hands the fastest attention's to
+// every call:
 //   BRGEMM: ATen's cpublas::brgemm, oneDNN's batch-reduce micro-kernel
 //           (float32 only; it ships inside the torch wheel);
 //   MICRO:  the register-blocked micro-kernel below, in at::vec vectors

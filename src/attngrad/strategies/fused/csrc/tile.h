@@ -4,8 +4,8 @@
 // j0 .. j0 + c, row-major with leading dimension ld.  `mask_tile` caps, biases
 // and masks it exactly as `attngrad.core.scores.ScoreMods.apply_` does (same
 // order: softcap, bias, bool mask, band); every pass calls it on the same
-// product, so backward's scores are bit for bit forward's.  `keep_bits` is
-// the dropout hash of `attngrad.core.dropout`, finished per score.
+// product, so backward's scores are bit for bit forward's.  `keeps` is the
+// dropout hash of `attngrad.core.dropout`, finished per score.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,9 +14,35 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <new>
+#include <vector>
 
 namespace attngrad_fused {
+
+// Scratch on 64-byte boundaries, like ATen's own buffers: a product then sees the same
+// alignment in every pass and on every thread (a BLAS may take another path for another one).
+template <typename T>
+struct Aligned {
+  using value_type = T;
+  Aligned() = default;
+  template <typename U>
+  Aligned(const Aligned<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, ((n * sizeof(T) + 63) / 64) * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const Aligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned<U>&) const { return false; }
+};
+
+template <typename T>
+using Buffer = std::vector<T, Aligned<T>>;
 
 constexpr double kLog2e = 1.4426950408889634;  // exp(x) == exp2(x * log2(e))
 
@@ -98,7 +124,7 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
     const int64_t i = i0 + ii;
     T* s = S + ii * ld;
     if (pb.cap != T(0)) {
-      const Vec cap(pb.cap), inv(T(1) / pb.cap), one(T(1));
+      const Vec cap(pb.cap), one(T(1));
       T* sl = slope == nullptr ? nullptr : slope + ii * ld;
       for (int64_t j = 0; j < c; j += W) {
         int64_t n = std::min(W, c - j);
@@ -163,6 +189,7 @@ void drop(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0, i
 }
 
 // A[r, c] (leading dim lda) -> At[c, r] (leading dim ldt), in 16 x 16 blocks of at::vec.
+// Forward's panels of k^T and backward's are both made here, the same way.
 template <typename T>
 void transpose(int64_t r, int64_t c, const T* A, int64_t lda, T* At, int64_t ldt) {
   constexpr int64_t kB = 16;
