@@ -153,11 +153,12 @@ def backward_into(
     scale: float,
     tiles: Tiles,
 ) -> None:
-    """Add dq, dk, dv and dbias into ``grads`` (see `attngrad.strategies.base`).
+    """The backward kernel from dout: [B, Hq, Nq, dv], its dq, dk, dv (and dS for a bias
+    gradient) added into ``grads`` (`attngrad.strategies.base`).
 
-    dout: [B, Hq, Nq, dv]; saved: `forward`'s O and stats (or ring attention's
-    final ones for these rows).  The kernels write whole gradients, which are
-    then added into the accumulators.
+    Delta = rowsum(dO * O) is formed here from saved["o"], which is `forward`'s O
+    or, for ring attention's blocks, the final O of these rows over every key
+    (with saved["stats"] likewise).
     """
     library = build.load()
     qc, kc, vc, doc = _operands(q, k, v, dout)
