@@ -268,8 +268,13 @@ def _load_library(path: Path) -> None:
         ) from e
 
 
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot run here (what to install), or None once they are loaded."""
+    """Why the kernels cannot run here (what to install), or None once they are loaded.
+
+    A constant of the process: under torch.compile it is answered once, eagerly, while
+    tracing (loading may compile, take a lock and measure: nothing to trace).
+    """
     try:
         load()
     except BuildError as e:
