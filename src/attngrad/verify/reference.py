@@ -478,16 +478,23 @@ def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Ten
     """C_P: how far P can move, over u, when each score moves by at most u C_S.
 
     P_j' / P_j = exp(d_j) / sum_i P_i exp(d_i) with |d_i| <= u C_S_i lies
-    within exp(+-u C_S_j) / sum_i P_i exp(-+u C_S_i), so |P_j' - P_j| <=
-    P_j (exp(u C_S_j) / sum_i P_i exp(-u C_S_i) - 1), and never more than 1.
-    To first order that is P o (C_S + rowsum(P o C_S)) u; the exact form
-    matters in a row's exponential tail when u C_S reaches a few units (scores
-    of 1e4 and more in float32: P = exp(-54) moved by exp(6)).
+    between exp(-u C_S_j) / sum_i P_i exp(u C_S_i) and exp(u C_S_j) / sum_i P_i
+    exp(-u C_S_i), so |P_j' - P_j| is at most P_j times the larger of the rise
+    exp(u C_S_j) / sum_i P_i exp(-u C_S_i) - 1 and the fall 1 - exp(-u C_S_j) /
+    sum_i P_i exp(u C_S_i), and never more than 1.  To first order both are
+    P o (C_S + rowsum(P o C_S)) u; the exact form matters in a row's
+    exponential tail when u C_S reaches a few units (scores of 1e4 and more in
+    float32: P = exp(-54) moved by exp(6)), and the fall where a bias swamps
+    the scores and the row's largest P drops to uniform.
     """
-    grow = torch.expm1(u * c_s)  # exp(u C_S) - 1, without cancellation when small
-    shrink = (p * torch.expm1(-u * c_s)).sum(-1, keepdim=True)  # sum P exp(-u C_S) - 1
-    ratio = (grow - shrink) / (1 + shrink).clamp(min=torch.finfo(p.dtype).tiny)
-    return torch.where(p > 0, (p * ratio).clamp(max=1.0), 0.0) / u
+    # expm1 throughout: no cancellation where u C_S is small
+    rise_j, fall_j = torch.expm1(u * c_s), torch.expm1(-u * c_s)
+    low = (p * fall_j).sum(-1, keepdim=True)  # sum P exp(-u C_S) - 1, in (-1, 0]
+    # sum P exp(u C_S) - 1, >= 0: inf where a score at finfo.min may move by itself
+    high = torch.where(p > 0, p * rise_j, 0.0).sum(-1, keepdim=True)
+    rise = (rise_j - low) / (1 + low).clamp(min=torch.finfo(p.dtype).tiny)
+    fall = torch.where(high.isinf(), 1.0, (high - fall_j) / (1 + high))  # at most 1
+    return torch.where(p > 0, (p * torch.maximum(rise, fall)).clamp(max=1.0), 0.0) / u
 
 
 def _sensitivity_path(
