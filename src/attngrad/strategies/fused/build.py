@@ -235,6 +235,8 @@ def load(quiet: bool = False) -> Library:
     BuildError when they cannot be built or loaded here (its message says what to do).
     """
     global _loaded, _failure
+    if _loaded is not None:  # every call after the first: no lock on attention's path
+        return _loaded
     with _lock:
         if _loaded is not None:
             return _loaded
