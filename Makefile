@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: check test lint format docs bench clean
+.PHONY: check test triton-oldest lint format docs bench clean
 
 # The pinned CPU build of PyTorch goes in first: a bare `torch` requirement
 # would otherwise pull a CUDA build of several GB.
@@ -26,6 +26,25 @@ test: $(STAMP)
 	$(BIN)/attngrad build
 	$(BIN)/python -m pytest -n 2
 
+# The oldest Triton attngrad supports: the `gpu` extra's lower bound, the Triton of PyTorch 2.11's
+# CUDA builds.  It goes into a folder of its own, put ahead of .venv's newest Triton on
+# PYTHONPATH, with numpy < 2.4 (Triton 3.6's interpreter converts one-element arrays with int(),
+# which numpy 2.4 refuses).  Under it: the triton strategy's interpreter tests, the compile
+# report's tests and `attngrad kernels --quick` for both targets (its own tile table).
+TRITON_OLDEST := 3.6.0
+OLDEST := .triton-$(TRITON_OLDEST)
+TRITON_TESTS := tests/strategies/test_triton.py tests/tools/test_kernel_report.py
+
+$(OLDEST)/.installed: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps --target $(OLDEST) triton==$(TRITON_OLDEST) 'numpy<2.4'
+	touch $@
+
+triton-oldest: $(OLDEST)/.installed
+	PYTHONPATH=$(OLDEST) $(BIN)/python -c 'import triton; print("Triton", triton.__version__)'
+	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest -n 2 $(TRITON_TESTS)
+	PYTHONPATH=$(OLDEST) $(BIN)/python -m pytest -n 2 tests/verify -k triton
+	for target in sm_90 sm_80; do PYTHONPATH=$(OLDEST) $(BIN)/attngrad kernels --target $$target --quick || exit 1; done
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
@@ -43,4 +62,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/benchmark_cpu.py
 
 clean:
-	rm -rf $(VENV) build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .triton-* build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

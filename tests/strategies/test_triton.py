@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -497,8 +499,9 @@ def test_ledger_leaves_out_the_interpreters_peak():
 
 def test_dots_over_the_head_dim_in_slices_equal_whole_ones(monkeypatch):
     # on a GPU, FMA dots (float32, float64) and some wide tensor-core ones take the head dim in
-    # slices read again from memory (kernels._dot_rows); the interpreter runs whole dots, so
-    # force slices of 16 here: d = 40 and dv = 72 pad to 64 and 128, 4 and 8 slices
+    # slices read again from memory (kernels._dot_rows); the interpreter runs whole dots, in
+    # column order (IN_ORDER), so force slices of 16 through tl.dot here: d = 40 and dv = 72
+    # pad to 64 and 128, 4 and 8 slices
     c = case((1,), 4, 2, 37, 29, 40, 72, "float", (4, 37, 29), window=(None, 0))
     inputs = make_inputs(c)
     whole = outputs_and_grads(_triton(), c, inputs, c.dtype)
@@ -507,6 +510,8 @@ def test_dots_over_the_head_dim_in_slices_equal_whole_ones(monkeypatch):
         for name, config in triton_strategy._INTERPRETER.items()
     }
     monkeypatch.setattr(triton_strategy, "_INTERPRETER", sliced)
+    dots = triton_strategy._dots
+    monkeypatch.setattr(triton_strategy, "_dots", lambda *a: {**dots(*a), "IN_ORDER": False})
     chunks, launch = [], triton_strategy._launch
 
     def spy(kernel, grid, **args):
@@ -515,7 +520,7 @@ def test_dots_over_the_head_dim_in_slices_equal_whole_ones(monkeypatch):
 
     monkeypatch.setattr(triton_strategy, "_launch", spy)
     got = outputs_and_grads(_triton(), c, inputs, c.dtype)
-    assert chunks.count(16) == 3  # forward, dK/dV and dQ really ran in slices
+    assert chunks.count(16) == 4  # forward, Delta, dK/dV and dQ really ran in slices
     for name, want in whole.items():
         torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-13, msg=name)
 
@@ -551,3 +556,81 @@ def test_bfloat16_conversions_round_to_nearest_even_as_on_the_gpu(upcast):
         assert narrow[:1].isnan().all() and wide[:1].isnan().all()
     else:  # the interpreter alone: what the by-hand rounding is there for
         assert not same.all()
+
+
+def _one_hot_rows(dtype: torch.dtype, n: int = 40, d: int = 64):
+    """q, k, v [1, 2, n, d] in ``dtype`` where query row i puts all its weight on key pi[i].
+
+    q_i = 400 k_pi(i): the score of key pi(i) beats every other by 1e3 or more (|S| ~ 3e3),
+    so every other P is exactly 0 (exp(-1e3), below float64's range too) and l = 1: P = 1
+    at pi(i) exactly, provided backward rebuilds that score bit for bit as forward formed it."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(1, 2, n, d, generator=gen).to(dtype)
+    pi = torch.randperm(n, generator=gen)
+    q = (400 * k[:, :, pi].float()).to(dtype)
+    v = torch.randn(1, 2, n, d, generator=gen).to(dtype)
+    return q, k, v, pi
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("tiles", [{}, {"block_q": 16, "block_k": 16}], ids=["own", "16x16"])
+def test_backward_rebuilds_the_scores_forward_formed_bit_for_bit(dtype, tiles):
+    # the invariant: the dK/dV kernel (which forms k q^T, keys along rows) and the dQ kernel
+    # form each score tile with the bits forward formed it with, in their own tile shapes.
+    # Observed where one bit would show: rows whose P is exactly one-hot at |S| ~ 3e3, where
+    # a score one unit off (2e-4 in float32) makes the row's P 1 +- 2e-4.  Then, bit for bit,
+    # dv[pi(i)] = dO[i] (dq = dk = 0: dS = P (dP - Delta) = 0 exactly, Delta formed like dP),
+    # and with dO = 0 and an lse cotangent g, dS = P g: dq[i] = s g_i k[pi(i)] and
+    # dk[pi(i)] = s g_i q[i].  (Scores off by a unit failed each: tests/verify/test_property.py
+    # plants a dK/dV kernel that forms k q^T through numpy's BLAS.)
+    q, k, v, pi = _one_hot_rows(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attngrad.attention(*leaves, strategy="triton", return_lse=True, **tiles)
+    scale = q.shape[-1] ** -0.5
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (dout, torch.zeros_like(lse)), True)
+    assert torch.equal(out, v[:, :, pi])
+    assert torch.equal(dv[:, :, pi], dout)
+    assert (dq == 0).all() and (dk == 0).all()
+    g = torch.randn_like(lse)
+    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (torch.zeros_like(out), g))
+    ds = g.to(dtype).to(lse.dtype)[..., None]  # dS kept in the input dtype for its products
+    assert torch.equal(dq, (ds * k[:, :, pi] * scale).to(dtype))
+    assert torch.equal(dk[:, :, pi], (ds * q * scale).to(dtype))
+    assert (dv == 0).all()
+
+
+def test_each_triton_takes_the_newest_table_not_newer_than_itself():
+    oldest, newest = min(configs.TABLES), max(configs.TABLES)
+    assert configs.table_for(oldest) is configs.TABLES[oldest]
+    assert configs.table_for((oldest[0], oldest[1] - 1)) is configs.TABLES[oldest]
+    assert configs.table_for((newest[0], newest[1] + 5)) is configs.TABLES[newest]
+    assert configs.table_for((99, 0)) is configs.TABLES[newest]
+    assert configs.release("3.6.0") == (3, 6) and configs.release("2.4.0rc1") == (2, 4)
+    assert configs.release("4") == (4, 0)
+    # every table holds every slot: a Triton's table is the newest one's, its changes over it
+    for light, heavy in configs.TABLES.values():
+        assert light.keys() == heavy.keys() == configs.TABLES[newest][0].keys()
+    tiles = configs.choose("forward", "mma16", 64, 90, version=oldest)
+    assert tiles == configs.TABLES[oldest][0][90, "mma16", 64, "forward"]
+
+
+def test_the_oldest_triton_is_the_same_in_the_tables_the_extra_and_ci():
+    root = Path(__file__).resolve().parents[2]
+    extra = re.search(r'gpu = \["triton>=([\d.]+)"\]', (root / "pyproject.toml").read_text())
+    make = re.search(r"TRITON_OLDEST := ([\d.]+)", (root / "Makefile").read_text())
+    assert extra is not None and make is not None
+    oldest = min(configs.TABLES)
+    assert configs.release(extra[1]) == oldest == configs.release(make[1])
+
+
+def test_the_oldest_tritons_interpreter_with_numpy_2_4_is_refused_by_name(monkeypatch):
+    # Triton 3.6's interpreter converts one-element arrays with int(), which numpy 2.4 refuses:
+    # every kernel would stop with "only 0-dimensional arrays can be converted"
+    monkeypatch.setattr(configs, "triton_version", lambda: (3, 6))
+    versions = {"numpy": "2.4.1", "triton": "3.6.0"}
+    monkeypatch.setattr(triton_strategy.importlib.metadata, "version", versions.__getitem__)
+    reason = unavailable_reason("triton", CPU)
+    assert reason is not None and "numpy < 2.4" in reason and "3.6.0" in reason
+    versions["numpy"] = "2.3.5"
+    assert unavailable_reason("triton", CPU) is None

@@ -14,16 +14,29 @@ in a 16-bit dtype far off at large logits), the rule without it judges (`StrictR
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import itertools
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 import attngrad
+import attngrad.strategies.triton as triton_package
 from attngrad.core.contract import Shapes
-from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
+from attngrad.verify.cases import (
+    AttentionFn,
+    Case,
+    Inputs,
+    call_sdpa,
+    make_inputs,
+    make_leaves,
+    outputs_and_grads,
+)
 from attngrad.verify.rule import judge_outputs
 from helpers import (
     SMALL_TILES,
@@ -127,10 +140,28 @@ def _check(strategy: str, example: Example) -> None:
     inputs["k"] = inputs["k"] * spread
     if edge != "none":
         _edge_values(inputs["mask"], edge, case.dtype, seed)
-    got = outputs_and_grads(attention_fn(strategy, tiles.get(strategy)), case, inputs, case.dtype)
     about = f"{case.id} spread {spread} {edge} tiles {tiles.get(strategy)}: "
-    assert_passed(judge_outputs(case, inputs, got), about)
+    _judge(attention_fn(strategy, tiles.get(strategy)), case, inputs, about)
+
+
+def _judge(
+    fn: AttentionFn, case: Case, inputs: Inputs, about: str, lse: AttentionFn | None = None
+) -> None:
+    """The rule on ``fn``'s out and gradients (and the lse of ``lse``, called with
+    return_lse=True, if given), zeros pinned where the reference is zero throughout, and the
+    rule without its 2x term where that term is blind to zeros.  Quantities whose reference
+    is beyond the dtype's range (float16 near its max) are left out: no answer is right."""
+    got = outputs_and_grads(fn, case, inputs, case.dtype)
     ref = reference_of(case, inputs)
+    beyond = {n for n, r in ref.items() if r.abs().max() >= torch.finfo(case.dtype).max}
+    got = {n: g for n, g in got.items() if n not in beyond}
+    for name, g in got.items():
+        assert not g.isinf().any(), f"{about}{name} is infinite where its reference is not"
+    if lse is not None:
+        with torch.no_grad():
+            got["lse"] = call_sdpa(lse, case, inputs, make_leaves(inputs, case.dtype))[1]
+    assert_passed(judge_outputs(case, inputs, got, names=set(got)), about)
+    got.pop("lse", None)
     if not any(r.any() for r in ref.values()):
         # every row dead (or dropped): the rule's floor is zero but for underflow, so pin it
         event("reference zero throughout")
@@ -181,3 +212,132 @@ def test_every_example_holds_the_rule(strategy, example):
 def test_every_example_holds_the_rule_on_triton(example):
     # Triton's interpreter takes ~0.1-1 s a call: fewer examples, the same draws
     _check("triton", example)
+
+
+# -- triton at the edges ---------------------------------------------------------------
+# The inputs where a kernel that recomputes its scores must rebuild them bit for bit (large
+# logits: rows whose P is one-hot, where a score one unit off moves P by |S| u), keep what it
+# forms in range (float16 near its max), take padding at finfo.min, and every keyword at once.
+EDGE_KINDS = ("large logits", "near max", "padding", "every keyword")
+EdgeExample = tuple[str, Case, float, int, tuple[int, int] | None]
+
+
+@st.composite
+def edge_examples(draw: st.DrawFn, kinds: tuple[str, ...] = EDGE_KINDS) -> EdgeExample:
+    """(kind, case, size, seed, triton's tiles): sequences past one 16-wide tile, head dims
+    of real models; ``size``: q and k's spread (large logits), the inputs' largest magnitude
+    (near max), the share of live keys (padding)."""
+    kind = draw(st.sampled_from(kinds))
+    heads_kv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    seq_q, seq_k = draw(st.integers(17, 40)), draw(st.integers(17, 40))
+    head_dim, value_dim = draw(st.sampled_from([16, 40, 64])), draw(st.sampled_from([8, 40]))
+    shapes = Shapes((1,), heads_kv * groups, heads_kv, seq_q, seq_k, head_dim, value_dim)
+    gqa = {"enable_gqa": groups > 1}
+    if kind == "large logits":
+        dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+        case = Case(shapes, dtype, draw(st.sampled_from(["none", "causal", "bool"])), **gqa)
+        size = draw(st.sampled_from([8.0, 30.0, 100.0]))
+    elif kind == "near max":
+        case = Case(shapes, torch.float16, draw(st.sampled_from(["none", "causal"])), **gqa)
+        size = draw(st.sampled_from([1e3, 6e4]))
+    elif kind == "padding":
+        case = Case(shapes, draw(st.sampled_from(DTYPES)), "float", (seq_q, seq_k), **gqa)
+        size = draw(st.floats(0.1, 0.9))
+    else:
+        case = Case(
+            shapes,
+            draw(st.sampled_from(DTYPES)),
+            draw(st.sampled_from(["none", "causal", "float"])),
+            window=draw(st.sampled_from([None, (6, 0)])),
+            softcap=draw(st.sampled_from([5.0, 50.0])),
+            sinks=draw(st.sampled_from(["head", "token"])),
+            align=draw(st.sampled_from(["top-left", "bottom-right"])),
+            segments=draw(segments(seq_q, seq_k)),
+            dropout=0.2,
+            **gqa,
+        )
+        size = 1.0
+    tiles = draw(st.sampled_from([None, (16, 16)]))
+    return kind, case, size, draw(st.integers(0, 2**32 - 1)), tiles
+
+
+def _edge_inputs(kind: str, case: Case, size: float, seed: int) -> Inputs:
+    """The example's inputs: `make_inputs`, then what its kind changes."""
+    inputs = make_inputs(case, seed)
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "large logits":
+        inputs["q"] = inputs["q"] * size
+        inputs["k"] = inputs["k"] * size
+    elif kind == "near max":  # uniform in +-size; dO smaller, so dv = P^T dO stays in range
+        for name in ("q", "k", "v", "dout"):
+            t = inputs[name]
+            assert t is not None
+            spread = size / case.shapes.seq_q if name == "dout" else size
+            inputs[name] = (torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2 - 1) * spread
+    elif kind == "padding":  # keys past the live ones and the last query row, at finfo.min
+        mask = inputs["mask"]
+        assert mask is not None
+        live = max(1, round(size * case.shapes.seq_k))
+        mask[..., live:] = torch.finfo(case.dtype).min
+        mask[..., -1, :] = torch.finfo(case.dtype).min
+    return inputs
+
+
+def _check_edge(example: EdgeExample) -> None:
+    kind, case, size, seed, tiles = example
+    inputs = _edge_inputs(kind, case, size, seed)
+    fn = attention_fn("triton", tiles)
+    lse = None
+    if kind == "every keyword":
+
+        def lse(*args: object, **kwargs: object) -> object:
+            return fn(*args, return_lse=True, **kwargs)
+
+    _judge(fn, case, inputs, f"{kind} {case.id} size {size:g} tiles {tiles}: ", lse)
+
+
+# the issue's inputs: float32 q and k scaled by 100 (scores near 3e4), and float16 at its max
+_LARGE = ("large logits", Case(Shapes((1,), 2, 2, 50, 50, 64, 64), torch.float32), 100.0, 0, None)
+_NEAR_MAX = ("near max", Case(Shapes((1,), 2, 2, 30, 30, 16, 16), torch.float16), 6e4, 0, None)
+
+
+@pytest.mark.slow
+@settings(max_examples=16, **_SETTINGS)
+@given(example=edge_examples())
+@example(example=_LARGE)
+@example(example=_NEAR_MAX)
+def test_edge_examples_hold_the_rule_on_triton(example):
+    _check_edge(example)
+
+
+def _scores_through_blas(folder: Path) -> ModuleType:
+    """The triton kernels with the defect planted: the dK/dV kernel forms its scores k q^T with
+    tl.dot (numpy's BLAS in the interpreter: fused multiply-adds, blocked by shape), while
+    forward and the dQ kernel sum q k^T column by column -- scores one rounding apart."""
+    kernels = pytest.importorskip("attngrad.strategies.triton.kernels")
+    source = inspect.getsource(kernels)
+    pattern = (
+        "s_t = _dot_rows(K, bhk, n0, offs_n, nk, k, Q, bh, m0, offs_m, nq, q, d,\n"
+        "                            BLOCK_N, BLOCK_M, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, "
+        "IN_ORDER)"
+    )
+    assert source.count(pattern) == 1, "update the planted defect to the kernels' source"
+    path = folder / "kernels_scores_through_blas.py"
+    path.write_text(source.replace(pattern, pattern.replace("IN_ORDER)", "False)")))
+    spec = importlib.util.spec_from_file_location("kernels_scores_through_blas", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # Triton reads each kernel's source from the file
+    return module
+
+
+@pytest.mark.slow
+def test_edge_examples_find_scores_rebuilt_in_another_order(monkeypatch, tmp_path):
+    # the planted defect passes the rule nowhere it can show: the property, drawing large
+    # logits alone and none of the issue's examples, must find an example it fails
+    monkeypatch.setattr(triton_package, "kernels", _scores_through_blas(tmp_path))
+    search = settings(
+        max_examples=6, derandomize=True, database=None, phases=[Phase.generate], **_SETTINGS
+    )(given(example=edge_examples(kinds=("large logits",)))(_check_edge))
+    with pytest.raises(AssertionError):
+        search()

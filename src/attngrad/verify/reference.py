@@ -477,24 +477,44 @@ def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
 def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Tensor:
     """C_P: how far P can move, over u, when each score moves by at most u C_S.
 
-    P_j' / P_j = exp(d_j) / sum_i P_i exp(d_i) with |d_i| <= u C_S_i lies
-    between exp(-u C_S_j) / sum_i P_i exp(u C_S_i) and exp(u C_S_j) / sum_i P_i
-    exp(-u C_S_i), so |P_j' - P_j| is at most P_j times the larger of the rise
-    exp(u C_S_j) / sum_i P_i exp(-u C_S_i) - 1 and the fall 1 - exp(-u C_S_j) /
-    sum_i P_i exp(u C_S_i), and never more than 1.  To first order both are
-    P o (C_S + rowsum(P o C_S)) u; the exact form matters in a row's
-    exponential tail when u C_S reaches a few units (scores of 1e4 and more in
-    float32: P = exp(-54) moved by exp(6)), and the fall where a bias swamps
-    the scores and the row's largest P drops to uniform.
+    A score moves P through its own exponential and through the row's sum, in
+    the same direction: P_j' = P_j exp(d_j) / (P_j exp(d_j) + sum_{i != j} P_i
+    exp(d_i)) with |d_i| <= a_i = u C_S_i (and the sink, exact, in the sum).
+    P_j' is largest with d_j = a_j and every other d_i = -a_i, which rises it by
+    P_j ((1 - P_j) expm1(a_j) - L_j) / (1 + P_j expm1(a_j) + L_j), L_j = sum_{i != j}
+    P_i expm1(-a_i); smallest the other way round, a fall of P_j ((1 - P_j)
+    (-expm1(-a_j)) + H_j) / (1 + P_j expm1(-a_j) + H_j), H_j = sum_{i != j} P_i
+    expm1(a_i); never more than P_j.  To first order both are P o ((1 - P) o C_S
+    + rowsum(P o C_S) - P o C_S) u: a row whose P is one-hot does not move, as its
+    one score appears above and below.  A kernel that recomputes its scores in
+    backward must get them bit for bit (P rebuilt from other scores than the
+    saved statistics' is not normalised: at |S| u ~ 1e-3 every P of the row
+    moves).  The exact form matters in a row's exponential tail when u C_S
+    reaches a few units (scores of 1e4 and more in float32: P = exp(-54) moved
+    by exp(6)), and the fall where a bias swamps the scores and the row's
+    largest P drops to uniform.
     """
-    # expm1 throughout: no cancellation where u C_S is small
-    rise_j, fall_j = torch.expm1(u * c_s), torch.expm1(-u * c_s)
-    low = (p * fall_j).sum(-1, keepdim=True)  # sum P exp(-u C_S) - 1, in (-1, 0]
-    # sum P exp(u C_S) - 1, >= 0: inf where a score at finfo.min may move by itself
-    high = torch.where(p > 0, p * rise_j, 0.0).sum(-1, keepdim=True)
-    rise = (rise_j - low) / (1 + low).clamp(min=torch.finfo(p.dtype).tiny)
-    fall = torch.where(high.isinf(), 1.0, (high - fall_j) / (1 + high))  # at most 1
-    return torch.where(p > 0, (p * torch.maximum(rise, fall)).clamp(max=1.0), 0.0) / u
+    a = u * c_s
+    # expm1 throughout: no cancellation where u C_S is small; exp(-a) = 1 + down never overflows
+    up, down = torch.expm1(a), torch.expm1(-a)
+    live = p > 0
+    # over the row's other scores (the sink's d = 0 adds nothing): L_j = sum P_i expm1(-a_i), in
+    # [-(1 - P_j), 0], and H_j = sum P_i expm1(a_i) >= 0, inf where a score at finfo.min may move
+    # by itself (a score whose own exp(a) overflows is left out of its own H_j, not subtracted)
+    lows = (p * down).sum(-1, keepdim=True) - p * down
+    rises = torch.where(live, p * up, 0.0)
+    finite = torch.where(rises.isinf(), 0.0, rises)
+    overflows = rises.isinf().sum(-1, keepdim=True) - rises.isinf().long()
+    highs = torch.where(overflows > 0, math.inf, finite.sum(-1, keepdim=True) - finite)
+    # P_j' = P_j / (P_j + (1 - P_j + L_j) exp(-a_j)) at the largest; the least has H_j
+    rise = p * (-(1 - p) * down - lows * (1 + down)) / (p + (1 - p + lows) * (1 + down))
+    # the least, P_j (1 + down_j) / (P_j (1 + down_j) + 1 - P_j + H_j): P_j = 1 alone in its row
+    # stays 1 even where exp(-a_j) underflows (0 / 0 here)
+    rest = (1 - p) + highs
+    fall = torch.where(rest > 0, ((1 - p) * -down + highs) / (p * (1 + down) + rest), 0.0)
+    fall = torch.where(highs.isinf(), 1.0, fall)
+    move = torch.maximum(rise.clamp(max=1 - p), (p * fall).clamp(max=p))
+    return torch.where(live, move, 0.0) / u
 
 
 def _sensitivity_path(
@@ -569,10 +589,11 @@ def magnitudes(
     each score by at most e C_S, C_S = C_T + min(|S|, |T| / e) (the bias
     add, which can lose at most what it added), C_T = slope o s |q| |k|^T
     (the product, through the cap) + slope o |X| + 2 |T| (the cap's three
-    roundings, T = c tanh(X / c)), moves P by at most e C_P, C_P = P o (C_S +
-    rowsum(P o C_S)) (the sinks' logits are exact; to first order:
-    `_probability_move` keeps the exponential, capped at 1, for far tails
-    that e C_S moves by units), and so, to first order,
+    roundings, T = c tanh(X / c)), moves P by at most e C_P, C_P = P o ((1 - P)
+    o C_S + rowsum(P o C_S) - P o C_S) (each score moves its P and the row's
+    sum alike; the sinks' logits are exact; to first order:
+    `_probability_move` keeps the exponential, capped at P and 1 - P, for far
+    tails that e C_S moves by units), and so, to first order,
 
         C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
         C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)

@@ -90,7 +90,10 @@ keys, a bias at ``finfo.min`` beside live scores, dead rows) the floor is
 zero too.  Where the scores cannot be trusted (a whole row of scores at
 ``finfo.min``, which swallow q k^T) the floor says so and grows; the tests
 pin those rows to the answer the math gives by name.
-NaN anywhere fails.
+NaN anywhere fails.  A plain run that overflows (float16 inputs near its max:
+scores past 65504 in the dtype) is not finite where the reference is; it says
+nothing of the dtype's rounding then, and the rule drops its 2x term (kept +
+floor alone).
 
 lse, where an implementation returns it (``got["lse"]`` of `judge_outputs`),
 answers to a floor of the compute dtype alone (`lse_floor`): attention
@@ -267,13 +270,14 @@ def judge(
 
     got: the implementation's x in any dtype; ref: the float64 reference;
     floor: `rounding_floor`; plain: the plain computation in the case's dtype
-    (None: no baseline term); kept: `kept_bound` (None: none).  All shaped alike.
+    (None, or not finite where the reference is: no baseline term); kept:
+    `kept_bound` (None: none).  All shaped alike.
     """
     got, ref = got.double(), ref.double()
     if got.shape != ref.shape:
         raise ValueError(f"{name}: shape {tuple(got.shape)} differs from {tuple(ref.shape)}")
     nan = bool(got.isnan().any())
-    baseline = None if plain is None else largest(abs_error(plain.double(), ref))
+    baseline = None if plain is None else _plain_error(plain.double(), ref)
     allowance = torch.full_like(ref, 2 * (baseline or 0.0))
     if kept is not None:
         allowance = torch.maximum(allowance, kept.double())
@@ -288,6 +292,14 @@ def judge(
         name, largest(err), float(err[worst]), float(bound[worst]), float(ratio[worst]),
         baseline, nan, worst,
     )  # fmt: skip
+
+
+def _plain_error(plain: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """max|plain - ref|, or None where the plain run is not finite and the reference is: it
+    overflowed (float16 inputs near its max), which says nothing of the dtype's rounding."""
+    if bool((~plain.isfinite() & ref.isfinite()).any()):
+        return None
+    return largest(abs_error(plain, ref))
 
 
 def abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

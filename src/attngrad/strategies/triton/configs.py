@@ -10,7 +10,10 @@ d <= 64, then 128 and 256); and the tier: a softcap or dropout adds per-score
 work (tanh, the dropout hash) that holds registers, so those calls take the
 heavy tier.
 
-The table is the output of ``benchmarks/search_kernel_configs.py``: for each
+The tables are the output of ``benchmarks/search_kernel_configs.py``, run
+under each Triton in `TABLES` (ptxas sees what that Triton's compiler makes
+of the kernels, and Triton 3.6 holds more registers than 3.7 on: 73 of 144
+slots of the newest table spill under it): for each
 slot, of its candidates, largest tiles first, the first that ptxas compiles
 without spilling a register in the tier's heaviest mask mode (light: bias
 with its gradient, keep mask and band at once; heavy: those plus softcap and
@@ -24,9 +27,24 @@ hardware is not yet measured: no GPU has run these kernels.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import re
 from dataclasses import dataclass
 
-__all__ = ["KERNELS", "KINDS", "Config", "choose", "dot_kind", "family", "padded_head_dim"]
+__all__ = [
+    "KERNELS",
+    "KINDS",
+    "TABLES",
+    "Config",
+    "choose",
+    "dot_kind",
+    "family",
+    "padded_head_dim",
+    "release",
+    "table_for",
+    "triton_version",
+]
 
 KERNELS = ("forward", "delta", "dkdv", "dq")
 # how the kernels' dots run: tensor cores on 16-bit operands, tensor cores in TF32,
@@ -285,15 +303,60 @@ _HEAVY: dict[_Key, Config] = {
 }
 
 
-def choose(kernel: str, kind: str, head_dim: int, arch: int, heavy: bool = False) -> Config:
+# Triton 3.6 (the Triton of PyTorch 2.11's CUDA builds) allocates registers differently: where
+# the tiles above spill under it, the search's choice under 3.6 (same method, same comments).
+_LIGHT_3_6: dict[_Key, Config] = {}
+
+_HEAVY_3_6: dict[_Key, Config] = {}
+
+# (light, heavy) by the oldest Triton (major, minor) each was searched for: a Triton takes the
+# newest table not newer than itself (`triton_version`), one older than them all the oldest
+TABLES: dict[tuple[int, int], tuple[dict[_Key, Config], dict[_Key, Config]]] = {
+    (3, 6): ({**_TABLE, **_LIGHT_3_6}, {**_HEAVY, **_HEAVY_3_6}),
+    (3, 7): (_TABLE, _HEAVY),
+}
+
+
+@functools.cache
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton, read from its package metadata without
+    importing it; the newest table's when Triton is not installed."""
+    try:
+        return release(importlib.metadata.version("triton"))
+    except importlib.metadata.PackageNotFoundError:
+        return max(TABLES)
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.6.0" or "2.4.0rc1"."""
+    major, minor = (int(re.match(r"\d*", part)[0] or 0) for part in (*version.split("."), "0")[:2])  # type: ignore[index]
+    return major, minor
+
+
+def table_for(version: tuple[int, int]) -> tuple[dict[_Key, Config], dict[_Key, Config]]:
+    """(light, heavy) tiers of the table a Triton of ``version`` (major, minor) takes."""
+    fitting = [v for v in TABLES if v <= version]
+    return TABLES[max(fitting) if fitting else min(TABLES)]
+
+
+def choose(
+    kernel: str,
+    kind: str,
+    head_dim: int,
+    arch: int,
+    heavy: bool = False,
+    version: tuple[int, int] | None = None,
+) -> Config:
     """The Config of ``kernel`` ("forward", "delta", "dkdv", "dq") on sm_<arch>.
 
     kind: how the dots run (`KINDS`, `dot_kind`); head_dim: the larger of d
     and dv (<= 256); heavy: the call has a softcap or dropout (per-score work
-    that holds registers).
+    that holds registers); version: the Triton (major, minor) that compiles
+    it (None: the installed one, `triton_version`).
     """
     if kernel == "delta":  # rows of O and dO in registers: 8 KiB of each a block, 16..64 rows
         rows = 8192 // (padded_head_dim(head_dim) * _BYTES[kind])
         return Config(min(64, max(16, rows)), 0, 4, 1)
-    tier = _HEAVY if heavy else _TABLE
+    light, heavy_tier = table_for(triton_version() if version is None else version)
+    tier = heavy_tier if heavy else light
     return tier[family(arch), kind, padded_head_dim(head_dim), kernel]

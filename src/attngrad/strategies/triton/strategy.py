@@ -19,6 +19,7 @@ optional extra ``attngrad[gpu]``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -78,13 +79,28 @@ def unavailable_reason(device: torch.device) -> str | None:
             "strategy='triton' needs Triton, which is not installed: "
             "pip install 'attngrad[gpu]' (or pick strategy='flash')."
         )
-    if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+    if device.type == "cuda":
         return None
+    if device.type == "cpu" and _interpreting():
+        return _interpreter_reason()
     return (
         f"strategy='triton' runs on CUDA tensors, got {device.type} tensors. "
         "On CPU it runs only in Triton's interpreter: set TRITON_INTERPRET=1 before attngrad "
         "first uses it (slow; meant for tests), or pick strategy='flash'."
     )
+
+
+def _interpreter_reason() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None: Triton 3.6's turns a
+    scalar (a one-element array) into an int with int(), which numpy 2.4 refuses."""
+    numpy = importlib.metadata.version("numpy")
+    if configs.triton_version() < (3, 7) and configs.release(numpy) >= (2, 4):
+        return (
+            f"strategy='triton' in the interpreter of Triton {importlib.metadata.version('triton')} "
+            f"needs numpy < 2.4 (it converts one-element arrays with int(); numpy {numpy} "
+            "refuses): pip install 'numpy<2.4', or Triton >= 3.7."
+        )
+    return None
 
 
 def check_head_dims(head_dim: int, value_dim: int) -> None:
@@ -254,16 +270,19 @@ FMA_CHUNK = (
 
 
 def _dots(dtype: torch.dtype, arch: int | None) -> dict[str, object]:
-    """The kernels' ACC, UPCAST, PRECISION for inputs of ``dtype`` (see `attngrad.strategies.triton.kernels._dot`).
+    """The kernels' ACC, UPCAST, PRECISION, IN_ORDER for inputs of ``dtype`` (see `attngrad.strategies.triton.kernels._dot`).
 
     ACC: float64 for float64, else float32; PRECISION: "tf32" for float32 on a
-    GPU when `tf32_enabled`, else "ieee"; UPCAST: bfloat16 in the interpreter.
+    GPU when `tf32_enabled`, else "ieee"; UPCAST: bfloat16 in the interpreter;
+    IN_ORDER: in the interpreter, the products over the head dim (S, dP, Delta)
+    summed column by column (`attngrad.strategies.triton.kernels._dot_rows`).
     """
     tl = _kernels().tl
     return {
         "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
         "UPCAST": arch is None and dtype == torch.bfloat16,
         "PRECISION": "tf32" if _tf32(dtype, arch) else "ieee",
+        "IN_ORDER": arch is None,
     }
 
 
@@ -436,8 +455,8 @@ def backward_into(
     _launch(
         kernels.attention_delta, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
         Out=o, DO=dout, Delta=delta, nq=nq, dv=dv_dim,
-        BLOCK_M=tile["BLOCK_M"], BLOCK_DV=problem["BLOCK_DV"], ACC=dots["ACC"],
-        UPCAST=dots["UPCAST"], **launch,
+        BLOCK_M=tile["BLOCK_M"], BLOCK_DV=problem["BLOCK_DV"], CHUNK=tile["CHUNK"],
+        **dots, **launch,
     )  # fmt: skip
     if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
         delta -= dlse.to(delta.dtype)
