@@ -246,3 +246,45 @@ def assert_passed(verdicts: list[Verdict], what: str = "") -> None:
     """Assert every verdict passes; the failed ones in the message."""
     failed = [str(v) for v in verdicts if not v.passed]
     assert not failed, what + "; ".join(failed)
+
+
+def _one_hot_rows(dtype: torch.dtype, device: torch.device, n: int = 40, d: int = 64):
+    """q, k, v [1, 2, n, d] in ``dtype`` where query row i puts all its weight on key pi[i].
+
+    q_i = 400 k_pi(i): the score of key pi(i) beats every other by 1e3 or more (|S| ~ 3e3),
+    so every other P is exactly 0 (exp(-1e3), below float64's range too) and l = 1: P = 1
+    at pi(i) exactly, provided backward rebuilds that score bit for bit as forward formed it."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(1, 2, n, d, generator=gen).to(dtype)
+    pi = torch.randperm(n, generator=gen)
+    q = (400 * k[:, :, pi].float()).to(dtype)
+    v = torch.randn(1, 2, n, d, generator=gen).to(dtype)
+    return q.to(device), k.to(device), v.to(device), pi.to(device)
+
+
+def assert_scores_rebuilt_bit_for_bit(
+    strategy: str, dtype: torch.dtype, device: torch.device, tiles: Mapping[str, int]
+) -> None:
+    """Assert that ``strategy``'s backward rebuilds every score forward formed, bit for bit.
+
+    Observed where one bit would show: rows whose P is exactly one-hot at |S| ~ 3e3, where a
+    score one unit off (2e-4 in float32) makes the row's P 1 +- 2e-4.  Then, bit for bit,
+    dv[pi(i)] = dO[i] (dq = dk = 0: dS = P (dP - Delta) = 0 exactly, where Delta is formed like
+    dP), and with dO = 0 and an lse cotangent g, dS = P g: dq[i] = s g_i k[pi(i)] and
+    dk[pi(i)] = s g_i q[i] (g kept in the input dtype, as dS is for its products).
+    """
+    q, k, v, pi = _one_hot_rows(dtype, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attngrad.attention(*leaves, strategy=strategy, return_lse=True, **tiles)
+    scale = q.shape[-1] ** -0.5
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (dout, torch.zeros_like(lse)), True)
+    assert torch.equal(out, v[:, :, pi])
+    assert torch.equal(dv[:, :, pi], dout)
+    assert (dq == 0).all() and (dk == 0).all()
+    g = torch.randn_like(lse)
+    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (torch.zeros_like(out), g))
+    ds = g.to(dtype).to(lse.dtype)[..., None]  # dS kept in the input dtype for its products
+    assert torch.equal(dq, (ds * k[:, :, pi] * scale).to(dtype))
+    assert torch.equal(dk[:, :, pi], (ds * q * scale).to(dtype))
+    assert (dv == 0).all()

@@ -28,9 +28,10 @@ from attngrad.core.dropout import Dropout, draw_seed, keep_mask
 from attngrad.strategies import available, resolve, unavailable_reason
 from attngrad.strategies.triton import configs
 from attngrad.strategies.triton import strategy as triton_strategy
+from attngrad.tools import kernel_report
 from attngrad.tools.ledger import ledger_row
 from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
-from helpers import assert_rule, case
+from helpers import assert_rule, assert_scores_rebuilt_bit_for_bit, case
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -558,46 +559,15 @@ def test_bfloat16_conversions_round_to_nearest_even_as_on_the_gpu(upcast):
         assert not same.all()
 
 
-def _one_hot_rows(dtype: torch.dtype, n: int = 40, d: int = 64):
-    """q, k, v [1, 2, n, d] in ``dtype`` where query row i puts all its weight on key pi[i].
-
-    q_i = 400 k_pi(i): the score of key pi(i) beats every other by 1e3 or more (|S| ~ 3e3),
-    so every other P is exactly 0 (exp(-1e3), below float64's range too) and l = 1: P = 1
-    at pi(i) exactly, provided backward rebuilds that score bit for bit as forward formed it."""
-    gen = torch.Generator().manual_seed(5)
-    k = torch.randn(1, 2, n, d, generator=gen).to(dtype)
-    pi = torch.randperm(n, generator=gen)
-    q = (400 * k[:, :, pi].float()).to(dtype)
-    v = torch.randn(1, 2, n, d, generator=gen).to(dtype)
-    return q, k, v, pi
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("tiles", [{}, {"block_q": 16, "block_k": 16}], ids=["own", "16x16"])
 def test_backward_rebuilds_the_scores_forward_formed_bit_for_bit(dtype, tiles):
-    # the invariant: the dK/dV kernel (which forms k q^T, keys along rows) and the dQ kernel
-    # form each score tile with the bits forward formed it with, in their own tile shapes.
-    # Observed where one bit would show: rows whose P is exactly one-hot at |S| ~ 3e3, where
-    # a score one unit off (2e-4 in float32) makes the row's P 1 +- 2e-4.  Then, bit for bit,
-    # dv[pi(i)] = dO[i] (dq = dk = 0: dS = P (dP - Delta) = 0 exactly, Delta formed like dP),
-    # and with dO = 0 and an lse cotangent g, dS = P g: dq[i] = s g_i k[pi(i)] and
-    # dk[pi(i)] = s g_i q[i].  (Scores off by a unit failed each: tests/verify/test_property.py
-    # plants a dK/dV kernel that forms k q^T through numpy's BLAS.)
-    q, k, v, pi = _one_hot_rows(dtype)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attngrad.attention(*leaves, strategy="triton", return_lse=True, **tiles)
-    scale = q.shape[-1] ** -0.5
-    dout = torch.randn_like(out)
-    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (dout, torch.zeros_like(lse)), True)
-    assert torch.equal(out, v[:, :, pi])
-    assert torch.equal(dv[:, :, pi], dout)
-    assert (dq == 0).all() and (dk == 0).all()
-    g = torch.randn_like(lse)
-    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (torch.zeros_like(out), g))
-    ds = g.to(dtype).to(lse.dtype)[..., None]  # dS kept in the input dtype for its products
-    assert torch.equal(dq, (ds * k[:, :, pi] * scale).to(dtype))
-    assert torch.equal(dk[:, :, pi], (ds * q * scale).to(dtype))
-    assert (dv == 0).all()
+    # the invariant (`helpers.assert_scores_rebuilt_bit_for_bit`): the dK/dV kernel (which
+    # forms k q^T, keys along rows) and the dQ kernel form each score tile with the bits
+    # forward formed it with, in their own tile shapes.  Scores one unit off failed it (the
+    # interpreter's BLAS under OPENBLAS_CORETYPE=Haswell); tests/verify/test_property.py
+    # plants a dK/dV kernel that forms k q^T through the BLAS
+    assert_scores_rebuilt_bit_for_bit("triton", dtype, CPU, tiles)
 
 
 def test_each_triton_takes_the_newest_table_not_newer_than_itself():
@@ -634,3 +604,26 @@ def test_the_oldest_tritons_interpreter_with_numpy_2_4_is_refused_by_name(monkey
     assert reason is not None and "numpy < 2.4" in reason and "3.6.0" in reason
     versions["numpy"] = "2.3.5"
     assert unavailable_reason("triton", CPU) is None
+
+
+def test_what_the_oldest_triton_cannot_compile_is_refused_by_name(monkeypatch):
+    # Triton 3.6 stops compiling float64 dots beside a bool mask's loads (sm_80 and sm_90: the
+    # compile report under it: "fp64 don't support largeK MMA"); the call says what to do
+    c = case((1,), 2, 2, 20, 20, 16, 16, "bool", dtype=torch.float64)
+    inputs = make_inputs(c)
+    monkeypatch.setattr(configs, "triton_version", lambda: (3, 6))
+    monkeypatch.setattr(triton_strategy, "_interpreter_reason", lambda: None)  # numpy 2.4
+    monkeypatch.setattr(triton_strategy, "_arch", lambda device: 80)
+    with pytest.raises(RuntimeError, match=r"float64 with a bool mask for sm_80 under Triton 3\.6"):
+        outputs_and_grads(_triton(), c, inputs, c.dtype)
+    with triton_strategy.dry_run(80) as launches:  # a dry run still records the launches
+        outputs_and_grads(_triton(), c, inputs, c.dtype)
+    assert launches
+    # the compile report leaves them out of its grid under 3.6, and only them
+    assert configs.compiles(float64=True, keep_mask=False, version=(3, 6))
+    assert configs.compiles(float64=True, keep_mask=True, version=(3, 7))
+    variants = kernel_report.grid()
+    assert variants and not any(
+        v.dtype == "float64" and v.mask in ("bool", "masks", "all") for v in variants
+    )
+    assert any(v.dtype == "float64" for v in variants)

@@ -16,7 +16,7 @@ import attngrad
 from attngrad.strategies import unavailable_reason
 from attngrad.verify.cases import make_inputs, outputs_and_grads
 from attngrad.verify.check import strategy_fn
-from helpers import assert_rule, case
+from helpers import assert_rule, assert_scores_rebuilt_bit_for_bit, case
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or unavailable_reason("triton", torch.device("cuda")) is not None,
@@ -185,3 +185,11 @@ def test_compile_report_matches_the_kernels_this_gpu_built(dtype, precision):
 
 def _to_cuda(a):
     return a.to(CUDA) if isinstance(a, torch.Tensor) else a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_backward_rebuilds_the_scores_forward_formed_bit_for_bit(dtype):
+    # the invariant of tests/strategies/test_triton.py on compiled kernels: forward, dK/dV
+    # (k q^T) and dQ form every score with the same bits in their own tiles (FMA dots sum in
+    # column order; tensor-core dots are assumed to round alike whichever operand is first)
+    assert_scores_rebuilt_bit_for_bit("triton", dtype, CUDA, {})

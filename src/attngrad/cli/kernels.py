@@ -89,6 +89,7 @@ def run_kernels(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"attngrad kernels: {reason}", file=sys.stderr)
         return 2
+    from attngrad.strategies.triton import configs
     from attngrad.strategies.triton.ptxas import UnsupportedTriton, default_cache_dir
     from attngrad.tools import kernel_report
 
@@ -103,7 +104,8 @@ def run_kernels(args: argparse.Namespace) -> int:
         print(f"attngrad kernels: {e}", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout is the JSON alone
-    print(f"attngrad kernels --target {target.name}", file=out)
+    triton = ".".join(map(str, configs.triton_version()))
+    print(f"attngrad kernels --target {target.name} (Triton {triton}'s table)", file=out)
     shown = kernel_report.summary(rows) if args.summary else rows
     print(kernels_table(shown, markdown=args.markdown), file=out)
     if args.summary:

@@ -45,7 +45,7 @@ import torch
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.scores import ScoreMods
-from attngrad.strategies.triton import ptxas
+from attngrad.strategies.triton import configs, ptxas
 from attngrad.strategies.triton.ptxas import Bound, Resources
 
 __all__ = [
@@ -109,7 +109,8 @@ def _precisions(dtype: str) -> tuple[str, ...]:
 
 
 def grid(quick: bool = False) -> list[Variant]:
-    """The report's call configurations (module docstring)."""
+    """The report's call configurations (module docstring), but those the installed Triton
+    cannot compile (the launcher refuses them)."""
     if quick:
         return [
             Variant(dtype, precision, d, "masks", 4)
@@ -124,7 +125,13 @@ def grid(quick: bool = False) -> list[Variant]:
                 out += [Variant(dtype, precision, d, mode, 1) for mode in MASKS]
                 out += [Variant(dtype, precision, d, m, 4) for m in ("none", "masks", "all")]
             out += [Variant(dtype, precision, 128, mode, 1, 1000) for mode in ("none", "all")]
-    return out
+    return [v for v in out if _compiles(v)]
+
+
+def _compiles(variant: Variant) -> bool:
+    """Whether the installed Triton compiles the variant (`configs.compiles`); the launcher
+    refuses the calls it does not (Triton 3.6: float64 with a bool mask)."""
+    return configs.compiles(variant.dtype == "float64", variant.mask in ("bool", "masks", "all"))
 
 
 def _mask(variant: Variant, hq: int, hkv: int) -> tuple[ScoreMods, bool]:
@@ -339,6 +346,7 @@ def as_json(target: Target, rows: list[Row]) -> dict[str, object]:
     """The report as ``attngrad kernels --json`` writes it."""
     return {
         "target": target.name,
+        "triton": ".".join(map(str, configs.triton_version())),
         "shared_limit": target.shared_limit,
         "configs": [
             {

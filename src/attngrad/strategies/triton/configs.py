@@ -38,6 +38,7 @@ __all__ = [
     "TABLES",
     "Config",
     "choose",
+    "compiles",
     "dot_kind",
     "family",
     "padded_head_dim",
@@ -305,9 +306,63 @@ _HEAVY: dict[_Key, Config] = {
 
 # Triton 3.6 (the Triton of PyTorch 2.11's CUDA builds) allocates registers differently: where
 # the tiles above spill under it, the search's choice under 3.6 (same method, same comments).
-_LIGHT_3_6: dict[_Key, Config] = {}
+# float64 with a bool mask does not compile under 3.6 at all (the launcher refuses it), so its
+# float64 slots keep the newest table's tiles.
+_LIGHT_3_6: dict[_Key, Config] = {
+    (80, "fma32", 64, "forward"): Config(64, 16, 4, 3),  # 238 regs, 24576 B shared (15%), spill 0 B
+    (80, "mma16", 128, "dkdv"): Config(16, 32, 4, 3),  # 255 regs, 34688 B shared (21%), spill 0 B
+    (80, "mma16", 128, "forward"): Config(
+        32, 32, 4, 3
+    ),  # 255 regs, 45056 B shared (27%), spill 0 B
+    (80, "mma16", 256, "dq"): Config(32, 16, 4, 2, 64),  # 255 regs, 14336 B shared (9%), spill 0 B
+    (80, "mma16", 256, "forward"): Config(
+        32, 16, 4, 2
+    ),  # 255 regs, 34816 B shared (21%), spill 0 B
+    (80, "tf32", 64, "dkdv"): Config(16, 32, 8, 3),  # 255 regs, 31424 B shared (19%), spill 0 B
+    (80, "tf32", 128, "dkdv"): Config(16, 32, 8, 2),  # 255 regs, 59840 B shared (36%), spill 0 B
+    (80, "tf32", 256, "dkdv"): Config(
+        16, 32, 8, 1, 64
+    ),  # 252 regs, 47104 B shared (28%), spill 0 B
+    (90, "fma32", 64, "dkdv"): Config(16, 16, 4, 3),  # 140 regs, 17408 B shared (7%), spill 0 B
+    (90, "fma32", 64, "forward"): Config(64, 16, 4, 3),  # 224 regs, 24576 B shared (11%), spill 0 B
+    (90, "mma16", 64, "dkdv"): Config(16, 32, 4, 3),  # 245 regs, 18304 B shared (8%), spill 0 B
+    (90, "mma16", 64, "forward"): Config(64, 32, 8, 3),  # 206 regs, 40960 B shared (18%), spill 0 B
+    (90, "mma16", 128, "dkdv"): Config(16, 16, 4, 3),  # 250 regs, 25984 B shared (11%), spill 0 B
+    (90, "tf32", 64, "dkdv"): Config(16, 32, 4, 3),  # 255 regs, 31424 B shared (14%), spill 0 B
+    (90, "tf32", 128, "dq"): Config(64, 32, 8, 2, 64),  # 255 regs, 65536 B shared (28%), spill 0 B
+    (90, "tf32", 256, "dkdv"): Config(
+        16, 32, 8, 1, 64
+    ),  # 250 regs, 47104 B shared (20%), spill 0 B
+    (90, "tf32", 256, "forward"): Config(32, 16, 8, 1),  # 202 regs, 51456 B shared (22%), spill 0 B
+}
 
-_HEAVY_3_6: dict[_Key, Config] = {}
+_HEAVY_3_6: dict[_Key, Config] = {
+    (80, "mma16", 128, "dkdv"): Config(16, 32, 8, 3),  # 243 regs, 34816 B shared (21%), spill 0 B
+    (80, "mma16", 128, "forward"): Config(
+        32, 32, 4, 3
+    ),  # 255 regs, 45312 B shared (27%), spill 0 B
+    (80, "mma16", 256, "dkdv"): Config(
+        16, 32, 8, 2, 64
+    ),  # 225 regs, 22528 B shared (13%), spill 0 B
+    (80, "tf32", 64, "dkdv"): Config(16, 32, 8, 3),  # 241 regs, 31488 B shared (19%), spill 0 B
+    (80, "tf32", 64, "dq"): Config(32, 16, 4, 3),  # 227 regs, 36992 B shared (22%), spill 0 B
+    (80, "tf32", 256, "dkdv"): Config(
+        16, 32, 8, 1, 64
+    ),  # 254 regs, 47104 B shared (28%), spill 0 B
+    (80, "tf32", 256, "dq"): Config(32, 16, 8, 1, 64),  # 255 regs, 28672 B shared (17%), spill 0 B
+    (90, "fma32", 64, "dkdv"): Config(16, 16, 4, 3),  # 114 regs, 17408 B shared (7%), spill 0 B
+    (90, "fma32", 128, "dq"): Config(16, 16, 4, 2),  # 158 regs, 12288 B shared (5%), spill 0 B
+    (90, "mma16", 64, "dkdv"): Config(16, 64, 4, 3),  # 255 regs, 31744 B shared (14%), spill 0 B
+    (90, "mma16", 64, "forward"): Config(64, 32, 8, 3),  # 209 regs, 41216 B shared (18%), spill 0 B
+    (90, "mma16", 128, "dkdv"): Config(16, 32, 8, 3),  # 220 regs, 34816 B shared (15%), spill 0 B
+    (90, "tf32", 64, "dkdv"): Config(16, 32, 8, 3),  # 215 regs, 31488 B shared (14%), spill 0 B
+    (90, "tf32", 64, "dq"): Config(32, 16, 4, 3),  # 228 regs, 36992 B shared (16%), spill 0 B
+    (90, "tf32", 128, "dkdv"): Config(16, 32, 8, 2),  # 246 regs, 59904 B shared (26%), spill 0 B
+    (90, "tf32", 256, "dkdv"): Config(16, 16, 8, 1),  # 253 regs, 81920 B shared (35%), spill 0 B
+    (90, "tf32", 256, "forward"): Config(
+        32, 16, 4, 1, 64
+    ),  # 255 regs, 28672 B shared (12%), spill 0 B
+}
 
 # (light, heavy) by the oldest Triton (major, minor) each was searched for: a Triton takes the
 # newest table not newer than itself (`triton_version`), one older than them all the oldest
@@ -331,6 +386,14 @@ def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string such as "3.6.0" or "2.4.0rc1"."""
     major, minor = (int(re.match(r"\d*", part)[0] or 0) for part in (*version.split("."), "0")[:2])  # type: ignore[index]
     return major, minor
+
+
+def compiles(float64: bool, keep_mask: bool, version: tuple[int, int] | None = None) -> bool:
+    """Whether a Triton of ``version`` (None: the installed one) compiles the kernels of a call
+    in float64 (or not) with a bool mask (or not): Triton 3.6 stops on float64 dots beside a
+    bool mask's loads, for sm_80 and sm_90 alike (the compile report under it)."""
+    version = triton_version() if version is None else version
+    return not (version < (3, 7) and float64 and keep_mask)
 
 
 def table_for(version: tuple[int, int]) -> tuple[dict[_Key, Config], dict[_Key, Config]]:

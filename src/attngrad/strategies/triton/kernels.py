@@ -6,7 +6,9 @@ v: [B, Hkv, Nk, dv] (GQA: query head h reads key/value head h // G):
 * `attention_forward`   one program per (query block, batch*query head): online
   softmax over the key tiles the band allows; writes O and the row statistics
   Stats = (m, log l) (see `attngrad.core.ops`).
-* `attention_delta`     Delta = rowsum(O * dO), one program per query block.
+* `attention_delta`     Delta = rowsum(O * dO), one program per query block, as the
+  diagonal of dO O^T: the product that forms dP (`_dot_rows`), so that dP - Delta
+  is exactly 0 where a row's P is one-hot.
 * `attention_dkdv`      one program per (key block, batch*kv head): walks the G
   query heads of its group and the query tiles the band allows; dK and dV
   are summed in registers and written once (deterministic, no atomics).
@@ -53,6 +55,13 @@ columns read again from memory when they run on FMA units (float32 without
 TF32, float64: `_dot_rows`), since an FMA dot keeps its operands' whole rows
 in each thread's registers.  Tiles, warps and stages per GPU come from
 `attngrad.strategies.triton.configs`.
+
+Scores bit for bit.  Backward rebuilds P = exp2((S - m) log2 e - log2 l) from
+the saved statistics, so the dK/dV kernel (k q^T) and the dQ kernel must form
+each score with the bits forward formed it with: at |S| u ~ 1e-3 one more
+rounding moves every P of the row.  FMA dots sum in column order whatever the
+tile; in the interpreter, whose tl.dot is numpy's BLAS, the products over the
+head dim are summed column by column (IN_ORDER, `_in_order`).
 
 Import this module only after deciding on TRITON_INTERPRET: Triton reads it
 when the kernels are decorated.

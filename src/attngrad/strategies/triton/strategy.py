@@ -231,6 +231,8 @@ def _config(
     """
     heavy = mask.softcap is not None or mask.dropout is not None
     tf32 = _tf32(dtype, arch)
+    if _DRY_RUN.get() is None:  # the compile report shows what fails to compile as such
+        _check_compiles(dtype, mask, arch)
     if arch is None:
         config = _INTERPRETER[kernel]
     else:
@@ -247,6 +249,19 @@ def _config(
         return tile, {}
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return tile, {**launch, "enable_fp_fusion": True}
+
+
+def _check_compiles(dtype: torch.dtype, mask: ScoreMods, arch: int | None) -> None:
+    """RuntimeError where the installed Triton cannot compile the kernels for the call
+    (`configs.compiles`: Triton 3.6 and float64 with a bool mask)."""
+    if arch is None or configs.compiles(dtype == torch.float64, mask.keep is not None):
+        return
+    raise RuntimeError(
+        f"strategy='triton' cannot compile float64 with a bool mask for sm_{arch} under "
+        f"Triton {'.'.join(map(str, configs.triton_version()))} (its float64 MMA lowering "
+        "fails); pass the mask as a float bias (0 where kept, -inf elsewhere), pick "
+        "strategy='flash', or use Triton >= 3.7."
+    )
 
 
 # The interpreter's tiles: large, so that few run (its cost is per tile operation, and the
