@@ -5,8 +5,8 @@
 For every slot of `attngrad.strategies.triton.configs` (target, dot kind, padded head dim,
 kernel), the candidates of `CANDIDATES` are compiled in one parallel batch, in
 ``--mode`` (default "masks": bias with its gradient, keep mask and band at once;
-"all" adds softcap and dropout, for the heavy tier), with GQA and without, and
-at a length that is not a multiple of 16 (`_variants`).  A slot takes its
+"all" adds softcap and dropout, for the heavy tier) and every other mode of its
+tier, with GQA, and at a length that is not a multiple of 16 (`_variants`).  A slot takes its
 first candidate, in preference order, that compiles without a spill (float64:
 at most `kernel_report.FLOAT64_SPILL_BYTES`) with shared memory at most 90% of
 the target's limit; where none does, the one that spills least, flagged.
@@ -65,6 +65,15 @@ CANDIDATES = {"forward": _QUERY, "dq": _QUERY, "dkdv": _KEYS}
 # tensor-core dots over wide heads may also take the head dim in slices of 64 columns
 # (`kernels._dot_rows`): q, k, v, dO then stay in memory, not in registers
 _SLICED = {("mma16", 256), ("tf32", 128), ("tf32", 256)}
+def _chunks(kind: str, hd: int) -> tuple[int, ...]:
+    """The head-dim slices a slot tries (0: the launcher's default, whole on tensor cores and 32
+    on FMA units): 64 for the wide tensor-core dots of `_SLICED`, 16 for FMA dots, whose rows
+    of 32 columns may still spill (float32 d = 128 dK/dV under Triton 3.6)."""
+    if (kind, hd) in _SLICED:
+        return (0, 64)
+    return (0, 16) if kind.startswith("fma") else (0,)
+
+
 _VARIANT = {
     "mma16": ("float16", "ieee"),
     "tf32": ("float32", "tf32"),
@@ -102,17 +111,28 @@ def _fits(target: Target, kind: str, got: Resources) -> bool:
     )
 
 
+# the mask modes of each tier (`configs`: a softcap or dropout makes a call heavy)
+_TIER_MODES = {
+    "masks": ("none", "causal", "window", "bool", "bias", "masks"),
+    "all": ("softcap", "dropout", "all"),
+}
+
+
 def _variants(kind: str, hd: int, mode: str) -> list[Variant]:
-    """What a candidate must compile without spills for: ``mode`` with GQA and without, and
-    at a length that is not a multiple of 16 (other alignment, other binaries), and with no
-    mask at that length (modes are not monotone in registers)."""
+    """What a candidate must compile without spills for: every mode of ``mode``'s tier
+    (modes are not monotone in registers: a keep mask alone may spill where all masks at
+    once do not), with GQA as the report's grid has it, ``mode`` at a length that is not a
+    multiple of 16 (other alignment, other binaries), and no mask at that length; but what
+    the installed Triton cannot compile (the launcher refuses it)."""
     dtype, precision = _VARIANT[kind]
-    return [
-        Variant(dtype, precision, hd, mode, 4),
-        Variant(dtype, precision, hd, mode, 1),
+    modes = _TIER_MODES[mode]
+    variants = [
+        *(Variant(dtype, precision, hd, m, 1) for m in modes),
+        *(Variant(dtype, precision, hd, m, 4) for m in ("none", "masks", "all") if m in modes),
         Variant(dtype, precision, hd, mode, 1, 1000),
         Variant(dtype, precision, hd, "none", 1, 1000),
     ]
+    return [v for v in variants if kernel_report.compiles(v)]
 
 
 def search(
@@ -126,7 +146,7 @@ def search(
                 for kernel, by_kind in CANDIDATES.items():
                     if only is not None and (kind, hd, kernel) not in only:
                         continue
-                    chunks = (0, 64) if (kind, hd) in _SLICED else (0,)
+                    chunks = _chunks(kind, hd)
                     for bm, bn, warps in by_kind[kind]:
                         for chunk in chunks:
                             candidate = (bm, bn, warps, _stages(kind, hd), chunk)

@@ -263,7 +263,11 @@ def _one_hot_rows(dtype: torch.dtype, device: torch.device, n: int = 40, d: int 
 
 
 def assert_scores_rebuilt_bit_for_bit(
-    strategy: str, dtype: torch.dtype, device: torch.device, tiles: Mapping[str, int]
+    strategy: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tiles: Mapping[str, int],
+    head_dim: int = 64,
 ) -> None:
     """Assert that ``strategy``'s backward rebuilds every score forward formed, bit for bit.
 
@@ -273,7 +277,7 @@ def assert_scores_rebuilt_bit_for_bit(
     dP), and with dO = 0 and an lse cotangent g, dS = P g: dq[i] = s g_i k[pi(i)] and
     dk[pi(i)] = s g_i q[i] (g kept in the input dtype, as dS is for its products).
     """
-    q, k, v, pi = _one_hot_rows(dtype, device)
+    q, k, v, pi = _one_hot_rows(dtype, device, d=head_dim)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = attngrad.attention(*leaves, strategy=strategy, return_lse=True, **tiles)
     scale = q.shape[-1] ** -0.5

@@ -9,10 +9,12 @@ term would compare SDPA MATH with itself, which is the plain float64 run.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
+from attngrad.verify import reference
 from attngrad.verify.cases import (
     as_attention,
     dropout_mask,
@@ -340,3 +342,47 @@ def test_magnitudes_bound_every_result_of_the_reference(c):
         for bound in (sens[name], readback[name], kept[name]):
             assert (bound >= 0).all() and bound.shape == x.shape, name
     assert (lse >= 0).all() and lse.shape == want["out"].shape[:-1]
+
+
+def _moves_by_brute_force(p, p_sink, a):
+    """max |P_j' - P_j| over every choice of each score's move, +-a_i (the extremes), float64."""
+    n = p.shape[-1]
+    signs = torch.tensor([[1.0 if (m >> i) & 1 else -1.0 for i in range(n)] for m in range(2**n)])
+    weights = p * torch.exp(signs * a)  # [patterns, n]
+    moved = weights / (weights.sum(-1, keepdim=True) + p_sink)
+    return (moved - p).abs().amax(0)
+
+
+ROWS = [
+    # (P of the keys, the sink's share (the row sums to 1), each score's largest move u C_S)
+    ([0.5, 0.3, 0.2], 0.0, [0.1, 0.2, 0.05]),
+    ([1.0, 0.0, 0.0], 0.0, [3.0, 5.0, 1.0]),  # one-hot: no move at all
+    ([1e-30, 1.0 - 1e-30], 0.0, [0.5, 60.0]),  # a tail P beside a key that moves by 60
+    ([1e-30, 0.6, 0.4 - 1e-30], 0.0, [0.5, 60.0, 55.0]),
+    ([0.25, 0.25], 0.5, [1.0, 2.0]),  # a sink takes half the row
+    ([1e-20, 0.7], 0.3 - 1e-20, [40.0, 45.0]),
+    ([0.9, 0.1 - 1e-5 - 1e-12, 1e-12, 1e-5], 0.0, [1e-9, 2e-9, 30.0, 7.0]),
+]
+
+
+@pytest.mark.parametrize(("p", "p_sink", "a"), ROWS)
+def test_the_probability_move_is_the_largest_any_score_moves_allow(p, p_sink, a):
+    # C_P of the rule's floor (reference._probability_move) against every choice of the
+    # scores' moves, each P and the row's sum moving together: it bounds them, and is reached
+    p, a = torch.tensor(p, dtype=torch.float64), torch.tensor(a, dtype=torch.float64)
+    u = 1e-3
+    got = reference._probability_move(p, torch.tensor(p_sink, dtype=torch.float64), a / u, u) * u
+    want = _moves_by_brute_force(p, p_sink, a)
+    assert torch.all(got >= want * (1 - 1e-9)), (got, want)
+    assert torch.allclose(got, want, rtol=1e-9, atol=0.0), (got, want)
+    if (p > 0).sum() == 1 and p_sink == 0:
+        assert (got == 0).all()
+
+
+def test_a_score_that_may_move_without_bound_may_take_all_of_the_others():
+    # a bias at finfo.min beside live keys: its move is infinite; every other P may fall to 0
+    p = torch.tensor([1e-30, 0.5, 0.5 - 1e-30], dtype=torch.float64)
+    a = torch.tensor([math.inf, 1.0, 1.0], dtype=torch.float64)
+    got = reference._probability_move(p, torch.tensor(0.0, dtype=torch.float64), a, 1.0)
+    assert torch.equal(got[1:], p[1:])
+    assert not got.isnan().any()

@@ -104,13 +104,19 @@ def run_kernels(args: argparse.Namespace) -> int:
         print(f"attngrad kernels: {e}", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout is the JSON alone
-    triton = ".".join(map(str, configs.triton_version()))
+    triton = configs.triton_version_text()
     print(f"attngrad kernels --target {target.name} (Triton {triton}'s table)", file=out)
     shown = kernel_report.summary(rows) if args.summary else rows
     print(kernels_table(shown, markdown=args.markdown), file=out)
     if args.summary:
         failed = sum(not row.ok for row in rows)
         print(f"over all {len(rows)} configurations: {failed} not ok", file=out)
+    if not configs.compiles(float64=True, keep_mask=True):
+        print(
+            f"float64 with a bool mask left out: Triton {triton} cannot compile it "
+            "(strategy='triton' refuses the call)",
+            file=out,
+        )
     if args.json:
         write_json(kernel_report.as_json(target, rows), args.json, out)
     return 0 if all(row.ok for row in rows) else 1

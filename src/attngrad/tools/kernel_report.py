@@ -59,6 +59,7 @@ __all__ = [
     "Variant",
     "as_json",
     "compile_all",
+    "compiles",
     "grid",
     "launches",
     "plan",
@@ -125,10 +126,10 @@ def grid(quick: bool = False) -> list[Variant]:
                 out += [Variant(dtype, precision, d, mode, 1) for mode in MASKS]
                 out += [Variant(dtype, precision, d, m, 4) for m in ("none", "masks", "all")]
             out += [Variant(dtype, precision, 128, mode, 1, 1000) for mode in ("none", "all")]
-    return [v for v in out if _compiles(v)]
+    return [v for v in out if compiles(v)]
 
 
-def _compiles(variant: Variant) -> bool:
+def compiles(variant: Variant) -> bool:
     """Whether the installed Triton compiles the variant (`configs.compiles`); the launcher
     refuses the calls it does not (Triton 3.6: float64 with a bool mask)."""
     return configs.compiles(variant.dtype == "float64", variant.mask in ("bool", "masks", "all"))
@@ -346,7 +347,7 @@ def as_json(target: Target, rows: list[Row]) -> dict[str, object]:
     """The report as ``attngrad kernels --json`` writes it."""
     return {
         "target": target.name,
-        "triton": ".".join(map(str, configs.triton_version())),
+        "triton": configs.triton_version_text(),
         "shared_limit": target.shared_limit,
         "configs": [
             {

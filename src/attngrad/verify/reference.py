@@ -474,47 +474,61 @@ def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
     return _Path(f.p, a_ds, f.slope * a_ds, f.p_sink * a_dlt)
 
 
-def _probability_move(p: torch.Tensor, c_s: torch.Tensor, u: float) -> torch.Tensor:
+def _probability_move(
+    p: torch.Tensor, p_sink: torch.Tensor, c_s: torch.Tensor, u: float
+) -> torch.Tensor:
     """C_P: how far P can move, over u, when each score moves by at most u C_S.
 
     A score moves P through its own exponential and through the row's sum, in
-    the same direction: P_j' = P_j exp(d_j) / (P_j exp(d_j) + sum_{i != j} P_i
-    exp(d_i)) with |d_i| <= a_i = u C_S_i (and the sink, exact, in the sum).
-    P_j' is largest with d_j = a_j and every other d_i = -a_i, which rises it by
-    P_j ((1 - P_j) expm1(a_j) - L_j) / (1 + P_j expm1(a_j) + L_j), L_j = sum_{i != j}
-    P_i expm1(-a_i); smallest the other way round, a fall of P_j ((1 - P_j)
-    (-expm1(-a_j)) + H_j) / (1 + P_j expm1(-a_j) + H_j), H_j = sum_{i != j} P_i
-    expm1(a_i); never more than P_j.  To first order both are P o ((1 - P) o C_S
-    + rowsum(P o C_S) - P o C_S) u: a row whose P is one-hot does not move, as its
-    one score appears above and below.  A kernel that recomputes its scores in
-    backward must get them bit for bit (P rebuilt from other scores than the
-    saved statistics' is not normalised: at |S| u ~ 1e-3 every P of the row
-    moves).  The exact form matters in a row's exponential tail when u C_S
-    reaches a few units (scores of 1e4 and more in float32: P = exp(-54) moved
-    by exp(6)), and the fall where a bias swamps the scores and the row's
-    largest P drops to uniform.
+    the same direction: P_j' = P_j exp(d_j) / (P_j exp(d_j) + p_sink + sum_{i != j}
+    P_i exp(d_i)) with |d_i| <= a_i = u C_S_i (the sink's logit is exact).  With
+    O_j = p_sink + sum_{i != j} P_i (the rest of the row), P_j' is largest with
+    d_j = a_j and every other d_i = -a_i, a rise of
+
+        P_j (L_j + S_j (1 - exp(-a_j))) / (P_j + S_j exp(-a_j)),
+        S_j = p_sink + sum_{i != j} P_i exp(-a_i),  L_j = O_j - S_j = sum_{i != j} P_i (1 - exp(-a_i))
+
+    and smallest the other way round, a fall of
+
+        P_j (H_j + O_j (1 - exp(-a_j))) / (P_j exp(-a_j) + O_j + H_j),  H_j = sum_{i != j} P_i expm1(a_i)
+
+    (P_j when H_j is infinite: a score at finfo.min that may move by itself; 0
+    for a P_j alone in its row).  Every sum leaves key j out by prefix and suffix
+    sums, never by subtraction: a P_j of 1e-30 beside keys that move by units
+    keeps its bound.  To first order both are P o ((1 - P) o C_S + rowsum(P o C_S)
+    - P o C_S) u: a row whose P is one-hot does not move, as its one score
+    appears above and below.  A kernel that recomputes its scores in backward
+    must get them bit for bit (P rebuilt from other scores than the saved
+    statistics' is not normalised: at |S| u ~ 1e-3 every P of the row moves).
+    The exact form matters in a row's exponential tail when u C_S reaches a few
+    units (scores of 1e4 and more in float32: P = exp(-54) moved by exp(6)), and
+    the fall where a bias swamps the scores and the row's largest P drops to
+    uniform.
     """
     a = u * c_s
-    # expm1 throughout: no cancellation where u C_S is small; exp(-a) = 1 + down never overflows
-    up, down = torch.expm1(a), torch.expm1(-a)
     live = p > 0
-    # over the row's other scores (the sink's d = 0 adds nothing): L_j = sum P_i expm1(-a_i), in
-    # [-(1 - P_j), 0], and H_j = sum P_i expm1(a_i) >= 0, inf where a score at finfo.min may move
-    # by itself (a score whose own exp(a) overflows is left out of its own H_j, not subtracted)
-    lows = (p * down).sum(-1, keepdim=True) - p * down
-    rises = torch.where(live, p * up, 0.0)
-    finite = torch.where(rises.isinf(), 0.0, rises)
-    overflows = rises.isinf().sum(-1, keepdim=True) - rises.isinf().long()
-    highs = torch.where(overflows > 0, math.inf, finite.sum(-1, keepdim=True) - finite)
-    # P_j' = P_j / (P_j + (1 - P_j + L_j) exp(-a_j)) at the largest; the least has H_j
-    rise = p * (-(1 - p) * down - lows * (1 + down)) / (p + (1 - p + lows) * (1 + down))
-    # the least, P_j (1 + down_j) / (P_j (1 + down_j) + 1 - P_j + H_j): P_j = 1 alone in its row
-    # stays 1 even where exp(-a_j) underflows (0 / 0 here)
-    rest = (1 - p) + highs
-    fall = torch.where(rest > 0, ((1 - p) * -down + highs) / (p * (1 + down) + rest), 0.0)
+    # expm1 throughout: no cancellation where u C_S is small; exp(-a) never overflows
+    shrink, grow = -torch.expm1(-a), torch.where(live, p * torch.expm1(a), 0.0)
+    sink = p_sink.unsqueeze(-1)
+    others = sink + _others(p)  # O_j
+    kept = sink + _others(p * torch.exp(-a))  # S_j
+    rise = p * (_others(p * shrink) + kept * shrink) / (p + kept * torch.exp(-a))
+    highs = _others(grow)  # H_j
+    below = p * torch.exp(-a) + others + highs
+    fall = torch.where(below > 0, (highs + others * shrink) / below, 0.0)
     fall = torch.where(highs.isinf(), 1.0, fall)
     move = torch.maximum(rise.clamp(max=1 - p), (p * fall).clamp(max=p))
     return torch.where(live, move, 0.0) / u
+
+
+def _others(x: torch.Tensor) -> torch.Tensor:
+    """sum_{i != j} x_i along the last dim, for each j: the sums before j and after j added,
+    never the row's sum minus x_j (which cancels where x_j dominates, and is inf - inf where
+    x_j is infinite)."""
+    zero = torch.zeros_like(x[..., :1])
+    before = torch.cat((zero, x[..., :-1].cumsum(-1)), -1)
+    after = torch.cat((x[..., 1:].flip(-1).cumsum(-1).flip(-1), zero), -1)
+    return before + after
 
 
 def _sensitivity_path(
@@ -522,7 +536,7 @@ def _sensitivity_path(
 ) -> _Path:
     """C: C_P, C_dS, C_dX and C_dsink from the score perturbation C_S (`magnitudes`)."""
     p, c_s = f.p, f.c_s
-    c_p = _probability_move(p, c_s, score_error)
+    c_p = _probability_move(p, f.p_sink, c_s, score_error)
     delta = (p * dp).sum(-1, keepdim=True)
     # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
     # dropout removed, beside keys that underflow)

@@ -12,8 +12,8 @@ heavy tier.
 
 The tables are the output of ``benchmarks/search_kernel_configs.py``, run
 under each Triton in `TABLES` (ptxas sees what that Triton's compiler makes
-of the kernels, and Triton 3.6 holds more registers than 3.7 on: 73 of 144
-slots of the newest table spill under it): for each
+of the kernels: under Triton 3.6, 37 of the newest table's 144 slots and
+tiers spilled, and 36 more, float64 with a bool mask, did not compile): for each
 slot, of its candidates, largest tiles first, the first that ptxas compiles
 without spilling a register in the tier's heaviest mask mode (light: bias
 with its gradient, keep mask and band at once; heavy: those plus softcap and
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import re
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ __all__ = [
     "release",
     "table_for",
     "triton_version",
+    "triton_version_text",
 ]
 
 KERNELS = ("forward", "delta", "dkdv", "dq")
@@ -306,10 +308,15 @@ _HEAVY: dict[_Key, Config] = {
 
 # Triton 3.6 (the Triton of PyTorch 2.11's CUDA builds) allocates registers differently: where
 # the tiles above spill under it, the search's choice under 3.6 (same method, same comments).
-# float64 with a bool mask does not compile under 3.6 at all (the launcher refuses it), so its
-# float64 slots keep the newest table's tiles.
+# float64 with a bool mask does not compile under 3.6 at all (the launcher refuses it); its
+# other float64 modes search like the rest.  Where nothing fits under 3.6 (float32 dK/dV at
+# d = 128, heavy, sm_90: every candidate spills 20 B or more) the newest tiles stay.
 _LIGHT_3_6: dict[_Key, Config] = {
     (80, "fma32", 64, "forward"): Config(64, 16, 4, 3),  # 238 regs, 24576 B shared (15%), spill 0 B
+    (80, "fma32", 128, "dkdv"): Config(16, 16, 8, 2),  # 102 regs, 21504 B shared (13%), spill 0 B
+    (80, "fma64", 256, "forward"): Config(
+        16, 16, 4, 1
+    ),  # 255 regs, 40960 B shared (25%), spill 0 B
     (80, "mma16", 128, "dkdv"): Config(16, 32, 4, 3),  # 255 regs, 34688 B shared (21%), spill 0 B
     (80, "mma16", 128, "forward"): Config(
         32, 32, 4, 3
@@ -325,14 +332,14 @@ _LIGHT_3_6: dict[_Key, Config] = {
     ),  # 252 regs, 47104 B shared (28%), spill 0 B
     (90, "fma32", 64, "dkdv"): Config(16, 16, 4, 3),  # 140 regs, 17408 B shared (7%), spill 0 B
     (90, "fma32", 64, "forward"): Config(64, 16, 4, 3),  # 224 regs, 24576 B shared (11%), spill 0 B
+    (90, "fma32", 256, "dkdv"): Config(16, 16, 8, 1),  # 124 regs, 37888 B shared (16%), spill 0 B
+    (90, "fma64", 128, "dkdv"): Config(16, 16, 4, 1),  # 255 regs, 43008 B shared (19%), spill 64 B
     (90, "mma16", 64, "dkdv"): Config(16, 32, 4, 3),  # 245 regs, 18304 B shared (8%), spill 0 B
     (90, "mma16", 64, "forward"): Config(64, 32, 8, 3),  # 206 regs, 40960 B shared (18%), spill 0 B
     (90, "mma16", 128, "dkdv"): Config(16, 16, 4, 3),  # 250 regs, 25984 B shared (11%), spill 0 B
     (90, "tf32", 64, "dkdv"): Config(16, 32, 4, 3),  # 255 regs, 31424 B shared (14%), spill 0 B
     (90, "tf32", 128, "dq"): Config(64, 32, 8, 2, 64),  # 255 regs, 65536 B shared (28%), spill 0 B
-    (90, "tf32", 256, "dkdv"): Config(
-        16, 32, 8, 1, 64
-    ),  # 250 regs, 47104 B shared (20%), spill 0 B
+    (90, "tf32", 256, "dkdv"): Config(16, 16, 8, 1),  # 167 regs, 81920 B shared (35%), spill 0 B
     (90, "tf32", 256, "forward"): Config(32, 16, 8, 1),  # 202 regs, 51456 B shared (22%), spill 0 B
 }
 
@@ -372,14 +379,29 @@ TABLES: dict[tuple[int, int], tuple[dict[_Key, Config], dict[_Key, Config]]] = {
 }
 
 
+# the distributions that install the `triton` module: PyPI's, and PyTorch's own builds
+_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
+
+
 @functools.cache
 def triton_version() -> tuple[int, int]:
-    """(major, minor) of the installed Triton, read from its package metadata without
-    importing it; the newest table's when Triton is not installed."""
-    try:
-        return release(importlib.metadata.version("triton"))
-    except importlib.metadata.PackageNotFoundError:
+    """(major, minor) of the installed Triton, from its distribution's metadata (no import), else
+    from ``triton.__version__``; the newest table's when Triton is not installed."""
+    for name in _DISTRIBUTIONS:
+        try:
+            return release(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if importlib.util.find_spec("triton") is None:
         return max(TABLES)
+    import triton  # type: ignore[import-untyped]
+
+    return release(triton.__version__)
+
+
+def triton_version_text() -> str:
+    """`triton_version` as text, e.g. "3.6"."""
+    return ".".join(map(str, triton_version()))
 
 
 def release(version: str) -> tuple[int, int]:

@@ -60,8 +60,8 @@ Scores bit for bit.  Backward rebuilds P = exp2((S - m) log2 e - log2 l) from
 the saved statistics, so the dK/dV kernel (k q^T) and the dQ kernel must form
 each score with the bits forward formed it with: at |S| u ~ 1e-3 one more
 rounding moves every P of the row.  FMA dots sum in column order whatever the
-tile; in the interpreter, whose tl.dot is numpy's BLAS, the products over the
-head dim are summed column by column (IN_ORDER, `_in_order`).
+tile; in the interpreter, whose tl.dot is numpy's BLAS, each entry of a product
+over the head dim is one numpy sum of its own products (REPEATABLE, `_repeatable`).
 
 Import this module only after deciding on TRITON_INTERPRET: Triton reads it
 when the kernels are decorated.
@@ -174,7 +174,7 @@ def _dot_rows(
     B, b_head, b0, offs_b, nb, b,
     width,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, IN_ORDER: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, REPEATABLE: tl.constexpr,
 ):  # fmt: skip
     """a @ b^T over the head dim: rows offs_a of A's head a_head times rows offs_b of B's.
 
@@ -183,16 +183,16 @@ def _dot_rows(
     dot (float32 without TF32, float64) keeps the whole width of its operands'
     rows in each thread's registers, which spills at d = 128.
 
-    IN_ORDER (the interpreter, whose CHUNK is whole): each entry is the sum of
-    its products taken in column order (`_in_order`), so it has the same bits
-    whatever the tile's shape and whichever operand comes first.  The scores
+    REPEATABLE (the interpreter, whose CHUNK is whole): each entry is summed by
+    one numpy reduction over its own products (`_repeatable`), so it has the
+    same bits whatever the tile's shape and whichever operand comes first.  The scores
     S = q k^T are formed by three kernels (forward, dK/dV as k q^T, dQ) and
     dP = dO v^T by two, next to Delta = rowsum(dO * O) (`attention_delta`);
     numpy's BLAS rounds a product differently by shape and operand order on
     some CPUs, and at |S| u ~ 1e-3 one rounding of S moves every P of its row.
     """
-    if IN_ORDER:
-        out = _in_order(a, b, ACC, UPCAST)
+    if REPEATABLE:
+        out = _repeatable(a, b, ACC, UPCAST)
     elif CHUNK >= BLOCK_W:
         out = _dot(a, tl.trans(b), ACC, UPCAST, PRECISION)
     else:
@@ -206,14 +206,14 @@ def _dot_rows(
 
 
 @triton.jit
-def _in_order(a, b, ACC: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b^T in ACC, each entry summed over the columns in order: [A, W] x [B, W] -> [A, B].
+def _repeatable(a, b, ACC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b^T in ACC: [A, W] x [B, W] -> [A, B], each entry by the same sum of its products.
 
     The products a[i, c] b[j, c] are formed in ACC (exact for 16-bit
-    operands) and added one column after another, which is what numpy does
-    summing an axis other than the last: the sum of row i and row j in
-    order, the same bits as entry (j, i) of b @ a^T.  Interpreter only (a
-    [A, W, B] tile of products).
+    operands) into a [A, W, B] tile that numpy lays out with W innermost, and
+    numpy's pairwise sum over W adds them: entry (i, j) depends on rows a[i]
+    and b[j] alone, bit for bit the entry (j, i) of b @ a^T and the entry of
+    any other tile holding the two rows.  Interpreter only.
     """
     a = _widen(a, ACC, UPCAST)
     b = _widen(b, ACC, UPCAST)
@@ -355,7 +355,7 @@ def attention_forward(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-    IN_ORDER: tl.constexpr,
+    REPEATABLE: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(1) * BLOCK_M
     bh = tl.program_id(0).to(tl.int64)  # offsets in int64: B*H*N*d may pass 2**31
@@ -376,7 +376,7 @@ def attention_forward(
         k = _tile_or_none(K, bhk, n0, offs_n, nk, offs_d, d, CHUNK >= BLOCK_D)
         v = _load_tile(V, bhk, n0, offs_n, nk, offs_dv, dv)
         s = _dot_rows(Q, bh, m0, offs_m, nq, q, K, bhk, n0, offs_n, nk, k, d,
-                      BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, IN_ORDER)  # fmt: skip
+                      BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, REPEATABLE)  # fmt: skip
         s, _ = _capped(s * scale, cap, HAS_SOFTCAP)
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], m0, n0, lo[:, None], hi[:, None],
                          b, h, Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
@@ -408,7 +408,7 @@ def attention_delta(
     Out, DO, Delta, nq, dv,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-    IN_ORDER: tl.constexpr,
+    REPEATABLE: tl.constexpr,
 ):  # fmt: skip
     """Delta = rowsum(O * dO): [B*Hq, Nq] in ACC, the diagonal of dO O^T.
 
@@ -428,7 +428,7 @@ def attention_delta(
     do = _tile_or_none(DO, bh, m0, offs_m, nq, offs_dv, dv, CHUNK >= BLOCK_DV)
     o = _tile_or_none(Out, bh, m0, offs_m, nq, offs_dv, dv, CHUNK >= BLOCK_DV)
     products = _dot_rows(DO, bh, m0, offs_m, nq, do, Out, bh, m0, offs_m, nq, o, dv,
-                         BLOCK_M, BLOCK_M, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION, IN_ORDER)  # fmt: skip
+                         BLOCK_M, BLOCK_M, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION, REPEATABLE)  # fmt: skip
     diagonal = tl.where(offs_m[:, None] == offs_m[None, :], products, 0.0)
     tl.store(Delta + bh * nq + offs_m, tl.sum(diagonal, 1), mask=offs_m < nq)
 
@@ -456,7 +456,7 @@ def attention_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-    IN_ORDER: tl.constexpr,
+    REPEATABLE: tl.constexpr,
 ):  # fmt: skip
     """dK = scale * sum_g dS_g^T q_g and dV = sum_g P~_g^T dO_g for one key block,
     working in the transposed orientation (keys along rows); query rows
@@ -486,7 +486,7 @@ def attention_dkdv(
             m, neg_log2_l, delta = _row_stats(Stats, Delta, bh, offs_m, nq, log2e)
             lo, hi = _spans(Lo, Hi, offs_m, nq, nk, HAS_BAND)
             s_t = _dot_rows(K, bhk, n0, offs_n, nk, k, Q, bh, m0, offs_m, nq, q, d,
-                            BLOCK_N, BLOCK_M, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, IN_ORDER)  # fmt: skip
+                            BLOCK_N, BLOCK_M, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, REPEATABLE)  # fmt: skip
             s_t, slope_t = _capped(s_t * scale, cap, HAS_SOFTCAP)  # [BLOCK_N, BLOCK_M]
             s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], m0, n0,
                                lo[None, :], hi[None, :], b, h, Bias, Keep,
@@ -494,7 +494,7 @@ def attention_dkdv(
                                HAS_BIAS, HAS_KEEP, WIDE_TILES)  # fmt: skip
             p_t = tl.exp2((s_t - m[None, :]) * log2e + neg_log2_l[None, :])
             dp_t = _dot_rows(V, bhk, n0, offs_n, nk, v, DO, bh, m0, offs_m, nq, do, dv,
-                             BLOCK_N, BLOCK_M, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION, IN_ORDER)  # fmt: skip
+                             BLOCK_N, BLOCK_M, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION, REPEATABLE)  # fmt: skip
             if HAS_DROPOUT:
                 row_words = tl.load(RowWords + bh * nq + offs_m, mask=offs_m < nq, other=0)
                 kept = _kept(row_words[None, :], col_words[:, None], threshold)
@@ -522,7 +522,7 @@ def attention_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-    IN_ORDER: tl.constexpr, STORE_DS: tl.constexpr,
+    REPEATABLE: tl.constexpr, STORE_DS: tl.constexpr,
 ):  # fmt: skip
     """dQ = scale * dS_raw k for one query block; with STORE_DS also dS (the gradient
     of the capped, biased score, the bias's) into DS [B*Hq, Nq, Nk]."""
@@ -545,14 +545,14 @@ def attention_dq(
         k = _load_tile(K, bhk, n0, offs_n, nk, offs_d, d)
         v = _tile_or_none(V, bhk, n0, offs_n, nk, offs_dv, dv, CHUNK >= BLOCK_DV)
         s = _dot_rows(Q, bh, m0, offs_m, nq, q, K, bhk, n0, offs_n, nk, k, d,
-                      BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, IN_ORDER)  # fmt: skip
+                      BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, ACC, UPCAST, PRECISION, REPEATABLE)  # fmt: skip
         s, slope = _capped(s * scale, cap, HAS_SOFTCAP)
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], m0, n0, lo[:, None], hi[:, None],
                          b, h, Bias, Keep, sbb, sbh, sbm, sbn, seb, seh, sem, sen,
                          HAS_BIAS, HAS_KEEP, WIDE_TILES)  # fmt: skip
         p = tl.exp2((s - m[:, None]) * log2e + neg_log2_l[:, None])
         dp = _dot_rows(DO, bh, m0, offs_m, nq, do, V, bhk, n0, offs_n, nk, v, dv,
-                       BLOCK_M, BLOCK_N, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION, IN_ORDER)  # fmt: skip
+                       BLOCK_M, BLOCK_N, BLOCK_DV, CHUNK, ACC, UPCAST, PRECISION, REPEATABLE)  # fmt: skip
         if HAS_DROPOUT:
             col_words = tl.load(ColWords + offs_n, mask=offs_n < nk, other=0)
             kept = _kept(row_words[:, None], col_words[None, :], threshold)

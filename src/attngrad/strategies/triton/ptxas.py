@@ -109,7 +109,7 @@ def bind(kernel: Any, args: dict[str, object], arch: int) -> Bound:
     except (AttributeError, ImportError, TypeError) as e:
         raise UnsupportedTriton(
             f"binding a launch with this Triton failed ({type(e).__name__}: {e}); the compile "
-            "report builds on the binder of Triton 3.6 to 3.9: pip install 'triton>=3.6'"
+            "report builds on the binder of Triton 3.6 to 3.9: pip install 'triton>=3.6,<3.10'"
         ) from e
     src = ASTSource(kernel, signature, constexprs, attrs)
     key = get_cache_key(src, backend, options, env_vars={})

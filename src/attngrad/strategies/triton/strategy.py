@@ -93,10 +93,12 @@ def unavailable_reason(device: torch.device) -> str | None:
 def _interpreter_reason() -> str | None:
     """Why Triton's interpreter cannot run the kernels here, or None: Triton 3.6's turns a
     scalar (a one-element array) into an int with int(), which numpy 2.4 refuses."""
+    if configs.triton_version() >= (3, 7):
+        return None
     numpy = importlib.metadata.version("numpy")
-    if configs.triton_version() < (3, 7) and configs.release(numpy) >= (2, 4):
+    if configs.release(numpy) >= (2, 4):
         return (
-            f"strategy='triton' in the interpreter of Triton {importlib.metadata.version('triton')} "
+            f"strategy='triton' in the interpreter of Triton {configs.triton_version_text()} "
             f"needs numpy < 2.4 (it converts one-element arrays with int(); numpy {numpy} "
             "refuses): pip install 'numpy<2.4', or Triton >= 3.7."
         )
@@ -258,7 +260,7 @@ def _check_compiles(dtype: torch.dtype, mask: ScoreMods, arch: int | None) -> No
         return
     raise RuntimeError(
         f"strategy='triton' cannot compile float64 with a bool mask for sm_{arch} under "
-        f"Triton {'.'.join(map(str, configs.triton_version()))} (its float64 MMA lowering "
+        f"Triton {configs.triton_version_text()} (its float64 MMA lowering "
         "fails); pass the mask as a float bias (0 where kept, -inf elsewhere), pick "
         "strategy='flash', or use Triton >= 3.7."
     )
@@ -285,19 +287,19 @@ FMA_CHUNK = (
 
 
 def _dots(dtype: torch.dtype, arch: int | None) -> dict[str, object]:
-    """The kernels' ACC, UPCAST, PRECISION, IN_ORDER for inputs of ``dtype`` (see `attngrad.strategies.triton.kernels._dot`).
+    """The kernels' ACC, UPCAST, PRECISION, REPEATABLE for inputs of ``dtype`` (see `attngrad.strategies.triton.kernels._dot`).
 
     ACC: float64 for float64, else float32; PRECISION: "tf32" for float32 on a
     GPU when `tf32_enabled`, else "ieee"; UPCAST: bfloat16 in the interpreter;
-    IN_ORDER: in the interpreter, the products over the head dim (S, dP, Delta)
-    summed column by column (`attngrad.strategies.triton.kernels._dot_rows`).
+    REPEATABLE: in the interpreter, each entry of the products over the head dim
+    (S, dP, Delta) the same numpy sum whatever the tile (`attngrad.strategies.triton.kernels._dot_rows`).
     """
     tl = _kernels().tl
     return {
         "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
         "UPCAST": arch is None and dtype == torch.bfloat16,
         "PRECISION": "tf32" if _tf32(dtype, arch) else "ieee",
-        "IN_ORDER": arch is None,
+        "REPEATABLE": arch is None,
     }
 
 
