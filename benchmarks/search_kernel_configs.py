@@ -65,6 +65,8 @@ CANDIDATES = {"forward": _QUERY, "dq": _QUERY, "dkdv": _KEYS}
 # tensor-core dots over wide heads may also take the head dim in slices of 64 columns
 # (`kernels._dot_rows`): q, k, v, dO then stay in memory, not in registers
 _SLICED = {("mma16", 256), ("tf32", 128), ("tf32", 256)}
+
+
 def _chunks(kind: str, hd: int) -> tuple[int, ...]:
     """The head-dim slices a slot tries (0: the launcher's default, whole on tensor cores and 32
     on FMA units): 64 for the wide tensor-core dots of `_SLICED`, 16 for FMA dots, whose rows

@@ -371,11 +371,13 @@ _HEAVY_3_6: dict[_Key, Config] = {
     ),  # 255 regs, 28672 B shared (12%), spill 0 B
 }
 
-# (light, heavy) by the oldest Triton (major, minor) each was searched for: a Triton takes the
-# newest table not newer than itself (`triton_version`), one older than them all the oldest
+# (light, heavy) by the Triton (major, minor) each was searched under: a Triton takes the newest
+# table not newer than itself (`triton_version`), one older than them all the oldest.  3.7 and
+# 3.8 take 3.6's, which spills less under them than the newest (their quick reports on sm_90:
+# 1 and 3 float32 kernels at 8-16 B; not searched under them)
 TABLES: dict[tuple[int, int], tuple[dict[_Key, Config], dict[_Key, Config]]] = {
     (3, 6): ({**_TABLE, **_LIGHT_3_6}, {**_HEAVY, **_HEAVY_3_6}),
-    (3, 7): (_TABLE, _HEAVY),
+    (3, 9): (_TABLE, _HEAVY),
 }
 
 
