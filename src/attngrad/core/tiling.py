@@ -37,14 +37,18 @@ def tile_sizes(
 def schedule(mask: ScoreMods, blocks: tuple[int, int]) -> Iterator[tuple[slice, list[slice]]]:
     """The tiles to visit: each block of query rows with the key tiles it needs.
 
-    Key tiles outside ``mask.key_span(rows)`` (entirely masked by the causal or
-    window band) are left out; the last tile of a span may be short.
+    The key tiles are the blocks of `key_schedule` (multiples of block_k) cut
+    to ``mask.key_span(rows)``, those outside it (entirely masked by the band)
+    left out: forward and backward then form each score in a tile of one
+    shape, so with the same bits (a BLAS rounds a product by its shape, and a
+    P rebuilt from other scores than the saved statistics' is not normalised).
     """
     block_q, block_k = blocks
     for r0 in range(0, mask.seq_q, block_q):
         rows = slice(r0, min(r0 + block_q, mask.seq_q))
         c_lo, c_hi = mask.key_span(rows)
-        yield rows, [slice(c0, min(c0 + block_k, c_hi)) for c0 in range(c_lo, c_hi, block_k)]
+        starts = range(c_lo - c_lo % block_k, c_hi, block_k) if c_lo < c_hi else range(0)
+        yield rows, [slice(max(c0, c_lo), min(c0 + block_k, c_hi)) for c0 in starts]
 
 
 def key_schedule(
