@@ -509,12 +509,13 @@ def _probability_move(
     live = p > 0
     # expm1 throughout: no cancellation where u C_S is small; exp(-a) never overflows
     shrink, grow = -torch.expm1(-a), torch.where(live, p * torch.expm1(a), 0.0)
+    decay = torch.exp(-a)
     sink = p_sink.unsqueeze(-1)
     others = sink + _others(p)  # O_j
-    kept = sink + _others(p * torch.exp(-a))  # S_j
-    rise = p * (_others(p * shrink) + kept * shrink) / (p + kept * torch.exp(-a))
+    kept = sink + _others(p * decay)  # S_j
+    rise = p * (_others(p * shrink) + kept * shrink) / (p + kept * decay)
     highs = _others(grow)  # H_j
-    below = p * torch.exp(-a) + others + highs
+    below = p * decay + others + highs
     fall = torch.where(below > 0, (highs + others * shrink) / below, 0.0)
     fall = torch.where(highs.isinf(), 1.0, fall)
     move = torch.maximum(rise.clamp(max=1 - p), (p * fall).clamp(max=p))
