@@ -163,7 +163,7 @@ def test_float32_scores_in_the_thousands_hold_the_rule(run, spread, n):
     # tile shapes; numpy's BLAS (Triton's interpreter) rounds those differently on some CPUs
     # (OPENBLAS_CORETYPE=Haswell), and at |S| ~ 3e4 (ulp 2e-3) a score one unit off made a
     # one-hot row's P 1.002: dv 2,000x its bound.  The rule's floor lets a score move only
-    # as one rounding does, P and the row's sum alike (reference._probability_move)
+    # as one rounding does, P and the row's sum alike (bounds._probability_move)
     case = Case(Shapes((1,), 2, 2, n, n, 64, 64), torch.float32)
     inputs = make_inputs(case)
     inputs["q"] = inputs["q"] * spread

@@ -181,7 +181,7 @@ _SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.function_sc
 
 
 # bfloat16 at spread 30: a dk formed by one P = exp(-54) whose score the inputs' rounding
-# moves by ~6 (the floor's P sensitivity must keep the exponential: reference._probability_move)
+# moves by ~6 (the floor's P sensitivity must keep the exponential: bounds._probability_move)
 _TAIL = (
     Case(Shapes((), 3, 3, 7, 10, 4, 1), torch.bfloat16, "causal", None, None, None, False),
     30.0, "none", 11, {},
@@ -190,7 +190,7 @@ _TAIL = (
 
 # float32, a -1e9 bias per query row swamping scores of ~1: the float32 scores of three rows
 # round to the bias, their P to uniform, and the row's largest P falls by more than the rule's
-# first-order move allowed (`reference._probability_move` takes the fall as well as the rise)
+# first-order move allowed (`bounds._probability_move` takes the fall as well as the rise)
 _SWAMPED = (
     Case(Shapes((2,), 2, 2, 4, 5, 1, 3), torch.float32, "float", (4, 1)),
     1.0, "minus-1e9", 712, {},

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from attngrad.verify import reference
+from attngrad.verify import bounds
+from attngrad.verify.bounds import magnitudes
 from attngrad.verify.cases import (
     as_attention,
     dropout_mask,
@@ -22,12 +23,7 @@ from attngrad.verify.cases import (
     outputs_and_grads,
     received,
 )
-from attngrad.verify.reference import (
-    magnitudes,
-    plain_attention,
-    reference_attention,
-    reference_lse,
-)
+from attngrad.verify.reference import plain_attention, reference_attention, reference_lse
 from attngrad.verify.rule import case_floors, judge
 from helpers import assert_floor, case, dtype_name, sdpa_math
 
@@ -367,11 +363,11 @@ ROWS = [
 
 @pytest.mark.parametrize(("p", "p_sink", "a"), ROWS)
 def test_the_probability_move_is_the_largest_any_score_moves_allow(p, p_sink, a):
-    # C_P of the rule's floor (reference._probability_move) against every choice of the
+    # C_P of the rule's floor (bounds._probability_move) against every choice of the
     # scores' moves, each P and the row's sum moving together: it bounds them, and is reached
     p, a = torch.tensor(p, dtype=torch.float64), torch.tensor(a, dtype=torch.float64)
     u = 1e-3
-    got = reference._probability_move(p, torch.tensor(p_sink, dtype=torch.float64), a / u, u) * u
+    got = bounds._probability_move(p, torch.tensor(p_sink, dtype=torch.float64), a / u, u) * u
     want = _moves_by_brute_force(p, p_sink, a)
     assert torch.all(got >= want * (1 - 1e-9)), (got, want)
     assert torch.allclose(got, want, rtol=1e-9, atol=0.0), (got, want)
@@ -383,6 +379,6 @@ def test_a_score_that_may_move_without_bound_may_take_all_of_the_others():
     # a bias at finfo.min beside live keys: its move is infinite; every other P may fall to 0
     p = torch.tensor([1e-30, 0.5, 0.5 - 1e-30], dtype=torch.float64)
     a = torch.tensor([math.inf, 1.0, 1.0], dtype=torch.float64)
-    got = reference._probability_move(p, torch.tensor(0.0, dtype=torch.float64), a, 1.0)
+    got = bounds._probability_move(p, torch.tensor(0.0, dtype=torch.float64), a, 1.0)
     assert torch.equal(got[1:], p[1:])
     assert not got.isnan().any()

@@ -24,7 +24,7 @@ import torch
 
 from attngrad.core.contract import Shapes, dtype_name, pair
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
-from attngrad.verify.reference import Window
+from attngrad.verify.formula import Window
 
 __all__ = [
     "DROPOUT_SEED",

@@ -11,187 +11,41 @@ definition on the full score matrix::
     O = (P o Z / (1 - p)) v               Z: the given dropout keep mask (0 when p = 1)
 
 Rows that attend nothing (no key and no finite sink) get P = 0.  The band
-is built here from its definition -- each position's segment and its place
-inside it, query i of a segment sitting at key i (top-left) or at key
-i + len_k - len_q (bottom-right) -- not from `attngrad.core.band`, so the
-strategies' band is checked against an independent one.  Run in float64 it
+is built from its definition (`attngrad.verify.formula.Band`) -- each
+position's segment and its place inside it, query i of a segment sitting at
+key i (top-left) or at key i + len_k - len_q (bottom-right) -- not from
+`attngrad.core.band`, so the strategies' band is checked against an
+independent one.  Run in float64 it
 is the reference.
 
 `plain_attention`: the plain computation in a dtype that the 2x rule
-compares with.  `magnitudes`: the last step of each quantity on absolute
-values, the numbers the error rule of `attngrad.verify.rule` derives its floor
-from.
+compares with (the "plain run" of the glossary, docs/glossary.md).  The
+steps themselves live in `attngrad.verify.formula`; what rounding can do to
+each result, the numbers the error rule of `attngrad.verify.rule` derives
+its floor from, in `attngrad.verify.bounds`.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = [
-    "LAMBDA",
-    "Magnitudes",
-    "magnitudes",
-    "plain_attention",
-    "reference_attention",
-    "reference_lse",
-]
+from attngrad.verify.formula import (
+    Band,
+    Window,
+    cap,
+    dropped,
+    expand_kv,
+    masked_scores,
+    probabilities,
+    raw_scores,
+    score_scale,
+    sink_column,
+    with_sinks,
+)
 
-Window = tuple[int | None, int | None] | None
-
-# lambda of the probabilistic bound of a sum of n rounded terms (Higham and Mary, SIAM J. Sci.
-# Comput. 41(5), 2019): |error| <= lambda sqrt(n) u max-term-scale, with probability at least
-# 1 - 2 exp(-lambda^2 / 2) = 1 - 3e-8 per sum (`attngrad.verify.rule` explains the rule it serves)
-LAMBDA = 6.0
-
-
-@dataclass(frozen=True)
-class _Band:
-    """Which keys each query may reach: is_causal, window, align and packed segments.
-
-    cu_q, cu_k: cumulative segment lengths [0, ..., N] (None: one segment of everything).
-    """
-
-    is_causal: bool = False
-    window: Window = None
-    align: str = "top-left"
-    cu_q: torch.Tensor | None = None
-    cu_k: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.align not in ("top-left", "bottom-right"):
-            raise ValueError(f"align must be 'top-left' or 'bottom-right', got {self.align!r}")
-        if self.cu_q is None and self.cu_k is not None:
-            raise ValueError("cu_seqlens_k was given without cu_seqlens_q; pass both")
-
-    def _cumulative(self, nq: int, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cu_q, cu_k) int64 on the CPU: one segment of everything without any, k = q without k."""
-        if self.cu_q is None:
-            return torch.tensor([0, nq]), torch.tensor([0, nk])
-        cu_k = self.cu_q if self.cu_k is None else self.cu_k
-        return self.cu_q.cpu().to(torch.int64), cu_k.cpu().to(torch.int64)
-
-    @property
-    def only_causal(self) -> bool:
-        """True when the band is at most SDPA's is_causal: no window, no segments, top-left."""
-        return self.window is None and self.cu_q is None and self.align == "top-left"
-
-    def keep(self, nq: int, nk: int, device: torch.device) -> torch.Tensor:
-        """[Nq, Nk] bool: key j is in query i's segment and inside its causal/window band.
-
-        Inside a segment of len_q queries and len_k keys, query i (counted
-        from the segment's start) sits at key i + off, off = 0 (top-left) or
-        len_k - len_q (bottom-right); it keeps key j when j - (i + off) is
-        at most 0 (causal), at least -left and at most right (window).
-        """
-        cu_q, cu_k = self._cumulative(nq, nk)
-        seg_q, pos_q = _segment_positions(cu_q)
-        seg_k, pos_k = _segment_positions(cu_k)
-        if self.align == "bottom-right":
-            pos_q = pos_q + (cu_k.diff() - cu_q.diff())[seg_q]
-        offset = pos_k.unsqueeze(0) - pos_q.unsqueeze(1)  # key minus the query's own key position
-        keep = seg_q.unsqueeze(1) == seg_k.unsqueeze(0)
-        left, right = self.window if self.window is not None else (None, None)
-        if self.is_causal:
-            keep &= offset <= 0
-        if left is not None:
-            keep &= offset >= -left
-        if right is not None:
-            keep &= offset <= right
-        return keep.to(device)
-
-
-def _segment_positions(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(segment, position inside it) of every position: int64 [N] each, from cu [0, ..., N]."""
-    lengths = cu.diff()
-    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    return segment, torch.arange(segment.numel()) - cu[segment]
-
-
-def _expand_kv(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v repeated per query head when ``enable_gqa`` (query head h uses kv head h // G)."""
-    if not enable_gqa:
-        return key, value
-    groups = query.shape[-3] // key.shape[-3]
-    return key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-
-
-def _scale(query: torch.Tensor, scale: float | None) -> float:
-    return 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-
-
-def _raw_scores(
-    query: torch.Tensor, key: torch.Tensor, scale: float, scale_first: bool = False
-) -> torch.Tensor:
-    """X = scale q k^T [..., Hq, Nq, Nk]: (q k^T) s, or (s q) k^T with ``scale_first``."""
-    if scale_first:
-        return (query * scale) @ key.transpose(-2, -1)
-    return query @ key.transpose(-2, -1) * scale
-
-
-def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """T = c tanh(X / c), or X without a softcap."""
-    return x if softcap is None else softcap * torch.tanh(x / softcap)
-
-
-def _masked_scores(
-    t: torch.Tensor, attn_mask: torch.Tensor | None, band: _Band
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, keep): t plus a float mask, -inf where a bool mask or the band drops a key."""
-    keep = band.keep(t.shape[-2], t.shape[-1], t.device)
-    s = t
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = keep & attn_mask
-    elif attn_mask is not None:
-        s = s + attn_mask
-    keep = keep & (s != float("-inf"))
-    return s.masked_fill(~keep, float("-inf")), keep
-
-
-def _sink_column(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The sinks as one more score column: [..., Hq, Nq, 1] (sinks [Hq] or like [..., Hq, Nq])."""
-    sigma = sinks.unsqueeze(-1) if sinks.ndim == 1 else sinks
-    return sigma.to(s.dtype).expand(s.shape[:-1]).unsqueeze(-1)
-
-
-def _with_sinks(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """[S, sigma]: [..., Nq, Nk + 1] with sinks, S itself without."""
-    return s if sinks is None else torch.cat([s, _sink_column(s, sinks)], dim=-1)
-
-
-def _softmax(s: torch.Tensor) -> torch.Tensor:
-    """softmax along the last dim with P = 0 on rows whose every score is -inf."""
-    dead = (s == float("-inf")).all(dim=-1, keepdim=True)
-    return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-
-
-def _probabilities(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """P [..., Nq, Nk]: the softmax of each row over its keys and its sink, the sink dropped."""
-    return _softmax(_with_sinks(s, sinks))[..., : s.shape[-1]]
-
-
-def _keep_factor(dropout_p: float) -> float:
-    """1 / (1 - p), the factor of a kept entry; 0 when p = 1 (nothing is kept)."""
-    return 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
-
-
-def _dropped(p: torch.Tensor, dropout_mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """P o Z / (1 - p): P with the dropped entries zeroed and the kept ones scaled."""
-    if dropout_mask is None:
-        if dropout_p > 0:
-            raise ValueError(
-                f"dropout_p={dropout_p} needs dropout_mask, the bool keep mask Z: the reference "
-                "draws no random numbers (attngrad.core.dropout.keep_mask gives attention's)."
-            )
-        return p
-    return p.masked_fill(~dropout_mask, 0.0) * _keep_factor(dropout_p)
+__all__ = ["plain_attention", "reference_attention", "reference_lse"]
 
 
 def _scores(
@@ -199,13 +53,13 @@ def _scores(
     key: torch.Tensor,
     attn_mask: torch.Tensor | None,
     scale: float | None,
-    band: _Band,
+    band: Band,
     softcap: float | None,
     scale_first: bool = False,
 ) -> torch.Tensor:
     """S [..., Hq, Nq, Nk]: scaled, capped, biased and masked; key already per query head."""
-    t = _cap(_raw_scores(query, key, _scale(query, scale), scale_first), softcap)
-    return _masked_scores(t, attn_mask, band)[0]
+    t = cap(raw_scores(query, key, score_scale(query, scale), scale_first), softcap)
+    return masked_scores(t, attn_mask, band)[0]
 
 
 def _attention(
@@ -215,16 +69,16 @@ def _attention(
     attn_mask: torch.Tensor | None,
     scale: float | None,
     enable_gqa: bool,
-    band: _Band,
+    band: Band,
     softcap: float | None,
     sinks: torch.Tensor | None,
     dropout: tuple[torch.Tensor | None, float],
     scale_first: bool = False,
 ) -> torch.Tensor:
-    """O of the module docstring; ``scale_first``: the raw scores as (s q) k^T (`_raw_scores`)."""
-    key, value = _expand_kv(query, key, value, enable_gqa)
+    """O of the module docstring; ``scale_first``: the raw scores as (s q) k^T (`raw_scores`)."""
+    key, value = expand_kv(query, key, value, enable_gqa)
     s = _scores(query, key, attn_mask, scale, band, softcap, scale_first)
-    return _dropped(_probabilities(s, sinks), *dropout) @ value
+    return dropped(probabilities(s, sinks), *dropout) @ value
 
 
 def reference_attention(
@@ -255,7 +109,7 @@ def reference_attention(
     mask Z broadcastable to the scores; P becomes P o Z / (1 - dropout_p)
     (zeros for p = 1).  A ``dropout_p`` > 0 without a mask is a ValueError.
     """
-    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    band = Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
     return _attention(
         query, key, value, attn_mask, scale, enable_gqa, band, softcap, sinks,
         (dropout_mask, dropout_p),
@@ -283,10 +137,10 @@ def reference_lse(
     softmax, does not enter it.  Differentiable except on dead rows (whose
     gradient would be 0/0).
     """
-    key, _ = _expand_kv(query, key, key, enable_gqa)
-    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    key, _ = expand_kv(query, key, key, enable_gqa)
+    band = Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
     s = _scores(query, key, attn_mask, scale, band, softcap)
-    return torch.logsumexp(_with_sinks(s, sinks), dim=-1)
+    return torch.logsumexp(with_sinks(s, sinks), dim=-1)
 
 
 def plain_attention(
@@ -320,7 +174,7 @@ def plain_attention(
     scale applied to q before the product, (s q) k^T, as SDPA MATH scales
     its operands first.
     """
-    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
+    band = Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
     if query.dtype == torch.float64 and softcap is None and dropout_mask is None:
         return _sdpa_math(query, key, value, attn_mask, scale, enable_gqa, band, sinks)
     scale_first = query.dtype == torch.float64
@@ -359,7 +213,7 @@ def _sink_as_key(
     zero = key.new_zeros(*key.shape[:-2], 1, key.shape[-1])
     key = torch.cat([key, zero], dim=-2)
     value = torch.cat([value, value.new_zeros(*value.shape[:-2], 1, value.shape[-1])], dim=-2)
-    return key, value, torch.cat([bias, _sink_column(bias, sinks)], dim=-1)
+    return key, value, torch.cat([bias, sink_column(bias, sinks)], dim=-1)
 
 
 def _sdpa_math(
@@ -369,7 +223,7 @@ def _sdpa_math(
     attn_mask: torch.Tensor | None,
     scale: float | None,
     enable_gqa: bool,
-    band: _Band,
+    band: Band,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """SDPA's MATH backend on the call, the band and the sinks expressed as SDPA can take them."""
@@ -383,420 +237,3 @@ def _sdpa_math(
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
-
-
-@dataclass(frozen=True)
-class _Scores:
-    """The forward pieces `magnitudes` bounds from, float64 [..., Hq, Nq, Nk] (p_sink: [..., Hq, Nq]).
-
-    x: the raw scores s q k^T; slope: d T / d X (1 without a softcap); keep:
-    the kept entries; p: the sink-normalised softmax; p_sink: the sink's share
-    of each row (0 without sinks); c_cap: the bound on T's perturbation from
-    the product and the cap, c_s: with the bias add, 0 where not kept.
-    """
-
-    x: torch.Tensor
-    slope: torch.Tensor
-    keep: torch.Tensor
-    p: torch.Tensor
-    p_sink: torch.Tensor
-    c_cap: torch.Tensor
-    c_s: torch.Tensor
-
-    @staticmethod
-    def of(
-        q: torch.Tensor,
-        ke: torch.Tensor,
-        s: float,
-        mask: torch.Tensor | None,
-        band: _Band,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        score_error: float,
-    ) -> _Scores:
-        """From float64 q [..., Hq, Nq, d], k per query head, and the call's options."""
-        x = _raw_scores(q, ke, s)
-        t = _cap(x, softcap)
-        scores, keep = _masked_scores(t, mask, band)
-        p_all = _softmax(_with_sinks(scores, sinks))
-        p, p_sink = p_all[..., : x.shape[-1]], p_all[..., x.shape[-1] :].sum(-1)
-        slope = torch.ones_like(x) if softcap is None else 1 - torch.tanh(x / softcap) ** 2
-        c_cap = slope * abs(s) * (q.abs() @ ke.abs().transpose(-2, -1))
-        if softcap is not None:
-            c_cap = c_cap + slope * x.abs() + 2 * t.abs()
-        c_cap = c_cap.masked_fill(~keep, 0.0)
-        c_s = c_cap
-        if mask is not None and mask.dtype != torch.bool:
-            c_s = c_s + torch.minimum(scores.abs(), t.abs() / score_error).masked_fill(~keep, 0.0)
-        return _Scores(x, slope, keep, p, p_sink, c_cap, c_s)
-
-
-class Magnitudes(NamedTuple):
-    """What the error rule's floor is made of (`magnitudes`), each a dict of float64
-    tensors shaped like out, dq, dk, dv (dmask, dsinks).
-
-    magnitude: A_x; sensitivity: C_x, per unit of ``score_error``; readback:
-    R_x and kept: K_x, per unit roundoff of the dtype O, P and dS are kept in;
-    lse: rowsum(P o C_S) [..., Hq, Nq], how far each row's lse moves per unit
-    of ``score_error`` (d lse / d S = P), 0 on a dead row.
-    """
-
-    magnitude: dict[str, torch.Tensor]
-    sensitivity: dict[str, torch.Tensor]
-    readback: dict[str, torch.Tensor]
-    kept: dict[str, torch.Tensor]
-    lse: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Path:
-    """One of the two (A or C) bounds on the pieces the results are made of, float64.
-
-    p: the bound on P [..., Hq, Nq, Nk]; ds: on dS; dx: on dX = slope o dS;
-    dsink: on d sigma per row [..., Hq, Nq].
-    """
-
-    p: torch.Tensor
-    ds: torch.Tensor
-    dx: torch.Tensor
-    dsink: torch.Tensor
-
-
-def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
-    """A: P, A_dS = P o (A_dP + A_Dlt / (1 - p_sink)), slope o A_dS and p_sink A_Dlt (`magnitudes`)."""
-    a_dlt = (f.p * a_dp).sum(-1)
-    # attngrad merges a sink after the keys' own softmax (`attngrad.core.sinks`): its Delta and the
-    # merge's lse gradient are each rowsum(P_keys o A_dP), P_keys = P / (1 - p_sink), and cancel
-    # to the sink-normalised Delta; a row that is all sink (P = 0) contributes nothing
-    keys = f.p.sum(-1)  # 1 - p_sink, without its cancellation when the sink takes the row
-    a_row = torch.where(keys > 0, a_dlt / keys.clamp(min=torch.finfo(keys.dtype).tiny), 0.0)
-    a_ds = f.p * (a_dp + a_row.unsqueeze(-1))
-    return _Path(f.p, a_ds, f.slope * a_ds, f.p_sink * a_dlt)
-
-
-def _probability_move(
-    p: torch.Tensor, p_sink: torch.Tensor, c_s: torch.Tensor, u: float
-) -> torch.Tensor:
-    """C_P: how far P can move, over u, when each score moves by at most u C_S.
-
-    A score moves P through its own exponential and through the row's sum, in
-    the same direction: P_j' = P_j exp(d_j) / (P_j exp(d_j) + p_sink + sum_{i != j}
-    P_i exp(d_i)) with |d_i| <= a_i = u C_S_i (the sink's logit is exact).  With
-    O_j = p_sink + sum_{i != j} P_i (the rest of the row), P_j' is largest with
-    d_j = a_j and every other d_i = -a_i, a rise of
-
-        P_j (L_j + S_j (1 - exp(-a_j))) / (P_j + S_j exp(-a_j)),
-        S_j = p_sink + sum_{i != j} P_i exp(-a_i),  L_j = O_j - S_j = sum_{i != j} P_i (1 - exp(-a_i))
-
-    and smallest the other way round, a fall of
-
-        P_j (H_j + O_j (1 - exp(-a_j))) / (P_j exp(-a_j) + O_j + H_j),  H_j = sum_{i != j} P_i expm1(a_i)
-
-    (P_j when H_j is infinite: a score at finfo.min that may move by itself; 0
-    for a P_j alone in its row).  Every sum leaves key j out by prefix and suffix
-    sums, never by subtraction: a P_j of 1e-30 beside keys that move by units
-    keeps its bound.  To first order both are P o ((1 - P) o C_S + rowsum(P o C_S)
-    - P o C_S) u: a row whose P is one-hot does not move, as its one score
-    appears above and below.  A kernel that recomputes its scores in backward
-    must get them bit for bit (P rebuilt from other scores than the saved
-    statistics' is not normalised: at |S| u ~ 1e-3 every P of the row moves).
-    The exact form matters in a row's exponential tail when u C_S reaches a few
-    units (scores of 1e4 and more in float32: P = exp(-54) moved by exp(6)), and
-    the fall where a bias swamps the scores and the row's largest P drops to
-    uniform.
-    """
-    a = u * c_s
-    live = p > 0
-    # expm1 throughout: no cancellation where u C_S is small; exp(-a) never overflows
-    shrink, grow = -torch.expm1(-a), torch.where(live, p * torch.expm1(a), 0.0)
-    decay = torch.exp(-a)
-    sink = p_sink.unsqueeze(-1)
-    others = sink + _others(p)  # O_j
-    kept = sink + _others(p * decay)  # S_j
-    rise = p * (_others(p * shrink) + kept * shrink) / (p + kept * decay)
-    highs = _others(grow)  # H_j
-    below = p * decay + others + highs
-    fall = torch.where(below > 0, (highs + others * shrink) / below, 0.0)
-    fall = torch.where(highs.isinf(), 1.0, fall)
-    move = torch.maximum(rise.clamp(max=1 - p), (p * fall).clamp(max=p))
-    return torch.where(live, move, 0.0) / u
-
-
-def _others(x: torch.Tensor) -> torch.Tensor:
-    """sum_{i != j} x_i along the last dim, for each j: the sums before j and after j added,
-    never the row's sum minus x_j (which cancels where x_j dominates, and is inf - inf where
-    x_j is infinite)."""
-    zero = torch.zeros_like(x[..., :1])
-    before = torch.cat((zero, x[..., :-1].cumsum(-1)), -1)
-    after = torch.cat((x[..., 1:].flip(-1).cumsum(-1).flip(-1), zero), -1)
-    return before + after
-
-
-def _sensitivity_path(
-    f: _Scores, dp: torch.Tensor, softcap: float | None, score_error: float
-) -> _Path:
-    """C: C_P, C_dS, C_dX and C_dsink from the score perturbation C_S (`magnitudes`)."""
-    p, c_s = f.p, f.c_s
-    c_p = _probability_move(p, f.p_sink, c_s, score_error)
-    delta = (p * dp).sum(-1, keepdim=True)
-    # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
-    # dropout removed, beside keys that underflow)
-    c_ds = c_p * ((dp - delta).abs() + (p * dp.abs()).sum(-1, keepdim=True))
-    c_ds = c_ds + p * (c_p * dp.abs()).sum(-1, keepdim=True)
-    c_dx = f.slope * c_ds
-    if softcap is not None:  # the slope 1 - tanh^2 moves with T: by 2 |tanh| C_T / c
-        bend = 2 * torch.tanh(f.x / softcap).abs() * f.c_cap / softcap
-        c_dx = c_dx + bend * (p * (dp - delta)).abs()
-    c_dsink = f.p_sink * ((p * c_s).sum(-1) * delta.squeeze(-1).abs() + (c_p * dp.abs()).sum(-1))
-    return _Path(c_p, c_ds, c_dx, c_dsink)
-
-
-def _sum_to_sinks(rows: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """A per-row quantity [..., Hq, Nq] summed over the rows each sink logit serves."""
-    shape = (*sinks.shape, 1) if sinks.ndim == 1 else sinks.shape
-    return rows.sum_to_size(shape).reshape(sinks.shape)
-
-
-def magnitudes(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    dout: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    window: Window = None,
-    score_error: float = 2.0**-53,
-    *,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    align: str = "top-left",
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    dropout_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-) -> Magnitudes:
-    r"""(A_x, C_x, R_x, K_x) for out, dq, dk, dv (dmask for a float mask, dsinks with sinks), float64,
-    and lse's move (`Magnitudes`).
-
-    The options as in `reference_attention`.  P below is the sink-normalised
-    softmax and p_sink the sink's share of a row; W = Z / (1 - p) with
-    dropout, else 1; slope = 1 - tanh^2(X / c) <= 1 with a softcap, else 1.
-
-    A_x, the size of the last step that forms x, evaluated on absolute values
-    (P >= 0 needs none):
-
-        A_out = (P o W) |v|             A_dv = (P o W)^T |dO|
-        A_dP  = W o |dO| |v|^T          A_Dlt = rowsum(P o A_dP)
-        A_dS  = P o (A_dP + A_Dlt / (1 - p_sink))    (dS = P o (dP - Delta))
-        A_dq  = s (slope o A_dS) |k|    A_dk = s (slope o A_dS)^T |q|
-        A_dmask = A_dS, summed over the dims the mask broadcasts
-        A_dsinks = p_sink A_Dlt, summed over the rows each sink serves
-
-    (The 1 / (1 - p_sink) is attngrad's: it merges a sink after the keys'
-    own softmax, `attngrad.core.sinks`, so its Delta and the merge's lse gradient
-    are each formed at the keys' normalisation and cancel to the sink's; a
-    fused kernel that folds the sink into the row statistics would not need it.)
-
-    C_x, what the rounding of the scores does to x, per unit of
-    ``score_error`` (e: each score may be off by e C_S): a perturbation of
-    each score by at most e C_S, C_S = C_T + min(|S|, |T| / e) (the bias
-    add, which can lose at most what it added), C_T = slope o s |q| |k|^T
-    (the product, through the cap) + slope o |X| + 2 |T| (the cap's three
-    roundings, T = c tanh(X / c)), moves P by at most e C_P, C_P = P o ((1 - P)
-    o C_S + rowsum(P o C_S) - P o C_S) (each score moves its P and the row's
-    sum alike; the sinks' logits are exact; to first order:
-    `_probability_move` keeps the exponential, capped at P and 1 - P, for far
-    tails that e C_S moves by units), and so, to first order,
-
-        C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
-        C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)
-        C_dX  = slope o C_dS + 2 |tanh(X / c)| o C_T / c o |dS|   (the slope moves too)
-        C_dq  = s C_dX |k|       C_dk = s C_dX^T |q|      C_dmask = C_dS, summed like the mask
-        C_dsinks = p_sink (rowsum(P o C_S) |Dlt| + rowsum(C_P o |dP|)), summed like the sinks
-
-    R_x, what Delta = rowsum(dO o O) does to x when it is formed from O as
-    the kernel gave it, per unit u of the dtype O is kept in: O is off by at
-    most u (|O| + K_out) (its storage and a kept P, below), element by
-    element, so each row's Delta moves by at most E = RSS(|dO| o (|O| +
-    K_out)) (the same for every key of the row; RSS as for K below), and
-
-        R_dS = P o E     R_dq = s E o |(slope o P) k|   (exact: one move per row)
-        R_dk = s RSS over rows and O's elements of (slope o P)^T (dO o (|O| + K_out) o q)
-        R_dmask = R_dS, summed like the mask
-        R_dsinks = p_sink E, summed like the sinks         R_out = R_dv = 0
-
-    K_x, what the sums that take P or dS as kept in the dtype (a fused
-    kernel's 16-bit products) do to x, per unit u: each term moves by its own
-    rounding, so the sum by at most u sum|terms|, and by at most LAMBDA u
-    sqrt(sum terms^2) with the probability of the rule's sums (`LAMBDA`); K_x
-    is the smaller (written RSS below, `_rounded_terms`).  Each is rounded once,
-    as a fused kernel does: P kept for P v and P^T dO, dS formed from P in the
-    compute dtype and kept for dS k and dS^T q (or, unfused, from a kept P):
-
-        K_out = RSS((P o W) v)     K_dv = RSS((P o W)^T dO)     (dX = slope o dS)
-        K_dq  = s RSS(dX k)        K_dk = s RSS(dX^T q)         K_dsinks = 0
-        K_dmask = RSS of dS, summed like the mask
-
-    With sinks merged after a 16-bit output, O is stored once more (K_out + |O|)
-    and dO comes back rounded: 2 K_dv, and dP = dO v^T with it, so dS moves by
-    up to u A_dS (K_dq + A_dq, K_dk + A_dk, K_dmask + A_dmask).
-
-    Masked entries and dead rows contribute nothing (P = 0 there).  With GQA,
-    dk and dv terms are summed over each kv head's query heads like dk and dv.
-    """
-    s = _scale(query, scale)
-    q, k, v, do = (t.double() for t in (query, key, value, dout))
-    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double()
-    sigma = None if sinks is None else sinks.double()
-    ke, ve = _expand_kv(q, k, v, enable_gqa)
-    band = _Band(is_causal, window, align, cu_seqlens_q, cu_seqlens_k)
-    f = _Scores.of(q, ke, s, mask, band, softcap, sigma, score_error)
-    w = _dropped(torch.ones_like(f.p), dropout_mask, dropout_p)
-    x = _Operands(q, k, ke, ve, do, w, abs(s), mask, sigma)
-    dp = w * (do @ ve.transpose(-2, -1))
-    a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
-    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, score_error))
-    a, c = (_results(path, x) for path in paths)
-    kept = _kept(f, dp, a, x)
-    return Magnitudes(a, c, _readback(f, kept["out"], x), kept, (f.p * f.c_s).sum(-1))
-
-
-@dataclass(frozen=True)
-class _Operands:
-    """What every bound of `magnitudes` is built from, float64.
-
-    q: [..., Hq, Nq, d], k: [..., Hkv, Nk, d] (ke, ve: per query head), do: dO,
-    w: the dropout's factors, like P; s: |scale|; mask and sinks as given (None
-    without).
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    ke: torch.Tensor
-    ve: torch.Tensor
-    do: torch.Tensor
-    w: torch.Tensor
-    s: float
-    mask: torch.Tensor | None
-    sinks: torch.Tensor | None
-
-    @property
-    def float_mask(self) -> bool:
-        """A float mask, whose gradient dmask is bounded too."""
-        return self.mask is not None and self.mask.dtype != torch.bool
-
-
-def _group_sum(t: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """A per-query-head [..., Hq, n, x] tensor summed over each kv head's query heads (GQA;
-    q: [..., Hq, Nq, d], k: [..., Hkv, Nk, d]; as it is without GQA or heads)."""
-    if q.ndim < 3 or q.shape[-3] == k.shape[-3]:
-        return t
-    groups = q.shape[-3] // k.shape[-3]
-    return t.reshape(*t.shape[:-3], k.shape[-3], groups, *t.shape[-2:]).sum(-3)
-
-
-def _rounded_terms(
-    a: torch.Tensor, b: torch.Tensor, k: torch.Tensor | None = None, q: torch.Tensor | None = None
-) -> torch.Tensor:
-    """A bound on sum_j a_ij x_jc where each |x_jc| <= b_jc moves independently: the worst
-    case |a| |b|, or LAMBDA times the root-sum-square sqrt(a^2 b^2) where that is smaller
-    (sums of more than LAMBDA^2 comparable terms).
-
-    a: [..., m, n], b: [..., n, x] -> [..., m, x]; with k and q given, the per-query-head
-    result is summed over each kv head's query heads (GQA) before the root.
-    """
-    a, b = a.abs(), b.abs()
-    worst, squares = a @ b, a**2 @ b**2
-    if k is not None and q is not None:
-        worst, squares = _group_sum(worst, k, q), _group_sum(squares, k, q)
-    return _smaller(worst, squares)
-
-
-def _smaller(worst: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
-    """The bound on a sum of independently moving terms: the worst case (the sum of their
-    bounds) or LAMBDA times the root of the sum of their squares, whichever is smaller."""
-    return torch.minimum(worst, LAMBDA * squares.sqrt())
-
-
-def _kept(
-    f: _Scores, dp: torch.Tensor, a: dict[str, torch.Tensor], x: _Operands
-) -> dict[str, torch.Tensor]:
-    """K_x: the root-sum-square of the terms that sum P or dS kept in the dtype into x (`magnitudes`).
-
-    dp: W o dO v^T, signed; a: the A_x.  With sinks, one more rounding of O and
-    of dO (the merge's).
-    """
-    pw = f.p * x.w
-    ds = f.p * (dp - (f.p * dp).sum(-1, keepdim=True))
-    dx = f.slope * ds
-    part = {
-        "out": _rounded_terms(pw, x.ve),
-        "dq": x.s * _rounded_terms(dx, x.ke),
-        "dk": x.s * _rounded_terms(dx.transpose(-2, -1), x.q, x.k, x.q),
-        "dv": _rounded_terms(pw.transpose(-2, -1), x.do, x.k, x.q),
-    }
-    if x.float_mask:
-        shape = x.mask.shape  # type: ignore[union-attr]
-        part["dmask"] = _smaller(ds.abs().sum_to_size(shape), (ds**2).sum_to_size(shape))
-    if x.sinks is not None:
-        # a sink merged after the keys' 16-bit output (as attngrad does, `attngrad.core.sinks`)
-        # stores O once more and hands back dO' = dO w rounded: each term of dv moves twice,
-        # and dP = dO' v^T moves dS by up to u A_dS
-        part["out"] = part["out"] + (pw @ x.ve).abs()
-        part["dv"] = 2 * part["dv"]
-        for name in ("dq", "dk", "dmask"):
-            if name in part:
-                part[name] = part[name] + a[name]
-        part["dsinks"] = torch.zeros_like(x.sinks)  # d sigma = -p_sink Delta: no kept product
-    return part
-
-
-def _readback(f: _Scores, k_out: torch.Tensor, x: _Operands) -> dict[str, torch.Tensor]:
-    """R_x: what Delta = rowsum(dO o O) formed from O as stored in the dtype does to x (`magnitudes`).
-
-    k_out: K_out, O's error from a kept P.  O_ic moves by at most |O_ic| + K_out_ic per unit u,
-    each element on its own, so each row's Delta by at most E: the worst case
-    rowsum(|dO| o (|O| + K_out)), or LAMBDA times its root-sum-square where
-    smaller.  Delta's move is the same for every key of its row, so dS moves
-    by P o E and dq by s E |(slope o P) k| exactly; dk sums the moves of every
-    (row, O element) behind it (`_rounded_terms`, over rows and elements).
-    """
-    o = (f.p * x.w) @ x.ve
-    moves = x.do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
-    squares = (moves**2).sum(-1, keepdim=True)
-    e = _smaller(moves.sum(-1, keepdim=True), squares)  # [..., Hq, Nq, 1]
-    px = f.slope * f.p
-    pt = x.s * px.transpose(-2, -1)
-    q, k = x.q, x.k
-    dk = _smaller(_group_sum(pt @ (e * q.abs()), k, q), _group_sum(pt**2 @ (squares * q**2), k, q))
-    part = {
-        "out": torch.zeros_like(o),
-        "dq": x.s * e * (px @ x.ke).abs(),
-        "dk": dk,
-        "dv": torch.zeros(*k.shape[:-1], x.ve.shape[-1], dtype=o.dtype, device=o.device),
-    }
-    if x.float_mask:
-        part["dmask"] = (f.p * e).sum_to_size(x.mask.shape)  # type: ignore[union-attr]
-    if x.sinks is not None:
-        part["dsinks"] = _sum_to_sinks(f.p_sink * e.squeeze(-1), x.sinks)
-    return part
-
-
-def _results(path: _Path, x: _Operands) -> dict[str, torch.Tensor]:
-    """One path's bound on each result from its P, dS, dX and d sigma bounds (`magnitudes`);
-    dk and dv summed over each kv head's group."""
-    pw = path.p * x.w
-    part = {
-        "out": pw @ x.ve.abs(),
-        "dq": x.s * (path.dx @ x.ke.abs()),
-        "dk": x.s * (path.dx.transpose(-2, -1) @ x.q.abs()),
-        "dv": pw.transpose(-2, -1) @ x.do.abs(),
-    }
-    part["dk"], part["dv"] = (_group_sum(part[n], x.k, x.q) for n in ("dk", "dv"))
-    if x.float_mask:
-        part["dmask"] = path.ds.sum_to_size(x.mask.shape)  # type: ignore[union-attr]
-    if x.sinks is not None:
-        part["dsinks"] = _sum_to_sinks(path.dsink, x.sinks)
-    return part

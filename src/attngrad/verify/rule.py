@@ -31,7 +31,7 @@ Element by element, for each compared quantity x (out, dq, dk, dv, dmask, dsinks
 * ``K_x``: what a fused kernel's 16-bit products cost: P kept in the dtype
   for P v and P^T dO, dS for dS k and dS^T q, each rounded once, bounded by
   the worst case or, for long sums, LAMBDA times the root-sum-square of the
-  rounded terms (`attngrad.verify.reference.magnitudes`).  The plain run
+  rounded terms (`attngrad.verify.bounds.magnitudes`).  The plain run
   pays these and more, so over a large tensor 2x its largest error covers
   them; over a few elements (a short row, one live key) its largest error
   is one small draw of roundings, and K_x is the bound that does not depend
@@ -41,7 +41,7 @@ The floor, derived, not measured, is what a correct implementation computes
 differently from both the reference and the plain run:
 
 * The order of its sums, in the compute dtype.  ``A_x``
-  (`attngrad.verify.reference.magnitudes`): the last step that forms x,
+  (`attngrad.verify.bounds.magnitudes`): the last step that forms x,
   evaluated in float64 on absolute values: P |v| for the output, P^T |dO|
   for dv, P o (|dO| |v|^T + rowsum(P o |dO| |v|^T)) for dS and so the mask's
   gradient, scale * |dS|-bound * |k| for dq, ...  The classical forward error
@@ -69,7 +69,7 @@ differently from both the reference and the plain run:
   bits this is the floor's largest term, 0.4% of x in bfloat16.
 * ``R_x``: Delta = rowsum(dO o O) formed from O as the kernel stored it
   (16-bit storage and a kept P: O off by u (|O| + K_out)), the same move for
-  every key of a row (`attngrad.verify.reference.magnitudes`).  The plain
+  every key of a row (`attngrad.verify.bounds.magnitudes`).  The plain
   run forms Delta from P and dP instead, so it need not pay this.
 * With dropout, P o Z / (1 - p) takes P's place on the paths to out and dv,
   and dP is scaled alike; with a softcap, the slope 1 - tanh^2 <= 1 of the
@@ -118,6 +118,7 @@ from dataclasses import dataclass
 import torch
 
 from attngrad.core.ops import compute_dtype
+from attngrad.verify.bounds import LAMBDA, magnitudes
 from attngrad.verify.cases import (
     Case,
     Inputs,
@@ -128,13 +129,7 @@ from attngrad.verify.cases import (
     received,
     reference_keywords,
 )
-from attngrad.verify.reference import (
-    LAMBDA,
-    magnitudes,
-    plain_attention,
-    reference_attention,
-    reference_lse,
-)
+from attngrad.verify.reference import plain_attention, reference_attention, reference_lse
 
 __all__ = [
     "GRADIENTS",
@@ -222,7 +217,7 @@ def score_error(dtype: torch.dtype, head_dim: int) -> float:
     """e of the rule: the relative error of one score, in units of C_S, for inputs in ``dtype``.
 
     A d-term product in the compute dtype and `SCORE_ROUNDINGS` single roundings
-    (module docstring); `attngrad.verify.reference.magnitudes` takes it.
+    (module docstring); `attngrad.verify.bounds.magnitudes` takes it.
     """
     return unit_roundoff(compute_dtype(dtype)) * (LAMBDA * math.sqrt(head_dim) + SCORE_ROUNDINGS)
 
@@ -240,7 +235,7 @@ def rounding_floor(
     """The rule's floor for one quantity (module docstring), shaped like it.
 
     magnitude: A_x, sensitivity: C_x, readback: R_x
-    (`attngrad.verify.reference.magnitudes`, given `score_error`; None: no
+    (`attngrad.verify.bounds.magnitudes`, given `score_error`; None: no
     Delta on the way); operands: the product of the operands' largest
     magnitudes (`operand_scale`); result: |x_ref|, whose storage in ``dtype``
     rounds once (None: its bound, the magnitude).  The sums and the scores
@@ -353,7 +348,7 @@ def lse_floor(moved: torch.Tensor, ref: torch.Tensor, case: Case) -> torch.Tenso
     for 16-bit inputs): no 2x term and no kept bound, as the plain run's lse would be in the
     dtype itself.
 
-    moved: rowsum(P o C_S) (`attngrad.verify.reference.Magnitudes`); ref: the
+    moved: rowsum(P o C_S) (`attngrad.verify.bounds.Magnitudes`); ref: the
     float64 lse.  Each score may be off by e C_S (`score_error`), so lse by
     e rowsum(P o C_S) (d lse / d S = P); l sums n positive terms, each exp off
     by a unit or two, so log l moves by u_c (LAMBDA sqrt(n) + 2); log and
@@ -382,7 +377,7 @@ def case_floors(
 
 def kept_bound(kept: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """u K_x: what P and dS kept in ``dtype`` for its products can do to x (module
-    docstring); K_x from `attngrad.verify.reference.magnitudes`."""
+    docstring); K_x from `attngrad.verify.bounds.magnitudes`."""
     return unit_roundoff(dtype) * kept
 
 
