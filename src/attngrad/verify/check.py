@@ -7,9 +7,10 @@ dmask, for sinks, dsinks), compares each with
 judges the difference with one rule, the same for every dtype and every
 machine.  The cases, their inputs and the grid live in
 `attngrad.verify.cases`, the rule in `attngrad.verify.rule`, the
-higher derivatives (double backward, forward mode) in
+higher derivatives (double backward, forward mode) and the gradchecks in
 `attngrad.verify.derivatives`; this module runs them and collects a
-`CaseResult`.
+`CaseResult`.  What a case's strategies are judged against (`expect_case`)
+is computed once per case and seed and handed to each.
 
 NaN anywhere fails.  On float64 cases ``gradcheck`` also runs (fast mode: a
 random projection of the Jacobian against finite differences), the higher
@@ -26,7 +27,6 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.autograd.gradcheck import GradcheckError
 
 from attngrad.api import attention
 from attngrad.core.contract import dtype_name
@@ -35,19 +35,24 @@ from attngrad.verify.cases import (
     Case,
     Inputs,
     call_sdpa,
-    call_with,
-    input_tensor,
     make_inputs,
     make_leaves,
     outputs_and_grads,
 )
-from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE, derivative_errors
-from attngrad.verify.rule import judge_outputs
+from attngrad.verify.derivatives import (
+    DERIVATIVE_TOLERANCE,
+    derivative_errors,
+    gradcheck_passes,
+    gradgradcheck_passes,
+    leaf_elements,
+)
+from attngrad.verify.rule import Expected, expect, judge_run
 
 __all__ = [
     "GRADGRADCHECK_ELEMENTS",
     "SLOW_GRADGRADCHECK",
     "CaseResult",
+    "expect_case",
     "format_error",
     "run_case",
     "strategy_fn",
@@ -119,6 +124,13 @@ def _lse(lse: AttentionFn, case: Case, inputs: Inputs) -> torch.Tensor:
     return got
 
 
+def expect_case(case: Case, seed: int = 0) -> Expected:
+    """`expect` on the case's inputs drawn from ``seed`` (`make_inputs`): what every
+    strategy run on them by `run_case` is judged against; compute it once per case
+    and seed and hand it to each."""
+    return expect(case, make_inputs(case, seed))
+
+
 def run_case(
     strategy: str,
     case: Case,
@@ -128,11 +140,14 @@ def run_case(
     derivatives: bool = True,
     gradgradcheck: bool | None = None,
     lse: AttentionFn | None = None,
+    expected: Expected | None = None,
 ) -> CaseResult:
     """Judge one strategy (or any SDPA-like ``fn``) on one case.
 
     A strategy's lse (``return_lse=True``) is judged too (`lse_floor`); with
     ``fn``, the lse of ``lse`` (an ``fn`` that returns (out, lse)) if given.
+    expected: `expect_case` of (case, seed), shared by the strategies judged on
+    the case (None: computed here).
 
     float64 cases also get ``gradcheck`` (when ``gradcheck``), the higher
     derivatives (when ``derivatives``: `derivative_errors`) and, when they ran,
@@ -143,7 +158,9 @@ def run_case(
         gradgradcheck = gradcheck and strategy not in SLOW_GRADGRADCHECK
     if fn is None:
         fn, lse = strategy_fn(strategy), strategy_fn(strategy, return_lse=True)
-    inputs = make_inputs(case, seed)
+    if expected is not None and expected.case != case:
+        raise ValueError(f"expected is of case {expected.case.id}, not {case.id}")
+    inputs = make_inputs(case, seed) if expected is None else expected.inputs
     result = CaseResult(strategy=strategy, case=case.id, dtype=dtype_name(case.dtype))
     try:
         got = outputs_and_grads(fn, case, inputs, case.dtype)
@@ -152,7 +169,7 @@ def run_case(
     except Exception as exc:  # a crash is a failed case, reported with its message
         result.message = f"{type(exc).__name__}: {exc}"
         return result
-    verdicts = judge_outputs(case, inputs, got)
+    verdicts = judge_run(expect(case, inputs) if expected is None else expected, got)
     for v in verdicts:
         result.errors[v.name] = v.error
         result.bounds[v.name] = v.bound
@@ -166,50 +183,18 @@ def run_case(
         return result
     failures = [result.message]
     if gradcheck:
-        result.gradcheck_passed = _gradcheck(fn, case, inputs)
+        result.gradcheck_passed = gradcheck_passes(fn, case, inputs)
         failures.append("" if result.gradcheck_passed else "gradcheck failed")
     if derivatives:
         errors, messages = derivative_errors(fn, case, inputs, seed)
         result.second_order_error, result.jvp_error = errors["second_order"], errors["jvp"]
         failures += messages
     ran = derivatives and math.isfinite(result.second_order_error or 0.0)  # else failed above
-    if gradgradcheck and ran and _elements(inputs) <= GRADGRADCHECK_ELEMENTS:
-        result.gradgradcheck_passed = _gradgradcheck(fn, case, inputs)
+    if gradgradcheck and ran and leaf_elements(inputs) <= GRADGRADCHECK_ELEMENTS:
+        result.gradgradcheck_passed = gradgradcheck_passes(fn, case, inputs)
         failures.append("" if result.gradgradcheck_passed else "gradgradcheck failed")
     result.message = "; ".join(filter(None, failures))
     return result
-
-
-def _gradcheck(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
-    """``torch.autograd.gradcheck`` (fast mode) of ``fn`` at the case's float64 inputs.
-
-    Each call gets the case's keywords afresh, so a dropout case's generator
-    is re-made there and every call draws the same mask.
-    """
-    x = make_leaves(inputs)
-    call = call_with(fn, case, inputs, list(x))
-    try:
-        return bool(torch.autograd.gradcheck(call, tuple(x.values()), fast_mode=True))
-    except GradcheckError:
-        return False
-
-
-def _gradgradcheck(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
-    """``torch.autograd.gradgradcheck`` (fast mode) of ``fn`` at the case's float64 inputs."""
-    x = make_leaves(inputs)
-    call = call_with(fn, case, inputs, list(x))
-    dout = input_tensor(inputs, "dout").detach().double().clone().requires_grad_()
-    try:
-        return bool(torch.autograd.gradgradcheck(call, tuple(x.values()), (dout,), fast_mode=True))
-    except GradcheckError:
-        return False
-
-
-def _elements(inputs: Inputs) -> int:
-    """Elements of q, k, v, dout and a float mask: the size gradgradcheck perturbs."""
-    return (
-        sum(t.numel() for t in make_leaves(inputs).values()) + input_tensor(inputs, "dout").numel()
-    )
 
 
 def format_error(value: float | None) -> str:

@@ -25,6 +25,10 @@ probabilistic bound, and the grid's errors come out below 1e-14 on every strateg
 margin of 10^5 over that covers magnitudes that cancel in the result; a
 wrong or missing term is wrong by O(1) of the result and fails by 10^8.
 NaN or a crash fails.
+
+torch's own finite-difference checks run here too, in fast mode (a random
+projection of the Jacobian): `gradcheck_passes` and `gradgradcheck_passes`
+(which differentiates dout as well).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import math
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.autograd.gradcheck import GradcheckError
 
 from attngrad.verify.cases import (
     AttentionFn,
@@ -50,6 +55,9 @@ __all__ = [
     "DERIVATIVE_TOLERANCE",
     "derivative_errors",
     "directions",
+    "gradcheck_passes",
+    "gradgradcheck_passes",
+    "leaf_elements",
     "output_tangent",
     "relative_error",
     "second_order",
@@ -166,3 +174,35 @@ def derivative_errors(
         if not errors[name] <= DERIVATIVE_TOLERANCE:
             messages.append(f"{name}: relative error {errors[name]:.3g} > {DERIVATIVE_TOLERANCE:g}")
     return errors, messages
+
+
+def gradcheck_passes(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
+    """``torch.autograd.gradcheck`` (fast mode) of ``fn`` at the case's float64 inputs.
+
+    Each call gets the case's keywords afresh, so a dropout case's generator
+    is re-made there and every call draws the same mask.
+    """
+    x = make_leaves(inputs)
+    call = call_with(fn, case, inputs, list(x))
+    try:
+        return bool(torch.autograd.gradcheck(call, tuple(x.values()), fast_mode=True))
+    except GradcheckError:
+        return False
+
+
+def gradgradcheck_passes(fn: AttentionFn, case: Case, inputs: Inputs) -> bool:
+    """``torch.autograd.gradgradcheck`` (fast mode) of ``fn`` at the case's float64 inputs."""
+    x = make_leaves(inputs)
+    call = call_with(fn, case, inputs, list(x))
+    dout = input_tensor(inputs, "dout").detach().double().clone().requires_grad_()
+    try:
+        return bool(torch.autograd.gradgradcheck(call, tuple(x.values()), (dout,), fast_mode=True))
+    except GradcheckError:
+        return False
+
+
+def leaf_elements(inputs: Inputs) -> int:
+    """Elements of q, k, v, dout and a float mask: the size gradgradcheck perturbs."""
+    return (
+        sum(t.numel() for t in make_leaves(inputs).values()) + input_tensor(inputs, "dout").numel()
+    )

@@ -4,8 +4,10 @@ One rule for every dtype and every machine: an implementation's error against
 `attngrad.verify.reference.reference_attention` is at most twice the error of
 the plain PyTorch computation in that dtype (or what a fused kernel's 16-bit
 products may cost, if larger), plus a floor for what a correct implementation
-may legitimately compute differently.  `judge` applies it to one quantity,
-`judge_outputs` to every quantity of one run on a case.
+may legitimately compute differently.  `judge` applies it to one quantity;
+`expect` computes what a case's runs are judged against (the reference, the
+plain run and the bounds, once per case and inputs) and `judge_run` judges
+every quantity of one run by it (`judge_outputs`: both at once).
 
 The reference sees what the kernel sees: the inputs (q, k, v, mask, sinks,
 dO) rounded to the case's dtype, then taken to float64 (`received`).  So no
@@ -95,7 +97,7 @@ scores past 65504 in the dtype) is not finite where the reference is; it says
 nothing of the dtype's rounding then, and the rule drops its 2x term (kept +
 floor alone).
 
-lse, where an implementation returns it (``got["lse"]`` of `judge_outputs`),
+lse, where an implementation returns it (``got["lse"]`` of `judge_run`),
 answers to a floor of the compute dtype alone (`lse_floor`): attention
 returns it in the compute dtype whatever the inputs.
 
@@ -137,12 +139,15 @@ __all__ = [
     "PLAIN",
     "REFERENCE",
     "SCORE_ROUNDINGS",
+    "Expected",
     "Verdict",
     "abs_error",
     "case_bounds",
     "case_floors",
+    "expect",
     "judge",
     "judge_outputs",
+    "judge_run",
     "kept_bound",
     "largest",
     "lse_floor",
@@ -307,32 +312,69 @@ def largest(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else 0.0
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What a run on one case's inputs is judged against (`expect`), shared by every run on them.
+
+    inputs: the case's inputs as drawn, what each implementation is handed;
+    ref: the float64 reference on them as received (`received`): out, dq, dk,
+    dv (dmask, dsinks) and lse [..., Hq, Nq]; plain: the plain run in the case's
+    dtype (no lse); floors and kept: `case_bounds` of each quantity of ref.
+    Each tensor is shaped like its quantity.
+    """
+
+    case: Case
+    inputs: Inputs
+    ref: dict[str, torch.Tensor]
+    plain: dict[str, torch.Tensor]
+    floors: dict[str, torch.Tensor]
+    kept: dict[str, torch.Tensor]
+
+
+def expect(case: Case, inputs: Inputs) -> Expected:
+    """The float64 reference, the plain run and the bounds of every quantity of the case.
+
+    Taken on the inputs as the implementation received them (`received`); the
+    expensive half of the rule, computed once per case and inputs and shared
+    by every implementation judged on them (`judge_run`).
+    """
+    exact = received(inputs, case.dtype)
+    ref = outputs_and_grads(REFERENCE, case, exact, torch.float64)
+    ref["lse"] = _reference_lse(case, exact)
+    plain = outputs_and_grads(PLAIN, case, exact, case.dtype)
+    floors, kept = case_bounds(case, exact, ref)
+    return Expected(case, inputs, ref, plain, floors, kept)
+
+
+def judge_run(
+    expected: Expected, got: Mapping[str, torch.Tensor], names: Collection[str] | None = None
+) -> list[Verdict]:
+    """Judge ``got`` (out and gradients of one run on ``expected.inputs``, and lse
+    [..., Hq, Nq] if given, `lse_floor`) by the rule.
+
+    names: the quantities to judge, in the reference's order (None: every one
+    the reference has, lse where ``got`` has it; an external function may give
+    no dmask).
+    """
+    if names is None:
+        names = [name for name in expected.ref if name != "lse" or "lse" in got]
+    return [
+        judge(name, got[name], r, expected.floors[name], expected.plain.get(name),
+              expected.kept.get(name))
+        for name, r in expected.ref.items()
+        if name in names
+    ]  # fmt: skip
+
+
 def judge_outputs(
     case: Case,
     inputs: Inputs,
     got: Mapping[str, torch.Tensor],
     names: Collection[str] | None = None,
 ) -> list[Verdict]:
-    """Judge ``got`` (out and gradients of one run on ``inputs``, and lse [..., Hq, Nq] if
-    given, `lse_floor`) by the rule.
-
-    Computes the float64 reference on the inputs as the implementation
-    received them (`received`), the plain run in the case's dtype and the
-    magnitudes itself.  names: the quantities to judge, in the reference's
-    order (None: every one the reference has; an external function may give
-    no dmask).
-    """
-    exact = received(inputs, case.dtype)
-    ref = outputs_and_grads(REFERENCE, case, exact, torch.float64)
-    if "lse" in got:
-        ref["lse"] = _reference_lse(case, exact)
-    plain = outputs_and_grads(PLAIN, case, exact, case.dtype)
-    floors, kept = case_bounds(case, exact, ref)
-    return [
-        judge(name, got[name], r, floors[name], plain.get(name), kept.get(name))
-        for name, r in ref.items()
-        if names is None or name in names
-    ]
+    """`judge_run` on the case's `expect`: for one run; a second run on the same
+    inputs shares the expectation by calling those two itself."""
+    return judge_run(expect(case, inputs), got, names)
 
 
 def _reference_lse(case: Case, inputs: Inputs) -> torch.Tensor:
