@@ -19,9 +19,10 @@ import torch
 
 from attngrad.cli.grade import add_grade, grade_table
 from attngrad.core import ops
+from attngrad.learn.engine import grade_attention, grade_function
 from attngrad.learn.exercise import skeleton
 from attngrad.learn.grade import grade
-from attngrad.learn.mistakes import MISTAKES, grade_attention, grade_function
+from attngrad.learn.mistakes import MISTAKES
 
 
 def _planted(tmp_path: Path, name: str, body: str) -> Path:

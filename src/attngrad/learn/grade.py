@@ -3,8 +3,10 @@
 ``grade(path)`` imports the learner's module in a child process (so a crash or an
 endless loop, at import or in a function, is reported as a failed stage rather
 than suffered) and grades each TODO function on its own, fed the reference's
-correct inputs, then ``CustomAttention`` end to end.  The engine and the catalogue
-of known mistakes live in `attngrad.learn.mistakes`; the learner's source is never read.
+correct inputs, then ``CustomAttention`` end to end.  The stages and their right
+answers live in `attngrad.learn.stages`, the catalogue of known mistakes in
+`attngrad.learn.mistakes`, the engine that grades a stage in `attngrad.learn.engine`
+and the child's loop in `attngrad.learn.child`; the learner's source is never read.
 """
 
 from __future__ import annotations
@@ -20,21 +22,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "Stage", "grade"]
+from attngrad.learn.stages import STAGES
 
-from attngrad.learn.mistakes import STAGES
+__all__ = ["CHILD_MODULES", "Report", "Stage", "grade"]
 
 # importing torch in the child is not the learner's time
 _BOOT_TIMEOUT = 120.0
-_ENGINE = Path(__file__).with_name("mistakes.py")
+# the child's modules, each importing only the ones before it (and torch): the child loads
+# them by file path under their own names, so their imports of one another find them loaded
+# and the ``attngrad`` package, whose import costs seconds, is never imported
+CHILD_MODULES = ("stages", "mistakes", "engine", "child")
 _BOOTSTRAP = (
-    "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_attngrad_grader', sys.argv[1])\n"
-    "m = importlib.util.module_from_spec(spec)\n"
-    "sys.modules['_attngrad_grader'] = m\n"
-    "spec.loader.exec_module(m)\n"
-    "print(m.json.dumps({'event': 'boot'}), flush=True)\n"
-    "m.child_main(sys.argv[2:])\n"
+    "import importlib.util, json, os, sys\n"
+    "for name in sys.argv[2].split(','):\n"
+    "    path = os.path.join(sys.argv[1], name + '.py')\n"
+    "    spec = importlib.util.spec_from_file_location('attngrad.learn.' + name, path)\n"
+    "    m = importlib.util.module_from_spec(spec)\n"
+    "    sys.modules[spec.name] = m\n"
+    "    spec.loader.exec_module(m)\n"
+    "print(json.dumps({'event': 'boot'}), flush=True)\n"
+    "m.child_main(sys.argv[3:])\n"
 )
 
 
@@ -85,7 +92,15 @@ def _run_child(
     env = dict(os.environ, ATTNGRAD_FAILED=",".join(failed), PYTHONUNBUFFERED="1")
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP, str(_ENGINE), str(path), *stages],
+            [
+                sys.executable,
+                "-c",
+                _BOOTSTRAP,
+                str(Path(__file__).parent),
+                ",".join(CHILD_MODULES),
+                str(path),
+                *stages,
+            ],
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
