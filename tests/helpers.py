@@ -32,11 +32,14 @@ from attngrad.verify.cases import (
 from attngrad.verify.reference import reference_attention
 from attngrad.verify.rule import (
     REFERENCE,
+    Expected,
     Verdict,
     case_bounds,
     case_floors,
+    expect,
     judge,
     judge_outputs,
+    judge_run,
 )
 
 # "triton" runs here in Triton's interpreter at about a second per call: the
@@ -231,15 +234,15 @@ def blind_to_zeros(
     case: Case,
     inputs: Inputs,
     got: Mapping[str, torch.Tensor],
-    ref: Mapping[str, torch.Tensor] | None = None,
+    expected: Expected | None = None,
 ) -> set[str]:
-    """The quantities of ``got`` whose reference (``ref``: `reference_of`, computed
-    here when None) is not all zero, yet the rule (`judge_outputs`) passes all zeros
+    """The quantities of ``got`` whose reference is not all zero, yet the rule
+    (`judge_run` on ``expected``: `expect`, computed here when None) passes all zeros
     for them: the plain run in the dtype is off by half of x or more there (16-bit
     at large logits)."""
-    ref = reference_of(case, inputs) if ref is None else ref
-    verdicts = judge_outputs(case, inputs, zeros_like(got), names=set(got))
-    return {v.name for v in verdicts if v.passed and ref[v.name].any()}
+    expected = expect(case, inputs) if expected is None else expected
+    verdicts = judge_run(expected, zeros_like(got), names=set(got))
+    return {v.name for v in verdicts if v.passed and expected.ref[v.name].any()}
 
 
 def assert_passed(verdicts: list[Verdict], what: str = "") -> None:

@@ -5,9 +5,15 @@ and dtype, and on the tiled strategies at small tiles too (`helpers.SMALL_TILES`
 the sequences here span several, so the tiles' merge meets the edge values);
 where the math fixes the answer exactly (one-hot and uniform rows, an empty
 row) the answer is pinned by name.
+
+Every run (strategy, tiles) of a test sees the same inputs: each test builds
+them in a cached function that returns their expectation (`expect`: the float64
+reference, the plain run and the bounds), computed once and shared by the runs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -15,13 +21,20 @@ import torch
 import attngrad
 from attngrad.core.contract import Shapes
 from attngrad.verify.cases import Case, make_inputs, outputs_and_grads
-from attngrad.verify.rule import judge, judge_outputs, kept_bound, rounding_floor, terms
+from attngrad.verify.rule import (
+    Expected,
+    expect,
+    judge,
+    judge_run,
+    kept_bound,
+    rounding_floor,
+    terms,
+)
 from helpers import (
     StrictRule,
     assert_passed,
     attention_fn,
     blind_to_zeros,
-    reference_of,
     run_id,
     runs,
     zeros_like,
@@ -41,23 +54,40 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _run(expected: Expected, run: tuple[str, tuple[int, int] | None]) -> dict[str, torch.Tensor]:
+    """Out and every gradient of ``run`` on the expectation's inputs, in the case's dtype."""
+    return outputs_and_grads(
+        attention_fn(*run), expected.case, expected.inputs, expected.case.dtype
+    )
+
+
 def _assert_rule(
-    case: Case, inputs: dict, run: tuple[str, tuple[int, int] | None]
+    expected: Expected, run: tuple[str, tuple[int, int] | None]
 ) -> dict[str, torch.Tensor]:
-    got = outputs_and_grads(attention_fn(*run), case, inputs, case.dtype)
+    got = _run(expected, run)
     for name, g in got.items():
         assert torch.isfinite(g).all(), f"{name} is not finite"
-    assert_passed(judge_outputs(case, inputs, got))
+    assert_passed(judge_run(expected, got))
     return got
 
 
 # (window, the row it leaves with the dropped keys only, the keys the mask drops), at N = 20
 EMPTIED = [
-    ((None, 0), 0, [0]),
-    ((None, 2), 0, [0, 1, 2]),
-    ((1, None), 19, [18, 19]),
-    ((1, 1), 0, [0, 1]),
+    ((None, 0), 0, (0,)),
+    ((None, 2), 0, (0, 1, 2)),
+    ((1, None), 19, (18, 19)),
+    ((1, 1), 0, (0, 1)),
 ]
+
+
+@functools.cache
+def _emptied(window: tuple[int | None, int | None], dropped: tuple[int, ...]) -> Expected:
+    case = Case(Shapes((1,), 2, 2, 20, 20, 8, 8), torch.float64, "bool", window=window)
+    inputs = make_inputs(case)
+    keep = torch.ones(20, 20, dtype=torch.bool)
+    keep[:, dropped] = False
+    inputs["mask"] = keep
+    return expect(case, inputs)
 
 
 @by_run
@@ -65,17 +95,20 @@ EMPTIED = [
 def test_a_row_that_window_and_mask_empty_together_is_zero(run, window, row, dropped):
     # regression: dead rows were looked up in the band only when its left side
     # was bounded, so window=(None, 0) with a mask dropping key 0 gave NaN
-    case = Case(Shapes((1,), 2, 2, 20, 20, 8, 8), torch.float64, "bool", window=window)
-    inputs = make_inputs(case)
-    keep = torch.ones(20, 20, dtype=torch.bool)
-    keep[:, dropped] = False
-    inputs["mask"] = keep
-    got = _assert_rule(case, inputs, run)
+    got = _assert_rule(_emptied(window, dropped), run)
     assert (got["out"][..., row, :] == 0).all()
     assert (got["dq"][..., row, :] == 0).all()
     # and every other row is live: the dead one sits beside rows that attend
     others = [i for i in range(20) if i != row]
     assert got["out"][..., others, :].ne(0).any(dim=-1).all()
+
+
+@functools.cache
+def _row_at_finfo_min(dtype: torch.dtype) -> Expected:
+    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 4), dtype, "float", mask_shape=(16, 21))
+    inputs = make_inputs(case)
+    inputs["mask"][1] = torch.finfo(dtype).min  # row 1 masks "everything" with a number
+    return expect(case, inputs)
 
 
 @by_run
@@ -84,25 +117,17 @@ def test_a_row_at_finfo_min_is_uniform(run, dtype):
     # regression: flash and triton scaled the bias by log2(e) before subtracting
     # the row max, so finfo.min overflowed to -inf and the row came out empty;
     # recompute rebuilt P from one float lse that had rounded log(Nk) away
-    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 4), dtype, "float", mask_shape=(16, 21))
-    inputs = make_inputs(case)
-    inputs["mask"][1] = torch.finfo(dtype).min  # row 1 masks "everything" with a number
-    got = _assert_rule(case, inputs, run)
-    v = inputs["v"].to(dtype).double()
+    expected = _row_at_finfo_min(dtype)
+    got = _assert_rule(expected, run)
+    v = expected.inputs["v"].to(dtype).double()
     uniform = v.mean(dim=-2)  # [B, H, dv]: softmax of equal scores
     floor = rounding_floor(v.abs().mean(dim=-2), torch.zeros_like(uniform), dtype, 21, 8)
     verdict = judge("out", got["out"][..., 1, :], uniform, floor)
     assert verdict.passed, str(verdict)
 
 
-@by_run
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@pytest.mark.parametrize(
-    "fill", ["min-some", "max-one", "minus-1e9"], ids=["finfo-min-some", "huge-one", "minus-1e9"]
-)
-def test_biases_at_the_edge_of_the_dtype(run, dtype, fill):
-    # regression: a single +1.5e308 entry (float64) gave NaN in flash; at -1e9
-    # in float32 the tiled backward was 30x off plain PyTorch
+@functools.cache
+def _biases_at_the_edge(dtype: torch.dtype, fill: str) -> Expected:
     case = Case(Shapes((1,), 2, 1, 16, 21, 8, 8), dtype, "float", mask_shape=(2, 16, 21))
     inputs = make_inputs(case)
     mask = inputs["mask"]
@@ -116,7 +141,31 @@ def test_biases_at_the_edge_of_the_dtype(run, dtype, fill):
         mask[0, 3, 18] = info.max * 0.8
     else:
         mask[some] = max(-1e9, info.min)
-    _assert_rule(case, inputs, run)
+    return expect(case, inputs)
+
+
+@by_run
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize(
+    "fill", ["min-some", "max-one", "minus-1e9"], ids=["finfo-min-some", "huge-one", "minus-1e9"]
+)
+def test_biases_at_the_edge_of_the_dtype(run, dtype, fill):
+    # regression: a single +1.5e308 entry (float64) gave NaN in flash; at -1e9
+    # in float32 the tiled backward was 30x off plain PyTorch
+    _assert_rule(_biases_at_the_edge(dtype, fill), run)
+
+
+def _spread(case: Case, spread: float) -> Expected:
+    """The case's inputs with q and k scaled by ``spread``: scores of spread^2 sqrt(d)."""
+    inputs = make_inputs(case)
+    inputs["q"] = inputs["q"] * spread
+    inputs["k"] = inputs["k"] * spread
+    return expect(case, inputs)
+
+
+@functools.cache
+def _large_logits(dtype: torch.dtype, spread: float) -> Expected:
+    return _spread(Case(Shapes((2,), 2, 2, 19, 23, 16, 8), dtype, "causal"), spread)
 
 
 @by_run
@@ -129,16 +178,13 @@ def test_large_logits(run, dtype, spread):
     # regression: P was rebuilt from an lse converted between bases, so its
     # largest entry was no longer 1; saturated rows turned that into gradient
     # errors 25-54x plain PyTorch's.  |S| reaches spread^2 * sqrt(d) (~1e4)
-    case = Case(Shapes((2,), 2, 2, 19, 23, 16, 8), dtype, "causal")
-    inputs = make_inputs(case)
-    inputs["q"] = inputs["q"] * spread
-    inputs["k"] = inputs["k"] * spread
-    got = _assert_rule(case, inputs, run)
+    expected = _large_logits(dtype, spread)
+    got = _assert_rule(expected, run)
     # The plain bfloat16 run is so far off here that the 2x term passes an all-zero dk: where
     # the rule cannot tell zeros, the rule without its 2x term judges (scores stay in float32)
     # and must tell them.  Every quantity is then checked by a judgement that rejects zeros.
-    blind = blind_to_zeros(case, inputs, got)
-    strict = StrictRule.of(case, inputs)
+    blind = blind_to_zeros(expected.case, expected.inputs, got, expected)
+    strict = StrictRule(expected.ref, expected.floors, expected.kept)
     assert_passed(strict.judge({n: got[n] for n in blind}), "without the 2x term: ")
     told = [v.name for v in strict.judge(zeros_like({n: got[n] for n in blind})) if not v.passed]
     assert sorted(told) == sorted(blind), "zeros pass even without the 2x term"
@@ -157,6 +203,11 @@ LARGE_LOGITS = [
 ]
 
 
+@functools.cache
+def _scores_in_the_thousands(spread: float, n: int) -> Expected:
+    return _spread(Case(Shapes((1,), 2, 2, n, n, 64, 64), torch.float32), spread)
+
+
 @pytest.mark.parametrize(("run", "spread", "n"), LARGE_LOGITS)
 def test_float32_scores_in_the_thousands_hold_the_rule(run, spread, n):
     # regression: triton's dK/dV kernel formed its scores as k q^T and its dQ kernel in other
@@ -164,11 +215,18 @@ def test_float32_scores_in_the_thousands_hold_the_rule(run, spread, n):
     # (OPENBLAS_CORETYPE=Haswell), and at |S| ~ 3e4 (ulp 2e-3) a score one unit off made a
     # one-hot row's P 1.002: dv 2,000x its bound.  The rule's floor lets a score move only
     # as one rounding does, P and the row's sum alike (bounds._probability_move)
-    case = Case(Shapes((1,), 2, 2, n, n, 64, 64), torch.float32)
+    _assert_rule(_scores_in_the_thousands(spread, n), run)
+
+
+@functools.cache
+def _float16_at_its_max() -> Expected:
+    case = Case(Shapes((1,), 2, 2, 30, 30, 16, 16), torch.float16)
     inputs = make_inputs(case)
-    inputs["q"] = inputs["q"] * spread
-    inputs["k"] = inputs["k"] * spread
-    _assert_rule(case, inputs, run)
+    gen = torch.Generator().manual_seed(3)
+    for name in ("q", "k", "v", "dout"):
+        t = inputs[name]
+        inputs[name] = (torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2 - 1) * 6e4
+    return expect(case, inputs)
 
 
 @pytest.mark.parametrize(
@@ -190,22 +248,16 @@ def test_float16_inputs_at_its_max_keep_exact_zeros(run):
     # regression: triton formed Delta = rowsum(O * dO) in another order than dP = dO v^T, so
     # on one-hot rows (every row, at |S| ~ 1e10) dS = P (dP - Delta) kept |dP| u ~ 1e3 where
     # it is 0, and dq, dk = s dS k overflowed float16: inf where the answer is exactly 0
-    case = Case(Shapes((1,), 2, 2, 30, 30, 16, 16), torch.float16)
-    inputs = make_inputs(case)
-    gen = torch.Generator().manual_seed(3)
-    for name in ("q", "k", "v", "dout"):
-        t = inputs[name]
-        inputs[name] = (torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2 - 1) * 6e4
-    got = outputs_and_grads(attention_fn(*run), case, inputs, case.dtype)
-    ref = reference_of(case, inputs)
+    expected = _float16_at_its_max()
+    got = _run(expected, run)
+    ref = expected.ref
     assert (ref["dq"] == 0).all() and (ref["dk"] == 0).all()  # every row one-hot
     assert (got["dq"] == 0).all() and (got["dk"] == 0).all()
     assert torch.equal(got["out"], ref["out"].half())  # O = the row's v, exactly
     # dv sums up to 30 rows of dO at 6e4: past float16's range where its reference is
     fits = ref["dv"].abs() < torch.finfo(torch.float16).max
     assert got["dv"][fits].isfinite().all()
-    verdict = judge_outputs(case, inputs, got, names={"out", "dq", "dk"})
-    assert_passed(verdict)
+    assert_passed(judge_run(expected, got, names={"out", "dq", "dk"}))
 
 
 # -- exact answers: a one-hot row and uniform rows ------------------------------------
@@ -215,18 +267,30 @@ def test_float16_inputs_at_its_max_keep_exact_zeros(run):
 HUGE = 1e4
 
 
+# the row and the key it puts all its weight on
+ONE_HOT = (5, 18)
+
+
+@functools.cache
+def _one_huge_bias(dtype: torch.dtype) -> Expected:
+    row, key = ONE_HOT
+    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 6), dtype, "float", mask_shape=(2, 16, 21))
+    inputs = make_inputs(case)
+    inputs["mask"][:, :, key] = float("-inf")
+    inputs["mask"][:, row, key] = HUGE
+    return expect(case, inputs)
+
+
 @by_run
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_a_row_with_one_huge_bias_is_one_hot(run, dtype):
     # row 5 puts all its weight on key 18 (a later key tile than its first), which no other
     # row sees: out[5] = v[18] and dv[18] = dO[5] bit for bit (sums of one term times 1 and
     # zeros), and dS[5] = P (dP - Delta) = 0, so dq[5] and dmask[:, 5] vanish to the floor
-    row, key = 5, 18
-    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 6), dtype, "float", mask_shape=(2, 16, 21))
-    inputs = make_inputs(case)
-    inputs["mask"][:, :, key] = float("-inf")
-    inputs["mask"][:, row, key] = HUGE
-    got = _assert_rule(case, inputs, run)
+    row, key = ONE_HOT
+    expected = _one_huge_bias(dtype)
+    case, inputs = expected.case, expected.inputs
+    got = _assert_rule(expected, run)
     q, k, v, dout = (inputs[n].to(dtype) for n in ("q", "k", "v", "dout"))
     assert torch.equal(got["out"][..., row, :], v[..., key, :])
     assert torch.equal(got["dv"][..., key, :], dout[..., row, :])
@@ -245,17 +309,24 @@ def test_a_row_with_one_huge_bias_is_one_hot(run, dtype):
         assert_passed([judge(name, got_x, torch.zeros_like(a), floor)])
 
 
+@functools.cache
+def _equal_scores(dtype: torch.dtype) -> Expected:
+    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 6), dtype)
+    inputs = make_inputs(case)
+    inputs["q"] = torch.zeros_like(inputs["q"])
+    inputs["k"] = inputs["k"][..., :1, :].expand_as(inputs["k"]).clone()
+    return expect(case, inputs)
+
+
 @by_run
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_equal_scores_give_the_mean(run, dtype):
     # q = 0 and every key alike: every score is exactly 0, P = 1 / Nk everywhere.  Then
     # out = mean of v, dv[j] = sum_i dO[i] / Nk for every key, dk = s dS^T q = 0 exactly,
     # and dq = s sum_j dS[i, j] k[j] = s k[0] rowsum(dS) = 0, as each row of dS sums to 0
-    case = Case(Shapes((2,), 2, 2, 16, 21, 8, 6), dtype)
-    inputs = make_inputs(case)
-    inputs["q"] = torch.zeros_like(inputs["q"])
-    inputs["k"] = inputs["k"][..., :1, :].expand_as(inputs["k"]).clone()
-    got = _assert_rule(case, inputs, run)
+    expected = _equal_scores(dtype)
+    case, inputs = expected.case, expected.inputs
+    got = _assert_rule(expected, run)
     assert (got["dk"] == 0).all()
     v, dout = (inputs[n].to(dtype).double() for n in ("v", "dout"))
     n = terms(case)
@@ -270,9 +341,8 @@ def test_equal_scores_give_the_mean(run, dtype):
         assert_passed([judge(name, got_x, want, floor, kept=kept)])
     # dq: the rule's own floor and kept bound (the sums dP, Delta and dS k, O read back,
     # dS kept in the dtype), around the exact answer 0 rather than the float64 one
-    strict = StrictRule.of(case, inputs)
-    zero = torch.zeros_like(strict.ref["dq"])
-    assert_passed([judge("dq", got["dq"], zero, strict.floor["dq"], kept=strict.kept["dq"])])
+    zero = torch.zeros_like(expected.ref["dq"])
+    assert_passed([judge("dq", got["dq"], zero, expected.floors["dq"], kept=expected.kept["dq"])])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -37,7 +37,7 @@ from attngrad.verify.cases import (
     make_leaves,
     outputs_and_grads,
 )
-from attngrad.verify.rule import judge_outputs
+from attngrad.verify.rule import expect, judge_run
 from helpers import (
     SMALL_TILES,
     SMALL_TILES_ONLY,
@@ -45,7 +45,6 @@ from helpers import (
     assert_passed,
     attention_fn,
     blind_to_zeros,
-    reference_of,
 )
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -152,7 +151,8 @@ def _judge(
     rule without its 2x term where that term is blind to zeros.  Quantities whose reference
     is beyond the dtype's range (float16 near its max) are left out: no answer is right."""
     got = outputs_and_grads(fn, case, inputs, case.dtype)
-    ref = reference_of(case, inputs)
+    expected = expect(case, inputs)  # the reference, the plain run and the bounds, once
+    ref = {n: r for n, r in expected.ref.items() if n != "lse"}
     beyond = {n for n, r in ref.items() if r.abs().max() >= torch.finfo(case.dtype).max}
     got = {n: g for n, g in got.items() if n not in beyond}
     for name, g in got.items():
@@ -160,17 +160,18 @@ def _judge(
     if lse is not None:
         with torch.no_grad():
             got["lse"] = call_sdpa(lse, case, inputs, make_leaves(inputs, case.dtype))[1]
-    assert_passed(judge_outputs(case, inputs, got, names=set(got)), about)
+    assert_passed(judge_run(expected, got, names=set(got)), about)
     got.pop("lse", None)
     if not any(r.any() for r in ref.values()):
         # every row dead (or dropped): the rule's floor is zero but for underflow, so pin it
         event("reference zero throughout")
         assert all((g == 0).all() for g in got.values()), about + "not exactly zero"
         return
-    blind = blind_to_zeros(case, inputs, got, ref)
+    blind = blind_to_zeros(case, inputs, got, expected)
     if blind and case.dtype in KEPT_IN_RANGE:
         event("judged without the 2x term: " + ", ".join(sorted(blind)))
-        assert_passed(StrictRule.of(case, inputs).judge({n: got[n] for n in blind}), about)
+        strict = StrictRule(expected.ref, expected.floors, expected.kept)
+        assert_passed(strict.judge({n: got[n] for n in blind}), about)
     elif blind:
         event("float16, the rule blind to zeros: " + ", ".join(sorted(blind)))
 

@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from attngrad.core.contract import dtype_name
 from attngrad.strategies import MODULES, flash
 from attngrad.verify.cases import AttentionFn, Case
-from attngrad.verify.check import run_case, strategy_fn
+from attngrad.verify.check import expect_case, run_case, strategy_fn
+from attngrad.verify.rule import Expected
 
 __all__ = [
     "BLOCKS",
@@ -253,38 +254,58 @@ def correct_kernels(blocks: tuple[int, int] = BLOCKS) -> dict[str, Kernel]:
     }
 
 
-def _ratios(name: str, kernel: Kernel, case: Case, seed: int) -> dict[str, float]:
+def _ratios(
+    name: str, kernel: Kernel, case: Case, seed: int, expected: Expected | None
+) -> dict[str, float]:
     """The rule's ratio of each quantity of ``kernel`` on ``case``, lse with them when it
-    returns one (`run_case`; a crash raises)."""
+    returns one (`run_case`, judged by ``expected``; a crash raises)."""
     fn, lse = kernel
-    result = run_case(name, case, seed, gradcheck=False, fn=fn, derivatives=False, lse=lse)
+    result = run_case(name, case, seed, False, fn, derivatives=False, lse=lse, expected=expected)
     if not result.ratios:
         raise RuntimeError(f"{name} on {case.id}: {result.message}")
     return result.ratios
 
 
 def bug_ratios(
-    bug: Bug, case: Case, blocks: tuple[int, int] = BLOCKS, seed: int = 0
+    bug: Bug,
+    case: Case,
+    blocks: tuple[int, int] = BLOCKS,
+    seed: int = 0,
+    expected: Expected | None = None,
 ) -> dict[str, float]:
     """The ratio (error / bound, > 1 fails) of each quantity ``bug`` breaks that ``case`` has.
 
     In another dtype than the bug's, the mutant is correct code: every
-    quantity's ratio instead.
+    quantity's ratio instead.  expected: `expect_case` of (case, seed), shared
+    by every code judged on the case (None: computed here).
     """
     kernel = Kernel(broken_kernel(bug, blocks), broken_kernel(bug, blocks, return_lse=True))
-    ratios = _ratios(bug.id, kernel, case, seed)
+    ratios = _ratios(bug.id, kernel, case, seed, expected)
     judged = bug.breaks if case.dtype == bug.dtype else tuple(ratios)
     return {name: ratios[name] for name in judged if name in ratios}
 
 
-def bug_ratio(bug: Bug, case: Case, blocks: tuple[int, int] = BLOCKS, seed: int = 0) -> float:
+def bug_ratio(
+    bug: Bug,
+    case: Case,
+    blocks: tuple[int, int] = BLOCKS,
+    seed: int = 0,
+    expected: Expected | None = None,
+) -> float:
     """The largest of `bug_ratios`: > 1, the rule fails ``bug`` on ``case``."""
-    return max(bug_ratios(bug, case, blocks, seed).values())
+    return max(bug_ratios(bug, case, blocks, seed, expected).values())
 
 
-def correct_ratio(kernel: Kernel, case: Case, name: str = "correct", seed: int = 0) -> float:
-    """The largest ratio over every quantity of correct code ``kernel`` on ``case`` (<= 1 passes)."""
-    return max(_ratios(name, kernel, case, seed).values())
+def correct_ratio(
+    kernel: Kernel,
+    case: Case,
+    name: str = "correct",
+    seed: int = 0,
+    expected: Expected | None = None,
+) -> float:
+    """The largest ratio over every quantity of correct code ``kernel`` on ``case`` (<= 1
+    passes); expected as in `bug_ratios`."""
+    return max(_ratios(name, kernel, case, seed, expected).values())
 
 
 @dataclass(frozen=True)
@@ -359,18 +380,21 @@ def margins(
     """
     step = progress or (lambda note: None)
     dtypes = list(dict.fromkeys(c.dtype for c in cases))
+    expected = {c: expect_case(c, seed) for c in cases}  # shared by every code on the case
     correct = []
     for name, kernel in correct_kernels(blocks).items():
         for dtype in dtypes:
             figures = {
-                c.id: _worst(_ratios(name, kernel, c, seed)) for c in cases if c.dtype == dtype
+                c.id: _worst(_ratios(name, kernel, c, seed, expected[c]))
+                for c in cases
+                if c.dtype == dtype
             }
             correct.append(CodeRatio(name, dtype, *_extreme(figures, max)))
         step(name)
     found = []
     for bug in bugs:
         mine = [c for c in cases if c.dtype == bug.dtype]
-        figures = {c.id: _worst(bug_ratios(bug, c, blocks, seed)) for c in mine}
+        figures = {c.id: _worst(bug_ratios(bug, c, blocks, seed, expected[c])) for c in mine}
         if figures:
             found.append(BugRatio(bug, *_extreme(figures, min)))
             step(bug.id)
