@@ -139,7 +139,8 @@ def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
 def _probability_move(
     p: torch.Tensor, p_sink: torch.Tensor, c_s: torch.Tensor, u: float
 ) -> torch.Tensor:
-    """C_P: how far P can move, over u, when each score moves by at most u C_S.
+    """C_P: how far P can move, over u, when each score moves by at most u C_S ("the P
+    move" of the glossary, docs/glossary.md).
 
     A score moves P through its own exponential and through the row's sum, in
     the same direction: P_j' = P_j exp(d_j) / (P_j exp(d_j) + p_sink + sum_{i != j}

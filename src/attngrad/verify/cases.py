@@ -292,7 +292,8 @@ def received(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     tensor rounded to ``dtype`` and back (a bool mask and None as they are).
 
     What the float64 reference is taken on (`attngrad.verify.rule`), so it
-    answers for the numbers the implementation was given.  New tensors; the
+    answers for the numbers the implementation was given ("received inputs"
+    in the glossary, docs/glossary.md).  New tensors; the
     caller's are left alone.
     """
     return {

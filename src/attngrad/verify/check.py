@@ -9,8 +9,9 @@ machine.  The cases, their inputs and the grid live in
 `attngrad.verify.cases`, the rule in `attngrad.verify.rule`, the
 higher derivatives (double backward, forward mode) and the gradchecks in
 `attngrad.verify.derivatives`; this module runs them and collects a
-`CaseResult`.  What a case's strategies are judged against (`expect_case`)
-is computed once per case and seed and handed to each.
+`CaseResult`.  What a case's strategies are judged against (`expect_case`,
+the "expectation" of the glossary, docs/glossary.md) is computed once per
+case and seed and handed to each.
 
 NaN anywhere fails.  On float64 cases ``gradcheck`` also runs (fast mode: a
 random projection of the Jacobian against finite differences), the higher

@@ -7,7 +7,9 @@ products may cost, if larger), plus a floor for what a correct implementation
 may legitimately compute differently.  `judge` applies it to one quantity;
 `expect` computes what a case's runs are judged against (the reference, the
 plain run and the bounds, once per case and inputs) and `judge_run` judges
-every quantity of one run by it (`judge_outputs`: both at once).
+every quantity of one run by it (`judge_outputs`: both at once).  The
+words below (received, plain run, floor, kept, readback, the P move) are
+defined once in the glossary, docs/glossary.md.
 
 The reference sees what the kernel sees: the inputs (q, k, v, mask, sinks,
 dO) rounded to the case's dtype, then taken to float64 (`received`).  So no
