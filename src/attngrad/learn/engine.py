@@ -148,43 +148,31 @@ def _attention_ref(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 # [B, N, d]: batched, d != N, d = N, B = 1
 ATTENTION_PROBES = ((2, 5, 3), (3, 4, 4), (1, 3, 6), (2, 2, 5))
+
+
+def _call_of(
+    q: tuple[int, ...] = (2, 3, 4),
+    k: tuple[int, ...] = (2, 3, 4),
+    v: tuple[int, ...] = (2, 3, 4),
+    **key: Any,
+) -> Callable[[], tuple[Tensor, ...]]:
+    """A call on random q, k, v of these shapes [B, N, d] (``key``: k's device or dtype)."""
+    return lambda: (torch.randn(*q), torch.randn(*k, **key), torch.randn(*v))
+
+
 # the chapter's input contract: one bad call for each check its CustomAttention.forward
 # makes (3-D inputs; batch and sequence lengths shared; head dims shared; one device; one
 # dtype), with the exception the chapter raises there.  Only those: a call outside them
 # (integer inputs, say, which torch itself refuses with a RuntimeError) is not graded.
 CONTRACT: tuple[tuple[str, Callable[[], tuple[Tensor, ...]], type[Exception]], ...] = (
-    (
-        "sequence lengths differ",
-        lambda: (torch.randn(2, 3, 4), torch.randn(2, 2, 4), torch.randn(2, 3, 4)),
-        ValueError,
-    ),
-    (
-        "batch sizes differ",
-        lambda: (torch.randn(2, 3, 4), torch.randn(1, 3, 4), torch.randn(2, 3, 4)),
-        ValueError,
-    ),
-    ("a 2-D input", lambda: (torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)), ValueError),
-    (
-        "head dims differ",
-        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(2, 3, 4)),
-        ValueError,
-    ),
-    (
-        "value head dim differs",
-        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 5)),
-        ValueError,
-    ),
-    (
-        # the meta device stands for a second device on a machine with one
-        "devices differ",
-        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4, device="meta"), torch.randn(2, 3, 4)),
-        ValueError,
-    ),
-    (
-        "dtypes differ",
-        lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4).double(), torch.randn(2, 3, 4)),
-        TypeError,
-    ),
+    ("sequence lengths differ", _call_of(k=(2, 2, 4)), ValueError),
+    ("batch sizes differ", _call_of(k=(1, 3, 4)), ValueError),
+    ("a 2-D input", _call_of((3, 4), (3, 4), (3, 4)), ValueError),
+    ("head dims differ", _call_of(k=(2, 3, 5)), ValueError),
+    ("value head dim differs", _call_of(v=(2, 3, 5)), ValueError),
+    # the meta device stands for a second device on a machine with one
+    ("devices differ", _call_of(device="meta"), ValueError),
+    ("dtypes differ", _call_of(dtype=torch.float64), TypeError),
 )
 
 
