@@ -2,10 +2,13 @@
 
 Each broken function below is one of the mistakes a hand-written backward
 makes (the mistakes a learner's implementation typically makes); `run_case` must fail it.
+Every run here is judged by its case's expectation (`expect_case`), computed once
+per case and shared by the runs on it, as `attngrad check` does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -20,7 +23,13 @@ from attngrad.verify.cases import (
     make_inputs,
     outputs_and_grads,
 )
-from attngrad.verify.check import SLOW_GRADGRADCHECK, run_case, strategy_fn
+from attngrad.verify.check import (
+    SLOW_GRADGRADCHECK,
+    CaseResult,
+    expect_case,
+    run_case,
+    strategy_fn,
+)
 from attngrad.verify.derivatives import (
     DERIVATIVE_TOLERANCE,
     derivative_errors,
@@ -29,7 +38,7 @@ from attngrad.verify.derivatives import (
     second_order,
 )
 from attngrad.verify.reference import reference_attention
-from attngrad.verify.rule import judge_outputs
+from attngrad.verify.rule import judge_run
 from helpers import TENSOR_STRATEGIES, case
 
 
@@ -68,6 +77,15 @@ def _crashes(q, k, v, *args, **kwargs):
     raise RuntimeError("kernel exploded")
 
 
+# each case's expectation at seed 0, shared by every run on the case
+_expected = functools.cache(expect_case)
+
+
+def _run(strategy: str, c, **options) -> CaseResult:
+    """`run_case` at seed 0, judged by the case's shared expectation."""
+    return run_case(strategy, c, expected=_expected(c), **options)
+
+
 CASE64 = case((2,), 2, 2, 9, 11, 8, 8)
 CASE32 = case((2,), 2, 2, 9, 11, 8, 8, dtype=torch.float32)
 
@@ -84,18 +102,18 @@ CASE32 = case((2,), 2, 2, 9, 11, 8, 8, dtype=torch.float32)
     ],
 )
 def test_harness_fails_broken_implementations(fn, case):
-    result = run_case("broken", case, fn=fn)
+    result = _run("broken", case, fn=fn)
     assert not result.passed
     assert result.as_dict()["passed"] is False
 
 
 def test_harness_names_the_gradient_that_is_wrong():
-    inputs = make_inputs(CASE64)
-    got = outputs_and_grads(_no_row_sum, CASE64, inputs, torch.float64)
-    bad = {v.name for v in judge_outputs(CASE64, inputs, got) if not v.passed}
+    expected = _expected(CASE64)
+    got = outputs_and_grads(_no_row_sum, CASE64, expected.inputs, torch.float64)
+    bad = {v.name for v in judge_run(expected, got) if not v.passed}
     # the output and dV never go through the softmax backward; dq and dk do
     assert bad == {"dq", "dk"}
-    result = run_case("broken", CASE64, fn=_no_row_sum, gradcheck=False)
+    result = _run("broken", CASE64, fn=_no_row_sum, gradcheck=False)
     assert not result.passed and "dq: error" in result.message and "dk: error" in result.message
 
 
@@ -105,19 +123,19 @@ def test_harness_gradcheck_verdict_is_false_for_a_wrong_backward():
     # escaping run_case (regression: verify.py caught
     # `torch.autograd.gradcheck.GradcheckError`, an attribute of the gradcheck
     # *function*, so the except clause itself raised AttributeError)
-    result = run_case("broken", CASE64, fn=_no_row_sum, gradcheck=True)
+    result = _run("broken", CASE64, fn=_no_row_sum, gradcheck=True)
     assert result.gradcheck_passed is False
     assert not result.passed
 
 
 def test_harness_reports_a_crash_with_its_message():
-    result = run_case("broken", CASE64, fn=_crashes)
+    result = _run("broken", CASE64, fn=_crashes)
     assert "kernel exploded" in result.message
 
 
 def test_harness_passes_the_reference_itself():
     # float64 reference against float64 reference: zero error, gradcheck passes
-    result = run_case("reference", CASE64, fn=reference_attention)
+    result = _run("reference", CASE64, fn=reference_attention)
     assert result.passed and all(e == 0 for e in result.errors.values())
 
 
@@ -139,7 +157,7 @@ def test_higher_derivatives_agree_on_every_strategy():
     # a float mask, GQA and Nq != Nk: every input of the second derivative is in play
     c = case((1,), 4, 2, 6, 9, 8, 8, "float")
     for strategy in TENSOR_STRATEGIES:
-        result = run_case(strategy, c, gradcheck=False)
+        result = _run(strategy, c, gradcheck=False)
         assert result.passed, (strategy, result.message)
         assert result.second_order_error < 1e-13 and result.jvp_error < 1e-13
 
@@ -152,7 +170,7 @@ def test_a_wrong_second_derivative_fails_the_case(monkeypatch):
     monkeypatch.setattr(
         gradients, "second_order", _scaled_output(gradients.second_order, 2, 1 + 1e-6)
     )
-    result = run_case("flash", CASE64, gradcheck=False)
+    result = _run("flash", CASE64, gradcheck=False)
     assert result.rule_passed and result.jvp_error < DERIVATIVE_TOLERANCE
     assert result.second_order_error > 1e-8 and result.derivatives_passed is False
     assert not result.passed and "second_order: relative error" in result.message
@@ -162,7 +180,7 @@ def test_gradgradcheck_fails_a_wrong_second_derivative(monkeypatch):
     from attngrad.autograd import gradients
 
     monkeypatch.setattr(gradients, "second_order", _scaled_output(gradients.second_order, 2, 0.0))
-    result = run_case("explicit", case((1,), 1, 1, 3, 4, 4), gradcheck=True)
+    result = _run("explicit", case((1,), 1, 1, 3, 4, 4), gradcheck=True)
     assert result.gradcheck_passed is True and result.gradgradcheck_passed is False
     assert not result.passed and "gradgradcheck failed" in result.message
 
@@ -173,7 +191,7 @@ def test_a_wrong_tangent_fails_the_case(monkeypatch):
     monkeypatch.setattr(
         tangent, "output_tangent", _scaled_output(tangent.output_tangent, 0, 1 + 1e-6)
     )
-    result = run_case("explicit", CASE64, gradcheck=False)
+    result = _run("explicit", CASE64, gradcheck=False)
     assert result.rule_passed and result.second_order_error < DERIVATIVE_TOLERANCE
     assert result.jvp_error > 1e-8 and not result.passed and "jvp: relative error" in result.message
 
@@ -187,15 +205,15 @@ def test_a_path_without_forward_mode_fails_with_the_error():
 
 
 def test_higher_derivatives_run_on_float64_only_and_can_be_left_out():
-    assert run_case("explicit", CASE32).second_order_error is None
-    result = run_case("explicit", CASE64, gradcheck=False, derivatives=False)
+    assert _run("explicit", CASE32).second_order_error is None
+    result = _run("explicit", CASE64, gradcheck=False, derivatives=False)
     assert (result.second_order_error, result.jvp_error, result.gradgradcheck_passed) == (
         None,
         None,
         None,
     )
     # gradgradcheck follows gradcheck; triton's (Triton's interpreter) is left out unless asked
-    assert run_case("explicit", CASE64, gradcheck=False).gradgradcheck_passed is None
+    assert _run("explicit", CASE64, gradcheck=False).gradgradcheck_passed is None
     assert "triton" in SLOW_GRADGRADCHECK
 
 
@@ -249,7 +267,7 @@ def test_the_grid_covers_every_option_in_float64_and_float32_and_once_in_bfloat1
 
 @pytest.mark.parametrize("c", FEATURES, ids=lambda c: c.id)
 def test_every_option_case_is_judged_on_each_of_its_quantities(c):
-    result = run_case("explicit", c, gradcheck=False, derivatives=False)
+    result = _run("explicit", c, gradcheck=False, derivatives=False)
     names = {"out", "dq", "dk", "dv", "lse"}
     names |= {"dmask"} if c.mask == "float" else set()
     names |= {"dsinks"} if c.sinks != "none" else set()
@@ -311,7 +329,7 @@ def _matching(fields):
     [pytest.param(f, c, id=f"{n}-{c.id}") for n, f, w in MISTAKES for c in _matching(w)],
 )
 def test_harness_fails_a_mistake_in_an_option(fn, c):
-    result = run_case("broken", c, fn=fn, gradcheck=False, derivatives=False)
+    result = _run("broken", c, fn=fn, gradcheck=False, derivatives=False)
     assert not result.rule_passed and "error" in result.message, result.message
 
 
@@ -331,6 +349,6 @@ def test_gradcheck_of_a_dropout_case_draws_one_mask_per_call():
     # gradcheck calls the function again and again: a generator made once would move on and
     # draw another mask each time, so every call gets the case's keywords (and generator) anew
     c = _feature(torch.float64, dropout=0.2)
-    result = run_case("explicit", c, gradcheck=True, derivatives=False)
+    result = _run("explicit", c, gradcheck=True, derivatives=False)
     assert result.gradcheck_passed is True
     assert c.kwargs["generator"] is not c.kwargs["generator"]

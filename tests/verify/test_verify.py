@@ -21,6 +21,7 @@ import attngrad
 from attngrad.cli.verify import add_verify, verify_table
 from attngrad.verify import verify as external
 from attngrad.verify.cases import long_cases
+from attngrad.verify.check import expect_case
 from attngrad.verify.verify import load, quick_cases, verify
 from helpers import TENSOR_STRATEGIES
 
@@ -104,8 +105,13 @@ def _failed(result):
     return [c for c in result.cases if c.passed is False]
 
 
+# each grid case's expectation at seed 0, shared by the functions that pass the full grid
+# (only those: a broken function may write into the inputs it is handed)
+_expected = functools.cache(expect_case)
+
+
 def test_sdpa_passes_the_full_grid():
-    result = verify(load(SPEC))
+    result = verify(load(SPEC), expected=_expected)
     assert result.passed, verify_table(result)
     assert len(result.cases) == len(external.sdpa_cases()) == 64 + len(long_cases())
     assert all(c.passed for c in result.cases) and not result.unsupported
@@ -114,7 +120,7 @@ def test_sdpa_passes_the_full_grid():
 
 @pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
 def test_strategies_pass(strategy):
-    result = verify(functools.partial(attngrad.attention, strategy=strategy))
+    result = verify(functools.partial(attngrad.attention, strategy=strategy), expected=_expected)
     assert result.passed, verify_table(result)
 
 

@@ -59,7 +59,7 @@ from attngrad.verify.cases import (
     make_inputs,
     make_leaves,
 )
-from attngrad.verify.rule import judge_outputs
+from attngrad.verify.rule import Expected, expect, judge_run
 
 __all__ = [
     "DETERMINISM_RUNS",
@@ -361,13 +361,18 @@ def _probe(fn: AttentionFn, feature: str, dtype: torch.dtype, seed: int) -> tupl
 
 
 def _grid_case(
-    fn: AttentionFn, case: Case, seed: int, mask_grad: bool, modified: list[str]
+    fn: AttentionFn,
+    case: Case,
+    seed: int,
+    mask_grad: bool,
+    modified: list[str],
+    expected: Expected | None,
 ) -> CaseReport:
     features = case_features(case)
     if case.mask == "float" and not mask_grad:
         features.remove("float mask gradient")
     report = CaseReport(case.id, features, False)
-    inputs = make_inputs(case, seed)
+    inputs = make_inputs(case, seed) if expected is None else expected.inputs
     try:
         got = _run(fn, case, inputs, mask_grad)
     except _Modified as e:
@@ -378,7 +383,7 @@ def _grid_case(
         report.message = f"{_names(features)}: raised {_error(e)}"
         return report
     try:
-        verdicts = judge_outputs(case, inputs, got, names=got.keys())
+        verdicts = judge_run(expected or expect(case, inputs), got, names=got.keys())
     except ValueError as e:  # a shape that differs from the reference's
         report.message = f"{_names(features)}: {e}"
         return report
@@ -471,12 +476,15 @@ def verify(
     cases: Sequence[Case] | None = None,
     seed: int = 0,
     gradcheck: bool = True,
+    expected: Callable[[Case], Expected] | None = None,
 ) -> Result:
     """Judge ``fn`` (SDPA's signature) as the module docstring says.
 
     cases: the grid (default `sdpa_cases`; `quick_cases` for a small one);
     progress: called with a note after each probe, case and check
-    (`steps` of them in all).
+    (`steps` of them in all); expected: each case's expectation on ``seed``'s
+    inputs (`attngrad.verify.check.expect_case`), a cache of which lets
+    several functions judged on one grid share it (None: computed here).
     """
     step = progress or (lambda note: None)
     cases = list(sdpa_cases() if cases is None else cases)
@@ -515,7 +523,8 @@ def verify(
     modified: list[str] = []
     for case in cases:
         if runs(case):
-            reports.append(_grid_case(fn, case, seed, mask_grad, modified))
+            shared = None if expected is None else expected(case)
+            reports.append(_grid_case(fn, case, seed, mask_grad, modified, shared))
         else:
             features = case_features(case)
             off = [f for f in features if status.get(f, True) is None]
