@@ -358,14 +358,14 @@ def judge_run(
     the reference has, lse where ``got`` has it; an external function may give
     no dmask).
     """
+    e = expected
     if names is None:
-        names = [name for name in expected.ref if name != "lse" or "lse" in got]
+        names = [name for name in e.ref if name != "lse" or "lse" in got]
     return [
-        judge(name, got[name], r, expected.floors[name], expected.plain.get(name),
-              expected.kept.get(name))
-        for name, r in expected.ref.items()
+        judge(name, got[name], r, e.floors[name], e.plain.get(name), e.kept.get(name))
+        for name, r in e.ref.items()
         if name in names
-    ]  # fmt: skip
+    ]
 
 
 def judge_outputs(
