@@ -14,9 +14,9 @@ import attngrad
 from attngrad.cli import app as cli
 from attngrad.cli.explain import explain_text
 from attngrad.core.contract import Shapes
+from attngrad.core.interface import saved_bytes
 from attngrad.learn.explain import BASELINES, NodeReport, PathReport, backward_order, explain
-from attngrad.strategies import MODULES
-from attngrad.strategies.base import saved_bytes
+from attngrad.strategies import REGISTRY
 
 # Nq != Nk != d so that a shape mix-up (P^T for P, Nk for Nq) cannot pass; B, H > 1 so
 # that per-head counts are multiplied out.
@@ -101,7 +101,7 @@ def test_saved_bytes_follow_each_strategys_declaration(dtype: torch.dtype) -> No
     by_path = {r.path: r.graph_bytes for r in explain(B, H, NQ, NK, D, dtype=dtype)}
     shapes = Shapes((B,), H, H, NQ, NK, D, D)
     for path in ("explicit", "recompute", "flash"):
-        assert by_path[path] == saved_bytes(MODULES[path], shapes, dtype), path
+        assert by_path[path] == saved_bytes(REGISTRY[path], shapes, dtype), path
 
 
 def _reachable(o: torch.Tensor) -> set[object]:

@@ -25,11 +25,12 @@ import attngrad
 from attngrad import strategies
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.core.interface import Backward, Problem
 from attngrad.ring import ring_attention, shard, unshard
 from attngrad.ring.attention import merge_partial_
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, Block, step_blocks
-from attngrad.strategies import MODULES, tiled_default, unavailable_reason
+from attngrad.strategies import REGISTRY, tiled_default, unavailable_reason
 from attngrad.verify.cases import Case, make_inputs
 from attngrad.verify.reference import reference_attention, reference_lse
 from attngrad.verify.rule import judge_outputs
@@ -195,11 +196,10 @@ DEAD = (0.0, float("inf"))  # the stats (m, log l) of a row that attends nothing
 
 
 def _flash_block(q, k, v, causal=False, scale=0.5, kernel="flash"):
-    mask = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).score_mods(k.shape[1])
-    impl = MODULES[kernel]
-    o, saved = impl.forward(
-        q, k, v, mask, scale, impl.tiles(Shapes.of(q, k, v), q.dtype, None, None)
-    )
+    mods = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), causal).score_mods(k.shape[1])
+    strategy = REGISTRY[kernel]
+    tiles = strategy.tiles(Shapes.of(q, k, v), q.dtype, None, None)
+    o, saved = strategy.forward(Problem(q, k, v, mods, scale, tiles))
     return o, saved["stats"]
 
 
@@ -207,14 +207,15 @@ def _block_backward(kernel, inputs, o, stats, cols, scale=0.5):
     """dq, dk, dv of the whole call, key block by key block into the same accumulators."""
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    impl = MODULES[kernel]
+    strategy = REGISTRY[kernel]
     for c in cols:
         kc, vc = k[:, :, c], v[:, :, c]
-        impl.backward_into(
-            (dq, dk[:, :, c], dv[:, :, c], None), dout, None, q, kc, vc, {"o": o, "stats": stats},
-            Block(slice(0, q.shape[2]), c, False).score_mods(k.shape[1]), scale,
-            impl.tiles(Shapes.of(q, kc, vc), q.dtype, None, None),
-        )  # fmt: skip
+        mods = Block(slice(0, q.shape[2]), c, False).score_mods(k.shape[1])
+        tiles = strategy.tiles(Shapes.of(q, kc, vc), q.dtype, None, None)
+        grads = (dq, dk[:, :, c], dv[:, :, c], None)
+        saved = {"o": o, "stats": stats}
+        problem = Problem(q, kc, vc, mods, scale, tiles)
+        strategy.backward_into(Backward(problem, saved, dout, None, grads))
     return {"dq": dq, "dk": dk, "dv": dv}
 
 

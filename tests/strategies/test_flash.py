@@ -8,9 +8,10 @@ import torch
 import attngrad
 from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
+from attngrad.core.interface import Backward, Problem
 from attngrad.core.scores import ScoreMods
-from attngrad.core.tiling import key_schedule, schedule
-from attngrad.strategies.flash import backward_into, forward, tiles
+from attngrad.core.tiling import Blocks, key_schedule, schedule
+from attngrad.strategies.flash import strategy as flash
 from attngrad.verify.cases import make_inputs, outputs_and_grads
 from attngrad.verify.check import strategy_fn
 from helpers import assert_rule, case
@@ -86,13 +87,13 @@ def test_causal_with_more_queries_than_keys_keeps_every_key_for_late_rows():
     ("nq", "nk", "groups"), [(4096, 4096, 1), (97, 1, 1), (1, 5000, 8), (300, 300, 4)]
 )
 def test_default_blocks_are_positive_and_bounded(nq, nk, groups):
-    bq, bk = tiles(Shapes((1,), groups, 1, nq, nk, 8, 8), torch.float32, None, None)
+    bq, bk = flash.tiles(Shapes((1,), groups, 1, nq, nk, 8, 8), torch.float32, None, None)
     assert 1 <= bq <= max(nq, 1) and 1 <= bk <= max(nk, 1)
     assert bq * groups * bk <= 256 * 1024  # one score tile per (batch, head) stays small
 
 
 def test_given_blocks_are_used():
-    assert tiles(Shapes((1,), 1, 1, 100, 100, 8, 8), torch.float32, 7, 9) == (7, 9)
+    assert flash.tiles(Shapes((1,), 1, 1, 100, 100, 8, 8), torch.float32, 7, 9) == (7, 9)
 
 
 @pytest.mark.parametrize(("bq", "bk"), [(1, 1), (5, 3), (64, 7), (1000, 1000)], ids=str)
@@ -167,17 +168,18 @@ def test_backward_into_adds_to_what_the_accumulators_hold():
     c = case((1,), 4, 2, 30, 21, 8, 5, "causal", scale=0.3)
     inputs = make_inputs(c)
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
-    mask = ScoreMods(None, None, Band.of(30, 21, None, 0), 2, 30, 21)  # causal: right = 0
-    o, saved = forward(q, k, v, mask, 0.3, (8, 8))
+    mods = ScoreMods(None, None, Band.of(30, 21, None, 0), 2, 30, 21)  # causal: right = 0
+    problem = Problem(q, k, v, mods, 0.3, Blocks(8, 8))
+    o, saved = flash.forward(problem)
     assert saved["stats"].shape == (1, 4, 30, 2) and saved["o"] is o
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    backward_into((dq, dk, dv, None), dout, None, q, k, v, saved, mask, 0.3, (8, 8))
+    flash.backward_into(Backward(problem, saved, dout, None, (dq, dk, dv, None)))
     assert_rule(c, inputs, {"out": o, "dq": dq, "dk": dk, "dv": dv})
     # into held values: their sum (held values small, so the sum's rounding stays
     # within the rule's floor of the gradient itself)
     start = [torch.randn_like(t) / 64 for t in (q, k, v)]
     grads = [t.clone() for t in start]
-    backward_into((*grads, None), dout, None, q, k, v, saved, mask, 0.3, (8, 8))
+    flash.backward_into(Backward(problem, saved, dout, None, (*grads, None)))
     added = [g - s for g, s in zip(grads, start, strict=True)]
     assert not any(torch.equal(a, g) for a, g in zip(added, grads, strict=True))
     assert_rule(c, inputs, dict(zip(("dq", "dk", "dv"), added, strict=True)))

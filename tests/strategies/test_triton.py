@@ -25,6 +25,7 @@ import attngrad
 from attngrad.core.band import Band
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
+from attngrad.core.interface import Backward, Problem
 from attngrad.strategies import available, resolve, unavailable_reason
 from attngrad.strategies.triton import configs
 from attngrad.strategies.triton import strategy as triton_strategy
@@ -376,12 +377,14 @@ def _recorded(dtype=torch.float32, nq=20, nk=5, d=16, arch=90, **tiles):
     """{kernel name: recorded launch} of one forward and backward, as chosen for sm_<arch>."""
     q = torch.randn(1, 2, nq, d, dtype=dtype)
     k = v = torch.randn(1, 2, nk, d, dtype=dtype)
-    mask = attngrad.core.scores.ScoreMods.none(2, nq, nk)
-    blocks = triton_strategy.tiles(Shapes.of(q, k, v), dtype, tiles.get("bq"), tiles.get("bk"))
+    mods = attngrad.core.scores.ScoreMods.none(2, nq, nk)
+    triton = triton_strategy.strategy
+    blocks = triton.tiles(Shapes.of(q, k, v), dtype, tiles.get("bq"), tiles.get("bk"))
+    problem = Problem(q, k, v, mods, 0.25, blocks)
     with triton_strategy.dry_run(arch) as launches:
-        o, saved = triton_strategy.forward(q, k, v, mask, 0.25, blocks)
-        grads = [torch.zeros_like(t) for t in (q, k, v)] + [None]
-        triton_strategy.backward_into(grads, o, None, q, k, v, saved, mask, 0.25, blocks)
+        o, saved = triton.forward(problem)
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None)
+        triton.backward_into(Backward(problem, saved, o, None, grads))
     return {launch.kernel.__name__: launch for launch in launches}
 
 

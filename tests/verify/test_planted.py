@@ -24,7 +24,7 @@ import functools
 import pytest
 import torch
 
-from attngrad.strategies import MODULES, flash
+from attngrad.strategies import REGISTRY, flash
 from attngrad.verify.cases import Case
 from attngrad.verify.check import expect_case
 from attngrad.verify.planted import (
@@ -139,7 +139,7 @@ def test_mutation_must_match_once(pattern: str) -> None:
 
 def test_every_mutation_changes_flash() -> None:
     def code(module, name):
-        return getattr(module, name).__code__.co_code
+        return getattr(module.Flash, name).__code__.co_code
 
     for bug in BUGS:
         if bug.mutation is not None:
@@ -155,6 +155,6 @@ def test_every_mutation_changes_flash() -> None:
 def test_planted_swaps_and_restores() -> None:
     bug = BUGS[0]
     with pytest.raises(RuntimeError), planted(bug) as module:
-        assert MODULES["flash"] is module is mutant(bug)
+        assert module is mutant(bug) and REGISTRY["flash"] is module.strategy
         raise RuntimeError
-    assert MODULES["flash"] is flash
+    assert REGISTRY["flash"] is flash.strategy

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._C._functorch import is_legacy_batchedtensor
 
-from attngrad.core.scores import ScoreMods
+from attngrad.core.interface import Plan
 
 __all__ = ["apply", "fold_all", "unfold", "unfold_mask_gradient", "vmap_rule"]
 
@@ -103,9 +103,9 @@ def vmap_rule(
 
 
 def _keep_dropout(arg: object, batch: int) -> object:
-    """A ScoreMods whose dropout still draws the per-sample mask of a ``batch``-entry call."""
-    if isinstance(arg, ScoreMods) and arg.dropout is not None:
-        return replace(arg, dropout=arg.dropout.folded(batch))
+    """A Plan whose dropout still draws the per-sample mask of a ``batch``-entry call."""
+    if isinstance(arg, Plan) and arg.mods.dropout is not None:
+        return replace(arg, mods=replace(arg.mods, dropout=arg.mods.dropout.folded(batch)))
     return arg
 
 

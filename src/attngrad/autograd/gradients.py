@@ -18,69 +18,64 @@ with the inputs' tangents as its cotangents.  Third derivatives raise.
 Argument layout (tensors first, so vmap can fold them; see
 `attngrad.autograd.batching`)::
 
-    AttentionGradients.apply(dout, dlse, q, k, v, bias, keep, o, *saved,
-                             names, mask, scale, tiles, impl, need)
+    AttentionGradients.apply(dout, dlse, q, k, v, bias, keep, o, *saved, plan, need)
     SecondOrder.apply(g_q, g_k, g_v, g_bias, <the same>, need6)
+
+``plan`` (`attngrad.core.interface.Plan`) is the call's strategy, mods, scale
+and tiles, with the names of the saved tensors.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
-from torch.autograd.function import FunctionCtx
 
 from attngrad.autograd import batching
 from attngrad.autograd.second_order import second_order
 from attngrad.core.amp import no_autocast
-from attngrad.core.ops import compute_dtype
-from attngrad.core.scores import ScoreMods
+from attngrad.core.interface import Backward, Plan, Problem, Saved, Strategy
 
-__all__ = ["AttentionGradients", "SecondOrder", "saved_dict"]
+__all__ = ["AttentionGradients", "SecondOrder", "first_order", "in_dtypes_of"]
 
 
-def saved_dict(
-    o: torch.Tensor | None, names: tuple[str, ...], saved: tuple[torch.Tensor, ...]
-) -> dict[str, torch.Tensor]:
-    """The strategy's ``saved`` mapping, with the forward's O as "o" when kept."""
-    out = dict(zip(names, saved, strict=True))
-    if o is not None:
-        out["o"] = o
-    return out
+def in_dtypes_of(
+    grads: tuple[torch.Tensor | None, ...], likes: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...]:
+    """Each gradient in the dtype of the tensor it is the gradient of (None stays None)."""
+    return tuple(
+        None if g is None or t is None else g.to(t.dtype) for g, t in zip(grads, likes, strict=True)
+    )
 
 
 def first_order(
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
     dout: torch.Tensor | None,
     dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-    keep: torch.Tensor | None,
-    saved: dict[str, torch.Tensor],
-    mask: ScoreMods,
-    scale: float,
-    tiles: object,
-    impl: ModuleType,
     need: tuple[bool, ...],
 ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dbias) in the input dtypes from ``impl.backward_into``; None where not needed."""
-    dtype = compute_dtype(q.dtype)
+    """(dq, dk, dv, dbias) in the input dtypes from the strategy's ``backward_into``;
+    None where ``need`` says no."""
+    q, k, v, bias = problem.q, problem.k, problem.v, problem.mods.bias
     if dout is None:
         dout = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
 
     def zeros(like: torch.Tensor | None, wanted: bool) -> torch.Tensor | None:
         if like is None or not wanted:
             return None
-        return torch.zeros(like.shape, dtype=dtype, device=q.device)
+        return torch.zeros(like.shape, dtype=problem.dtype, device=q.device)
 
     grads = (zeros(q, need[0]), zeros(k, need[1]), zeros(v, need[2]), zeros(bias, need[3]))
-    impl.backward_into(
-        grads, dout, dlse, q, k, v, saved, mask.with_tensors(bias, keep), scale, tiles
-    )
-    likes = (q, k, v, bias)
-    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, likes, strict=True))  # type: ignore[union-attr]
+    strategy.backward_into(Backward(problem, saved, dout, dlse, grads))
+    return in_dtypes_of(grads, (q, k, v, bias))
+
+
+def _unpack(plan: Plan[Any], tensors: tuple[Any, ...]) -> tuple[Problem[Any], Saved]:
+    """The problem and the saved mapping from (q, k, v, bias, keep, o, *saved)."""
+    q, k, v, bias, keep, o, *saved = tensors
+    return plan.problem(q, k, v, bias, keep), plan.saved(o, tuple(saved))
 
 
 class AttentionGradients(torch.autograd.Function):
@@ -91,54 +86,41 @@ class AttentionGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
-        dout, dlse, q, k, v, bias, keep, o, *rest = args
-        *saved, names, mask, scale, tiles, impl, need = rest
-        return first_order(
-            dout, dlse, q, k, v, bias, keep, saved_dict(o, names, tuple(saved)),
-            mask, scale, tiles, impl, need,
-        )  # fmt: skip
+        dout, dlse, *tensors, plan, need = args
+        problem, saved = _unpack(plan, tuple(tensors))
+        return first_order(plan.strategy, problem, saved, dout, dlse, need)
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
-        tensors, (names, mask, scale, tiles, impl, need) = inputs[:-6], inputs[-6:]
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        tensors, (plan, need) = inputs[:-2], inputs[-2:]
         ctx.save_for_backward(*tensors)
         ctx.save_for_forward(*tensors)
         ctx.set_materialize_grads(False)
-        ctx.options = (names, mask, scale, tiles, impl, need)
+        ctx.plan, ctx.need = plan, need
 
     @staticmethod
     @no_autocast
-    def backward(
-        ctx: FunctionCtx, *cotangents: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         tensors = ctx.saved_tensors
-        names, mask, scale, tiles, impl, _ = ctx.options
         wants = tuple(ctx.needs_input_grad[:6])
         grads = (None,) * 6
         if any(c is not None for c in cotangents) and any(wants):
-            grads = batching.apply(
-                SecondOrder, *cotangents, *tensors, names, mask, scale, tiles, impl, wants
-            )
-        return (*grads, *(None for _ in tensors[6:]), None, None, None, None, None, None)
+            grads = batching.apply(SecondOrder, *cotangents, *tensors, ctx.plan, wants)
+        return (*grads, *(None for _ in tensors[6:]), None, None)
 
     @staticmethod
     @no_autocast
-    def jvp(ctx: FunctionCtx, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        tensors = ctx.saved_tensors
-        names, mask, scale, tiles, impl, need = ctx.options
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        tensors, plan, need = ctx.saved_tensors, ctx.plan, ctx.need
         t_dout, t_dlse, t_q, t_k, t_v, t_bias = tangents[:6]
         out: list[torch.Tensor | None] = [None] * 4
         if t_dout is not None or t_dlse is not None:
-            first = batching.apply(
-                AttentionGradients, t_dout, t_dlse, *tensors[2:], names, mask, scale, tiles,
-                impl, need,
-            )  # fmt: skip
+            first = batching.apply(AttentionGradients, t_dout, t_dlse, *tensors[2:], plan, need)
             out = list(first)
         if any(t is not None for t in (t_q, t_k, t_v, t_bias)):
             second = batching.apply(
-                SecondOrder, t_q, t_k, t_v, t_bias, *tensors, names, mask, scale, tiles, impl,
-                (False, False, *need),
-            )[2:]  # fmt: skip
+                SecondOrder, t_q, t_k, t_v, t_bias, *tensors, plan, (False, False, *need)
+            )[2:]
             out = [
                 a if b is None else (b if a is None else a + b)
                 for a, b in zip(out, second, strict=True)
@@ -158,23 +140,19 @@ class SecondOrder(torch.autograd.Function):
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
-        g_q, g_k, g_v, g_bias, dout, dlse, q, k, v, bias, keep, o, *rest = args
-        *saved, names, mask, scale, tiles, impl, need = rest
+        g_q, g_k, g_v, g_bias, dout, dlse, *tensors, plan, need = args
+        problem, saved = _unpack(plan, tuple(tensors))
         grads = second_order(
-            impl, (g_q, g_k, g_v, g_bias), dout, dlse, q, k, v,
-            saved_dict(o, names, tuple(saved)), mask.with_tensors(bias, keep), scale, tiles, need,
-        )  # fmt: skip
-        likes = (dout, dlse, q, k, v, bias)
-        return tuple(
-            None if g is None else g.to(t.dtype) for g, t in zip(grads, likes, strict=True)
-        )  # type: ignore[union-attr]
+            plan.strategy, problem, saved, (g_q, g_k, g_v, g_bias), dout, dlse, need
+        )
+        return in_dtypes_of(grads, (dout, dlse, problem.q, problem.k, problem.v, problem.mods.bias))
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         pass
 
     @staticmethod
-    def backward(ctx: FunctionCtx, *grads: Any) -> tuple[None, ...]:
+    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
         raise NotImplementedError(
             "third derivatives of attention are not implemented: attngrad's gradients can be "
             "differentiated once more (double backward, Hessian-vector products), not twice."

@@ -25,26 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.ops import capped_tanh
 from attngrad.core.scores import ScoreMods
-from attngrad.core.tiling import tile_sizes
 
-__all__ = ["Direction", "blocks_for", "dropout_multipliers", "softcap_tanh"]
-
-
-def blocks_for(tiles: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
-    """(block_q, block_k) for the tangent and second-order passes.
-
-    The tiled strategies' own tiles; explicit and recompute (whose tiles are
-    chunks of whole rows) and triton (whose tiles are per kernel) take
-    flash's default tiles.
-    """
-    if isinstance(tiles, tuple):
-        return tiles
-    return tile_sizes(Shapes.of(q, k, v))
+__all__ = ["Direction", "dropout_multipliers", "softcap_tanh"]
 
 
 @dataclass
@@ -65,17 +51,17 @@ class Direction:
         a_q: torch.Tensor | None,
         a_k: torch.Tensor | None,
         a_bias: torch.Tensor | None,
-        mask: ScoreMods,
+        mods: ScoreMods,
         scale: float,
         dtype: torch.dtype,
     ) -> Direction:
-        hkv = mask.heads_kv
+        hkv = mods.heads_kv
         # scaled once here (O(N d)), not per tile
         gq = None if a_q is None else group_heads(a_q.to(dtype) * scale, hkv)
         gk = None if a_k is None else a_k.to(dtype) * scale
         gb = None
         if a_bias is not None:
-            gb = ScoreMods(a_bias.to(dtype), None, None, hkv, mask.seq_q, mask.seq_k)
+            gb = ScoreMods(a_bias.to(dtype), None, None, hkv, mods.seq_q, mods.seq_k)
         return Direction(gq, gk, gb)
 
     @property
@@ -134,23 +120,23 @@ class Direction:
 
 
 def softcap_tanh(
-    mask: ScoreMods, q_rows: torch.Tensor, k: torch.Tensor, keys: slice, scale: float
+    mods: ScoreMods, q_rows: torch.Tensor, k: torch.Tensor, keys: slice, scale: float
 ) -> torch.Tensor | None:
-    """tanh(S / c) of the tile's raw scores under the mask's softcap c, or None without one."""
-    if mask.softcap is None:
+    """tanh(S / c) of the tile's raw scores under the mods' softcap c, or None without one."""
+    if mods.softcap is None:
         return None
-    return capped_tanh(q_rows, k[:, :, keys], scale, mask.softcap)
+    return capped_tanh(q_rows, k[:, :, keys], scale, mods.softcap)
 
 
 def dropout_multipliers(
-    mask: ScoreMods, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
+    mods: ScoreMods, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
 ) -> Callable[[slice, slice], torch.Tensor] | None:
     """(rows, keys) -> M = Z / (1 - p) on the tile [B, Hkv, G*r, c], or None without dropout.
 
     One hash per tile: the passes multiply every product that goes through
     the dropped P by the same M.
     """
-    dropout = mask.dropout
+    dropout = mods.dropout
     if dropout is None:
         return None
     bits = dropout.tiles(q, k, dtype)

@@ -50,19 +50,15 @@ terms take dS_raw = dS * sigma', while grad bias stays S-hat.
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any
 
 import torch
 
-from attngrad.autograd.linearized import (
-    Direction,
-    blocks_for,
-    dropout_multipliers,
-    softcap_tanh,
-)
+from attngrad.autograd.linearized import Direction, dropout_multipliers, softcap_tanh
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.ops import cap_slope, compute_dtype
-from attngrad.core.scores import ScoreMods, add_bias_gradient_
+from attngrad.core.interface import Problem, Saved, Strategy
+from attngrad.core.ops import cap_slope
+from attngrad.core.scores import add_bias_gradient_
 from attngrad.core.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
@@ -77,17 +73,12 @@ def _rowsum(t: torch.Tensor) -> torch.Tensor:
 
 
 def second_order(
-    impl: ModuleType,
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
     cotangents: Cotangents,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    saved: dict[str, torch.Tensor],
-    mask: ScoreMods,
-    scale: float,
-    tiles: object,
     need: tuple[bool, ...],
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of <g, (dq, dk, dv, dbias)> w.r.t. (dout, dlse, q, k, v, bias).
@@ -98,14 +89,15 @@ def second_order(
     rest come back None).  Results are in the compute dtype.
     """
     g_q, g_k, g_v, g_bias = cotangents
+    q, k, v, mods, scale = problem.q, problem.k, problem.v, problem.mods, problem.scale
     b, hq, nq, d = q.shape
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
-    dtype = compute_dtype(q.dtype)
-    blocks = blocks_for(tiles, q, k, v)
-    direction = Direction.of(g_q, g_k, g_bias, mask, scale, dtype)
-    p_tile = impl.probabilities(q, k, saved, mask, scale)
-    multipliers = dropout_multipliers(mask, q, k, dtype)
+    dtype = problem.dtype
+    blocks = strategy.pass_blocks(problem)
+    direction = Direction.of(g_q, g_k, g_bias, mods, scale, dtype)
+    p_tile = strategy.probabilities(problem, saved)
+    multipliers = dropout_multipliers(mods, q, k, dtype)
     q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
     k, v = k.to(dtype), v.to(dtype)
     gv = None if g_v is None else g_v.to(dtype)
@@ -117,7 +109,7 @@ def second_order(
     # pass 1, by query rows: c = Delta - dlse, r, rho' and u = P g_v
     c_row, r_sum, rho = zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1)
     u = None if gv is None else zeros(b, hkv, g, nq, dv_dim)
-    for rows, key_tiles in schedule(mask, blocks):
+    for rows, key_tiles in schedule(mods, blocks):
         n = rows.stop - rows.start
         q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
         delta_r, r_r, pgdp = (zeros(b, hkv, g * n, 1) for _ in range(3))
@@ -130,7 +122,7 @@ def second_order(
                 dp.mul_(m)  # dP = (dO v^T) * M
             delta_r += _rowsum(p * dp)
             if not direction.zero:
-                t = softcap_tanh(mask, q_r, k, keys, scale)
+                t = softcap_tanh(mods, q_r, k, keys, scale)
                 slope = None if t is None else cap_slope(t)
                 pg = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)
                 r_r += _rowsum(pg)
@@ -153,10 +145,10 @@ def second_order(
     grad_v = zeros(*v.shape) if need_v else None
     grad_do = zeros(b, hkv, g, nq, dv_dim) if need_dout else None
     grad_bias = None
-    if need_bias and mask.bias is not None:
-        grad_bias = zeros(*mask.bias.shape)
+    if need_bias and mods.bias is not None:
+        grad_bias = zeros(*mods.bias.shape)
     a_q, a_k = direction.a_q, direction.a_k  # scale * g_q, scale * g_k
-    for _, pairs in key_schedule(mask, blocks):
+    for _, pairs in key_schedule(mods, blocks):
         for rows, keys in pairs:
             n, c = rows.stop - rows.start, keys.stop - keys.start
             q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
@@ -168,7 +160,7 @@ def second_order(
                 y.mul_(m)  # dP = (dO v^T) * M
             y.sub_(take_rows(c_row, rows))  # Y = dP - c
             ds = p * y
-            tanh = softcap_tanh(mask, q_r, k, keys, scale)
+            tanh = softcap_tanh(mods, q_r, k, keys, scale)
             slope = None if tanh is None else cap_slope(tanh)
             g_raw = None  # scale (g_q k^T + q g_k^T), the cap's curvature term needs it
             t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
@@ -201,14 +193,14 @@ def second_order(
             s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
             if grad_bias is not None and s_hat is not None:
                 add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
-            if slope is not None and tanh is not None and mask.softcap is not None:
+            if slope is not None and tanh is not None and mods.softcap is not None:
                 # onto the raw scores: S-hat * slope + G_raw * dS * curvature, and dS_raw
                 if s_hat is not None:
                     s_hat.mul_(slope)
                     if g_raw is not None:
-                        s_hat.addcmul_(g_raw * ds, tanh * slope, value=-2.0 / mask.softcap)
+                        s_hat.addcmul_(g_raw * ds, tanh * slope, value=-2.0 / mods.softcap)
                 elif g_raw is not None:
-                    s_hat = (g_raw * ds).mul_(tanh * slope).mul_(-2.0 / mask.softcap)
+                    s_hat = (g_raw * ds).mul_(tanh * slope).mul_(-2.0 / mods.softcap)
                 ds.mul_(slope)
             if grad_q is not None:
                 part = (

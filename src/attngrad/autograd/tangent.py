@@ -33,38 +33,26 @@ accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
-from torch.autograd.function import FunctionCtx
 
 from attngrad.autograd import batching
-from attngrad.autograd.linearized import (
-    Direction,
-    blocks_for,
-    dropout_multipliers,
-    softcap_tanh,
-)
+from attngrad.autograd.linearized import Direction, dropout_multipliers, softcap_tanh
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.ops import cap_slope, compute_dtype
-from attngrad.core.scores import ScoreMods
+from attngrad.core.interface import Problem, Saved, Strategy
+from attngrad.core.ops import cap_slope
 from attngrad.core.tiling import schedule
 
 __all__ = ["OutputTangent", "output_tangent"]
 
 
 def output_tangent(
-    impl: ModuleType,
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
     tangents: tuple[torch.Tensor | None, ...],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     o: torch.Tensor,
-    saved: dict[str, torch.Tensor],
-    mask: ScoreMods,
-    scale: float,
-    tiles: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O': [B, Hq, Nq, dv] in the input dtype, lse': [B, Hq, Nq] in the compute dtype).
 
@@ -72,19 +60,20 @@ def output_tangent(
     o: the forward's O; saved: the strategy's saved tensors.
     """
     t_q, t_k, t_v, t_bias = tangents
+    q, k, v, mods, scale = problem.q, problem.k, problem.v, problem.mods, problem.scale
     b, hq, nq, _ = q.shape
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
-    dtype = compute_dtype(q.dtype)
-    direction = Direction.of(t_q, t_k, t_bias, mask, scale, dtype)
-    p_tile = impl.probabilities(q, k, saved, mask, scale)
-    multipliers = dropout_multipliers(mask, q, k, dtype)
+    dtype = problem.dtype
+    direction = Direction.of(t_q, t_k, t_bias, mods, scale, dtype)
+    p_tile = strategy.probabilities(problem, saved)
+    multipliers = dropout_multipliers(mods, q, k, dtype)
     q5, o5 = group_heads(q, hkv), group_heads(o, hkv)
     k, v = k.to(dtype), v.to(dtype)
     tv = None if t_v is None else t_v.to(dtype)
     out = torch.zeros(b, hkv, g, nq, dv_dim, dtype=dtype, device=q.device)
     mu = torch.zeros(b, hkv, g, nq, 1, dtype=dtype, device=q.device)
-    for rows, key_tiles in schedule(mask, blocks_for(tiles, q, k, v)):
+    for rows, key_tiles in schedule(mods, strategy.pass_blocks(problem)):
         n = rows.stop - rows.start
         q_r = take_rows(q5, rows).to(dtype)
         acc = torch.zeros(b, hkv, g * n, dv_dim, dtype=dtype, device=q.device)
@@ -93,7 +82,7 @@ def output_tangent(
             p = p_tile(rows, keys)
             m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
             if not direction.zero:
-                t = softcap_tanh(mask, q_r, k, keys, scale)
+                t = softcap_tanh(mods, q_r, k, keys, scale)
                 slope = None if t is None else cap_slope(t)
                 ps = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)  # P * S'
                 mu_r += ps.sum(dim=-1, keepdim=True)
@@ -109,8 +98,8 @@ def output_tangent(
 class OutputTangent(torch.autograd.Function):
     """`output_tangent` as a Function, so that forward mode composes with vmap (jacfwd).
 
-    OutputTangent.apply(t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved,
-    names, mask, scale, tiles, impl) -> (O', lse').
+    OutputTangent.apply(t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved, plan)
+    -> (O', lse').
     """
 
     MASKS = (3, 8, 9)  # t_bias, bias, keep
@@ -118,19 +107,17 @@ class OutputTangent(torch.autograd.Function):
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *rest = args
-        *saved, names, mask, scale, tiles, impl = rest
-        return output_tangent(
-            impl, (t_q, t_k, t_v, t_bias), q, k, v, o, dict(zip(names, saved, strict=True)),
-            mask.with_tensors(bias, keep), scale, tiles,
-        )  # fmt: skip
+        t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved, plan = args
+        problem = plan.problem(q, k, v, bias, keep)
+        saved_map = plan.saved(None, tuple(saved))  # O is an output, passed on its own
+        return output_tangent(plan.strategy, problem, saved_map, (t_q, t_k, t_v, t_bias), o)
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         pass
 
     @staticmethod
-    def backward(ctx: FunctionCtx, *grads: Any) -> tuple[None, ...]:
+    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
         raise NotImplementedError(
             "reverse mode over attngrad's forward mode is not implemented: for second "
             "derivatives take forward over reverse (torch.func.hessian, jacfwd(jacrev(f))) "

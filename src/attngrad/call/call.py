@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch.nn.attention.bias import CausalBias
@@ -26,12 +27,15 @@ from attngrad.core.contract import (
     validate_strategy,
 )
 from attngrad.core.dropout import Dropout
+from attngrad.core.interface import Strategy
 from attngrad.core.keywords import validate_generator, validate_sinks, validate_softcap
 from attngrad.core.scores import ScoreMods, split_mask
 from attngrad.core.sinks import merge_sinks
-from attngrad.strategies import MODULES, STRATEGIES, TILED, resolve
+from attngrad.strategies import REGISTRY, STRATEGIES, TILED, resolve
 
 __all__ = ["Call"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -121,7 +125,7 @@ class Call:
         tiling_given = block_q is not None or block_k is not None
         name = resolve(strategy, shapes, tiling_given, banded, query.device)
         block_q, block_k = validate_blocks(block_q, block_k, name, TILED)
-        reason = MODULES[name].unavailable_reason(query.device)
+        reason = REGISTRY[name].unavailable_reason(query.device)
         if reason is not None:
             raise RuntimeError(reason)
         bias, keep = split_mask(tensor_mask, shapes)
@@ -140,6 +144,10 @@ class Call:
         k = key.reshape(sh.batch, sh.heads_kv, sh.seq_k, sh.head_dim)
         v = value.reshape(sh.batch, sh.heads_kv, sh.seq_k, sh.value_dim)
         return q, k, v
+
+    def tiles(self, strategy: Strategy[T], q: torch.Tensor) -> T:
+        """``strategy``'s tiles for the call, from its block sizes, over q: [B, Hq, Nq, d]."""
+        return strategy.tiles(self.shapes, q.dtype, self.block_q, self.block_k)
 
     def score_mods(self, band: Band | None, dropout: Dropout | None) -> ScoreMods:
         """The call's `ScoreMods` over its laid-out ``band`` and drawn ``dropout``."""

@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import torch
 
-from attngrad.autograd.gradients import first_order, saved_dict
+from attngrad.autograd.gradients import first_order
 from attngrad.call.call import Call
 from attngrad.core.band import Band, BandSpec, validate_segments
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.core.interface import Plan, Problem
 from attngrad.core.ops import compute_dtype, lse
 from attngrad.core.scores import ScoreMods
-from attngrad.strategies import MODULES
+from attngrad.strategies import REGISTRY
 
 __all__ = ["run"]
 
@@ -69,11 +70,6 @@ def _score_mods(
     return ScoreMods(
         bias, keep, band, shapes.heads_kv, shapes.seq_q, shapes.seq_k, softcap, dropout
     )
-
-
-def _names(strategy: str, shapes: Shapes) -> tuple[str, ...]:
-    """The strategy's saved tensors beyond O, in declaration order."""
-    return tuple(n for n in MODULES[strategy].saves(shapes) if n != "o")
 
 
 @torch.library.custom_op(  # type: ignore[misc]
@@ -107,7 +103,7 @@ def _forward(
     (`attngrad.core.band.Band`; [0] without a band), then the strategy's
     saved tensors (`saves` order, without "o"), all contiguous.
     """
-    impl = MODULES[strategy]
+    impl = REGISTRY[strategy]
     shapes = Shapes.of(q, k, v)
     seed = torch.empty(0, dtype=torch.int64)
     if dropout_p > 0:
@@ -115,10 +111,11 @@ def _forward(
     segments = validate_segments(cu_q, cu_k, shapes, q.device)
     band = BandSpec(left, right, align, segments).build(shapes.seq_q, shapes.seq_k, q.device)
     mods = _score_mods(shapes, bias, keep, band, seed, softcap, dropout_p)
-    o, saved = impl.forward(q, k, v, mods, scale, impl.tiles(shapes, q.dtype, block_q, block_k))
+    tiles = impl.tiles(shapes, q.dtype, block_q, block_k)
+    o, saved = impl.forward(Problem(q, k, v, mods, scale, tiles))
     none = q.new_empty(0, dtype=torch.int64)
     lo, hi = (band.lo, band.hi) if band is not None else (none, none.clone())
-    out = [o, lse(saved["stats"]), seed, lo, hi, *(saved[n] for n in _names(strategy, shapes))]
+    out = [o, lse(saved["stats"]), seed, lo, hi, *(saved[n] for n in impl.saved_names(shapes))]
     return [t.contiguous() for t in out]  # the layout the fake declares
 
 
@@ -131,13 +128,14 @@ def _(
     assert isinstance(strategy, str) and isinstance(dropout_p, float)
     shapes = Shapes.of(q, k, v)
     stat = compute_dtype(q.dtype)
-    declared = MODULES[strategy].saves(shapes)
+    impl = REGISTRY[strategy]
+    declared = impl.saves(shapes)
     o = q.new_empty((shapes.batch, shapes.heads_q, shapes.seq_q, shapes.value_dim))
     out = [o, q.new_empty(o.shape[:-1], dtype=stat)]
     out.append(q.new_empty((2,) if dropout_p > 0 else (0,), dtype=torch.int64, device="cpu"))
     rows = shapes.seq_q if _banded(left, right, cu_q) else 0  # type: ignore[arg-type]
     out += [q.new_empty((rows,), dtype=torch.int64) for _ in ("lo", "hi")]
-    for name in _names(strategy, shapes):
+    for name in impl.saved_names(shapes):
         shape, kind = declared[name]
         out.append(q.new_empty(shape, dtype=q.dtype if kind == "input" else stat))
     return out
@@ -172,17 +170,14 @@ def _backward(
     (None without a band), seed, saved: the forward op's outputs; the rest as
     `_forward` takes them.
     """
-    impl = MODULES[strategy]
+    impl = REGISTRY[strategy]
     shapes = Shapes.of(q, k, v)
     band = None if band_lo is None or band_hi is None else Band(band_lo, band_hi, shapes.seq_k)
     mods = _score_mods(shapes, bias, keep, band, seed, softcap, dropout_p)
-    kept = saved_dict(
-        o if "o" in impl.saves(shapes) else None, _names(strategy, shapes), tuple(saved)
-    )
-    grads = first_order(
-        dout, dlse, q, k, v, bias, keep, kept, mods, scale,
-        impl.tiles(shapes, q.dtype, block_q, block_k), impl, tuple(need),
-    )  # fmt: skip
+    problem = Problem(q, k, v, mods, scale, impl.tiles(shapes, q.dtype, block_q, block_k))
+    plan = Plan.of(problem, impl)
+    kept = plan.saved(o if "o" in impl.saves(shapes) else None, tuple(saved))
+    grads = first_order(impl, problem, kept, dout, dlse, tuple(need))
     # a fresh empty tensor per unneeded gradient: outputs may not alias each other
     return [q.new_empty(0) if g is None else g.contiguous() for g in grads]
 

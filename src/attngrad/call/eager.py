@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from attngrad.call.call import Call
-from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed
-from attngrad.strategies import MODULES
+from attngrad.core.interface import Problem
+from attngrad.strategies import REGISTRY
+from attngrad.strategies.base import differentiable
 
 __all__ = ["run"]
 
@@ -25,12 +26,10 @@ def run(
 
     lse is in the compute dtype, -inf on rows that attend nothing.
     """
-    impl = MODULES[call.strategy]
+    strategy = REGISTRY[call.strategy]
     dropout = None
     if call.dropout_p > 0:
         dropout = Dropout(call.dropout_p, *draw_seed(q.device, call.generator))
     band = call.band.build(call.shapes.seq_q, call.shapes.seq_k, q.device)
     mods = call.score_mods(band, dropout)
-    tiles = impl.tiles(Shapes.of(q, k, v), q.dtype, call.block_q, call.block_k)
-    o, lse, *_ = impl.Function.apply(q, k, v, *mods.tensors, mods, call.scale, tiles, impl)
-    return o, lse
+    return differentiable(strategy, Problem(q, k, v, mods, call.scale, call.tiles(strategy, q)))

@@ -42,6 +42,8 @@ __all__ = [
     "cap_slope",
     "capped_tanh",
     "compute_dtype",
+    "delta",
+    "join_lse_cotangent_",
     "log_normalizer",
     "lse",
     "probabilities_",
@@ -175,6 +177,26 @@ def softmax_backward_(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
     pdp = dp.mul_(p)  # P * dP
     rowsum = pdp.sum(dim=-1, keepdim=True)  # [..., Nq, 1]
     return pdp.addcmul_(p, rowsum, value=-1.0)
+
+
+def join_lse_cotangent_(delta: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """Delta - dlse in place: with lse = m + log l (d lse / dS = P), lse's cotangent
+    enters dS = P * (dP - Delta + dlse) through Delta.  delta, dlse: [..., Nq]."""
+    if dlse is not None:
+        delta -= dlse.to(delta.dtype)
+    return delta
+
+
+def delta(
+    dout: torch.Tensor, o: torch.Tensor, dlse: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Delta = rowsum(dO * O) - dlse in ``dtype``: dout, o: [..., Nq, dv] -> [..., Nq].
+
+    rowsum(dO * O) == rowsum(P * dP), so the tiled backward needs no pass over
+    P for it; one batched dot per row, no [..., Nq, dv] product is formed.
+    """
+    rows = torch.einsum("...nd,...nd->...n", dout.to(dtype), o.to(dtype))
+    return join_lse_cotangent_(rows, dlse)
 
 
 def softmax_backward(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:

@@ -7,18 +7,19 @@ Single head, no mask, no dropout, q/k/v of one shape [B, N, d]; it runs the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
-from torch.autograd.function import FunctionCtx
 
 from attngrad.core.contract import Shapes
+from attngrad.core.interface import Backward, Problem
 from attngrad.core.ops import compute_dtype
 from attngrad.core.scores import ScoreMods
-from attngrad.strategies import MODULES
+from attngrad.strategies import REGISTRY
 
 __all__ = ["CustomAttention"]
 
-_EXPLICIT = MODULES["explicit"]  # the strategy it runs, taken from the registry
+_EXPLICIT = REGISTRY["explicit"]  # the strategy it runs, taken from the registry
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -57,34 +58,31 @@ class CustomAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         _check(q, k, v)
         scale = 1.0 / math.sqrt(q.size(-1))
-        mask = ScoreMods.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
+        mods = ScoreMods.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, N, d)
         rows = _EXPLICIT.tiles(Shapes.of(q4, k4, v4), q.dtype, None, None)
-        o, saved = _EXPLICIT.forward(q4, k4, v4, mask, scale, rows)
+        o, saved = _EXPLICIT.forward(Problem(q4, k4, v4, mods, scale, rows))
         ctx.save_for_backward(q, k, v, saved["p"])
         ctx.scale, ctx.rows = scale, rows
         return o.squeeze(1)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, p = ctx.saved_tensors
         if dout.shape != q.shape:
             raise ValueError(
                 f"dout must have the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}"
             )
-        mask = ScoreMods.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
+        mods = ScoreMods.none(heads_kv=1, seq_q=q.shape[1], seq_k=k.shape[1])
         q, k, v, dout = (t.unsqueeze(1) for t in (q, k, v, dout))  # (B, 1, N, d)
         dq, dk, dv = (
             torch.zeros_like(t, dtype=compute_dtype(t.dtype)) if need else None
             for t, need in zip((q, k, v), ctx.needs_input_grad, strict=True)
         )
         with torch.no_grad():  # the hand-written backward is not itself differentiated
-            _EXPLICIT.backward_into(
-                (dq, dk, dv, None), dout, None, q, k, v, {"p": p}, mask, ctx.scale, ctx.rows
-            )
+            problem = Problem(q, k, v, mods, ctx.scale, ctx.rows)
+            _EXPLICIT.backward_into(Backward(problem, {"p": p}, dout, None, (dq, dk, dv, None)))
         return tuple(None if g is None else g.squeeze(1).to(q.dtype) for g in (dq, dk, dv))

@@ -34,6 +34,7 @@ gradient ones: a Hessian-vector product).
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, saved_tensors_hooks
 
 from attngrad.core.contract import DTYPES
-from attngrad.strategies import MODULES, STRATEGIES, available
+from attngrad.strategies import REGISTRY, STRATEGIES, available
 from attngrad.tools.paths import BASELINES as PATH_BASELINES
 from attngrad.tools.paths import PYTORCH_MATH, SDPA_MATH, path_fn
 
@@ -322,7 +323,7 @@ def _description(path: str) -> str:
     if path in PATH_BASELINES:
         return PATH_BASELINES[path].about
     try:
-        doc = MODULES[path].__doc__ or ""
+        doc = sys.modules[type(REGISTRY[path]).__module__].__doc__ or ""
     except ImportError:
         doc = ""
     first = doc.strip().splitlines()[0] if doc.strip() else ""

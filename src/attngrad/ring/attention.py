@@ -44,23 +44,22 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import FunctionCtx
 
 from attngrad.api import attention
 from attngrad.core.contract import ArgumentTypeError, Shapes, check_flag, validate_attention
 from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.core.interface import Backward, Problem, Strategy
 from attngrad.core.keywords import validate_generator, validate_sinks
 from attngrad.core.ops import compute_dtype, log_normalizer, lse
-from attngrad.core.scores import ScoreMods
 from attngrad.core.sinks import merge_sinks
 from attngrad.ring.checks import check_same_shards, validate_ring
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
 from attngrad.ring.layout import Block, step_blocks
-from attngrad.strategies import MODULES, TILED, tiled_default, unavailable_reason
+from attngrad.strategies import REGISTRY, TILED, tiled_default, unavailable_reason
 
 __all__ = ["BLOCK_STRATEGIES", "merge_partial_", "ring_attention"]
 
@@ -73,10 +72,6 @@ _NEG_INF = float("-inf")
 # block): the tiled ones, whose forward returns O and the row statistics and
 # whose backward takes the rows' final O and statistics over every key.
 BLOCK_STRATEGIES = TILED
-
-
-def _tiles(impl: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
-    return impl.tiles(Shapes.of(q, k, v), q.dtype, None, None)
 
 
 # -- forward: partial outputs merged through their stats --------------------------
@@ -116,7 +111,7 @@ class _Ring:
     comm: RingComm
     layout: str
     is_causal: bool
-    impl: ModuleType
+    strategy: Strategy[Any]
     dropout: Dropout | None = None
 
     def steps(self, seq_local: int) -> list[list[Block]]:
@@ -130,14 +125,21 @@ class _Ring:
             for s in range(world)
         ]
 
-    def score_mods(self, blk: Block, heads_kv: int, device: torch.device) -> ScoreMods:
-        """The block kernel's `ScoreMods` of ``blk``: its band, the dropout at its global origin."""
-        return blk.score_mods(heads_kv, device, self.dropout)
-
 
 def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
     """t[:, :, s]: rows (dim 2) of a [B, H, N, ...] tensor; a view."""
     return t[:, :, s]
+
+
+def _problem(
+    ring: _Ring, blk: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> Problem[Any]:
+    """The block kernel's problem: the block's rows of q against its k/v block, the block's
+    mods (its band, the dropout at its global origin) and the strategy's tiles for it."""
+    qb, kb, vb = _rows(q, blk.rows), _rows(k, blk.cols), _rows(v, blk.cols)
+    tiles = ring.strategy.tiles(Shapes.of(qb, kb, vb), q.dtype, None, None)
+    mods = blk.score_mods(k.shape[1], q.device, ring.dropout)
+    return Problem(qb, kb, vb, mods, scale, tiles)
 
 
 def ring_forward(
@@ -148,7 +150,7 @@ def ring_forward(
     q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv], contiguous; n = N / P.
     """
     b, hq, n, _ = q.shape
-    hkv, dtype = k.shape[1], compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     shape = torch.Size((b, hq, n, v.shape[-1]))
     o: torch.Tensor | None = None
     stats = torch.zeros((b, hq, n, 2), dtype=dtype, device=q.device)
@@ -158,15 +160,7 @@ def ring_forward(
     for s, blocks in enumerate(steps):
         incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
         for blk in blocks:
-            qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
-            o_b, saved = ring.impl.forward(
-                qb,
-                kb,
-                vb,
-                ring.score_mods(blk, hkv, q.device),
-                scale,
-                _tiles(ring.impl, qb, kb, vb),
-            )
+            o_b, saved = ring.strategy.forward(_problem(ring, blk, q, kc, vc, scale))
             stats_b = saved["stats"]
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
                 o, stats = o_b.to(dtype), stats_b
@@ -249,20 +243,19 @@ def _ring_backward_group(
     rank keeps a second set of dK/dV buffers while the others travel.
     dk, dv come back in the compute dtype.
     """
-    hkv, dtype = k.shape[1], compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     steps = ring.steps(q.shape[2])
 
     def add_share(blocks: list[Block], kc: torch.Tensor, vc: torch.Tensor, dk: torch.Tensor,
                   dv: torch.Tensor) -> None:  # fmt: skip
         for blk in blocks:
             grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols), None)
-            qb, kb, vb = _rows(q, blk.rows), _rows(kc, blk.cols), _rows(vc, blk.cols)
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
             dlse_b = None if dlse is None else _rows(dlse, blk.rows)
-            ring.impl.backward_into(
-                grads, _rows(dout, blk.rows), dlse_b, qb, kb, vb, final,
-                ring.score_mods(blk, hkv, q.device), scale, _tiles(ring.impl, qb, kb, vb),
-            )  # fmt: skip
+            problem = _problem(ring, blk, q, kc, vc, scale)
+            ring.strategy.backward_into(
+                Backward(problem, final, _rows(dout, blk.rows), dlse_b, grads)
+            )
 
     incoming: Exchange | None = ring.comm.send_recv((k, v))
     travelling: Exchange | None = None  # the accumulators of the shard about to arrive
@@ -294,7 +287,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -309,7 +302,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, dout: torch.Tensor | None, dlse: torch.Tensor | None
+        ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: the gradients would be differentiated
             raise NotImplementedError(
@@ -424,7 +417,7 @@ def ring_attention(
     reason = unavailable_reason(strategy, q.device)
     if reason is not None:
         raise RuntimeError(reason)
-    MODULES[strategy].tiles(shapes, q.dtype, None, None)  # ValueError for sizes it cannot take
+    REGISTRY[strategy].tiles(shapes, q.dtype, None, None)  # ValueError for sizes it cannot take
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(
@@ -441,8 +434,8 @@ def ring_attention(
     # k/v are sent as they are: contiguous
     kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
     vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
-    ring = _Ring(comm, layout, is_causal, MODULES[strategy], dropout)
-    o, lse_ = RingAttention.apply(qb, kb, vb, ring, s)
+    ring = _Ring(comm, layout, is_causal, REGISTRY[strategy], dropout)
+    o, lse_ = RingAttention.apply(qb, kb, vb, ring, s)  # type: ignore[no-untyped-call]
     out = o.reshape(*shapes.lead, hq, n, shapes.value_dim)
     lse_ = lse_.reshape(*shapes.lead, hq, n)
     if sink is not None:  # once per row, after every key's partial has been merged

@@ -1,15 +1,15 @@
 """Execution strategies: the same formulas along different paths; this is their registry.
 
-Each strategy module implements the interface of `attngrad.strategies.base`
-(tile choice, forward returning O and what it saves, a backward that adds
-into given accumulators, a declaration of what it saves, a reason when it
-cannot run here) over the canonical layout q: [B, Hq, Nq, d],
-k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv] and a `attngrad.core.scores.ScoreMods`,
-and declares its traits (``TILED``: it takes block sizes).  No strategy
+Each strategy module holds one `attngrad.core.interface.Strategy` (tile
+choice, forward returning O and what it saves, a backward that adds into
+given accumulators, a declaration of what it saves, a reason when it cannot
+run here), taking one `attngrad.core.interface.Problem` over the canonical
+layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv], and
+declares its traits (``tiled``: it takes block sizes).  No strategy
 imports another; what they share is `attngrad.strategies.common`.
 
-This module alone knows which strategies exist (`MODULES`, `STRATEGIES`),
-which are tiled (`TILED`, collected from the modules), which run here
+This module alone knows which strategies exist (`REGISTRY`, `STRATEGIES`),
+which are tiled (`TILED`, collected from the strategies), which run here
 (`available`, `unavailable_reason`: "triton" needs Triton and CUDA or its
 interpreter, "fused" a CPU and its compiled kernels) and what "auto" stands
 for (`resolve`, and `tiled_default` among the tiled ones).
@@ -18,17 +18,18 @@ for (`resolve`, and `tiled_default` among the tiled ones).
 from __future__ import annotations
 
 import warnings
-from types import ModuleType
+from typing import Any
 
 import torch
 
 from attngrad.core.contract import Shapes
+from attngrad.core.interface import Strategy
 from attngrad.strategies import explicit, flash, recompute
 from attngrad.strategies.fused import strategy as fused_strategy
 from attngrad.strategies.triton import strategy as triton_strategy
 
 __all__ = [
-    "MODULES",
+    "REGISTRY",
     "STRATEGIES",
     "TILED",
     "available",
@@ -37,18 +38,21 @@ __all__ = [
     "unavailable_reason",
 ]
 
-MODULES: dict[str, ModuleType] = {
-    "explicit": explicit,
-    "recompute": recompute,
-    "flash": flash,
-    "fused": fused_strategy,
-    "triton": triton_strategy,
+REGISTRY: dict[str, Strategy[Any]] = {
+    s.name: s
+    for s in (
+        explicit.strategy,
+        recompute.strategy,
+        flash.strategy,
+        fused_strategy.strategy,
+        triton_strategy.strategy,
+    )
 }
 
-STRATEGIES: tuple[str, ...] = tuple(MODULES)
+STRATEGIES: tuple[str, ...] = tuple(REGISTRY)
 
 # The strategies that take block sizes (block_q, block_k), in `STRATEGIES` order.
-TILED: tuple[str, ...] = tuple(name for name, module in MODULES.items() if module.TILED)
+TILED: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.tiled)
 
 # "auto" on CPU, read off `attngrad bench` (B=1, H=8, d=64, float32, N = 128
 # ... 4096): with is_causal, flash's forward+backward beats explicit's from
@@ -71,8 +75,7 @@ _fell_back: list[str] = []  # the reason "auto" once fell back from fused to fla
 
 def unavailable_reason(strategy: str, device: torch.device) -> str | None:
     """Why ``strategy`` cannot run on ``device`` tensors here, or None when it can."""
-    reason: str | None = MODULES[strategy].unavailable_reason(device)
-    return reason
+    return REGISTRY[strategy].unavailable_reason(device)
 
 
 def available(device: torch.device, interpreted: bool = False) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ entirely are skipped.  Scores stay in
 natural units until the row max is subtracted; exp runs as exp2 of the
 difference times log2(e), never of a score itself (a bias of finfo.min times
 log2(e) would overflow).  Saved bytes: b * (B*Hq*Nq*(d + dv) + B*Hkv*Nk*(d + dv))
-+ 2 * l * B*Hq*Nq, plus the caller's mask when given (`saves`).
++ 2 * l * B*Hq*Nq, plus the caller's mask when given (`Flash.saves`).
 """
 
 from __future__ import annotations
@@ -32,47 +32,20 @@ import math
 
 import torch
 
+from attngrad.core import ops
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.ops import LOG2E, compute_dtype, log_normalizer, probabilities_
-from attngrad.core.scores import ScoreMods, add_bias_gradient_
-from attngrad.core.tiling import key_schedule, schedule, tile_sizes
-from attngrad.strategies.base import AttentionFunction, Grads
-from attngrad.strategies.common import declare, rebuilt_probabilities, runs_anywhere
+from attngrad.core.interface import Backward, Problem, Saved
+from attngrad.core.ops import LOG2E, log_normalizer, probabilities_
+from attngrad.core.scores import add_bias_gradient_
+from attngrad.core.tiling import Blocks, key_schedule, schedule, tile_sizes
+from attngrad.strategies.base import AttentionFunction
+from attngrad.strategies.common import KeepsOutput
 
-__all__ = [
-    "KEEPS_MASK",
-    "TILED",
-    "FlashAttention",
-    "Function",
-    "backward_into",
-    "forward",
-    "probabilities",
-    "saves",
-    "tiles",
-    "unavailable_reason",
-]
+__all__ = ["Flash", "FlashAttention", "strategy"]
 
 _NEG_INF = float("-inf")
-
-KEEPS_MASK = True  # backward masks each rebuilt tile again
-TILED = True  # takes block sizes (block_q, block_k)
-
-unavailable_reason = runs_anywhere
-probabilities = rebuilt_probabilities  # P from the saved stats: forward mode, second order
-
-
-def tiles(
-    shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
-) -> tuple[int, int]:
-    """`attngrad.core.tiling.tile_sizes`: the given sizes or the measured defaults."""
-    return tile_sizes(shapes, block_q, block_k)
-
-
-def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
-    return declare(shapes, "o", "stats")
 
 
 def _scratch(buf: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -83,145 +56,6 @@ def _scratch(buf: torch.Tensor, *shape: int) -> torch.Tensor:
 def _batched(t: torch.Tensor) -> torch.Tensor:
     """[B, H, n, x] -> [B*H, n, x] for the in-place batched matmuls; a view."""
     return t.reshape(-1, *t.shape[-2:])
-
-
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: ScoreMods,
-    scale: float,
-    blocks: tuple[int, int],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
-
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; stats = (m, log l).
-    """
-    b, hq, nq, _ = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
-    g = hq // hkv
-    dtype = compute_dtype(q.dtype)
-    q5 = group_heads(q, hkv)  # (B, Hkv, G, Nq, d)
-    k, v = k.to(dtype), v.to(dtype)
-    o = q.new_empty(b, hq, nq, dv)  # a base tensor, not a view: callers may edit it in place
-    o5 = group_heads(o, hkv)
-    stats = torch.empty(b, hkv, g, nq, 2, dtype=dtype, device=q.device)
-    # one workspace for every score tile: a fresh multi-MiB tensor per tile costs page faults
-    work = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
-    drop = None if mask.dropout is None else mask.dropout.tiles(q, k, dtype)
-    for rows, key_tiles in schedule(mask, blocks):
-        r = rows.stop - rows.start
-        qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
-        m_i = torch.full((b, hkv, g * r, 1), _NEG_INF, dtype=dtype, device=q.device)
-        l_i = torch.zeros_like(m_i)
-        acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
-        shift = torch.zeros_like(m_i)
-        for cols in key_tiles:
-            c = cols.stop - cols.start
-            qk = _scratch(work, b, hkv, g * r, c)  # (B, Hkv, G*r, c)
-            torch.matmul(qb, k[:, :, cols].transpose(-2, -1), out=qk)
-            mask.apply_(qk.view(b, hkv, g, r, c), rows, cols)
-            m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
-            # a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
-            shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            p = qk.sub_(shift).mul_(LOG2E).exp2_()
-            alpha = torch.exp2((m_i - shift) * LOG2E)
-            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l of the undropped P
-            if drop is not None:  # P * Z; the 1 / (1 - p) is applied to O once
-                Dropout.apply_(p, drop(rows, cols))
-            _batched(acc.mul_(alpha)).baddbmm_(_batched(p), _batched(v[:, :, cols]))
-            m_i = m_new
-        if mask.dropout is not None:
-            acc.mul_(mask.dropout.scale)
-        o5[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
-        stats[:, :, :, rows] = torch.cat((shift, log_normalizer(l_i)), -1).view(b, hkv, g, r, 2)
-    return o, {"o": o, "stats": stats.view(b, hq, nq, 2)}
-
-
-def backward_into(
-    grads: Grads,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    saved: dict[str, torch.Tensor],
-    mask: ScoreMods,
-    scale: float,
-    blocks: tuple[int, int],
-) -> None:
-    """Add this call's gradients, tile by tile, into ``grads`` = (dq, dk, dv, dbias).
-
-    dq: like q, dk: like k, dv: like v, in the compute dtype (views of larger
-    accumulators are fine, e.g. ring attention's); dbias: like the bias; None
-    for any not wanted.  dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: `forward`'s O and
-    stats, or (ring attention) the final O and stats of these rows over
-    every key.  Key block by key block
-    (`key_schedule`): the block's dK and dV sit in contiguous buffers that
-    the matmuls add into in place and are added out once; dq rows gather one
-    small product per tile.  Each tile's rows of q are scaled as the tile
-    needs them: a scaled copy of all of q would cost q's size for no
-    measured gain.
-    """
-    dq, dk, dv, dbias = grads
-    o, stats = saved["o"], saved["stats"]
-    b, hq, _, d = q.shape
-    hkv, dv_dim = k.shape[1], v.shape[-1]
-    g = hq // hkv
-    dtype = compute_dtype(q.dtype)
-    do5 = group_heads(dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
-    # Delta = rowsum(dO * O), as one batched dot per row: no [.., Nq, dv] product is formed
-    delta = torch.einsum("bhgnd,bhgnd->bhgn", do5, group_heads(o, hkv).to(dtype)).unsqueeze(-1)
-    dropout = mask.dropout
-    if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
-        do5 = do5 * dropout.scale
-    drop = None if dropout is None else dropout.tiles(q, k, dtype)
-    if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
-        delta -= group_heads(dlse.to(dtype), hkv).unsqueeze(-1)
-    stats5 = group_heads(stats, hkv)  # (B, Hkv, G, Nq, 2)
-    q5, dq5 = group_heads(q, hkv), None if dq is None else group_heads(dq, hkv)
-    k, v = k.to(dtype), v.to(dtype)
-    work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
-    work_ds = torch.empty_like(work_p)
-    work_slope = None if mask.softcap is None else torch.empty_like(work_p)
-    work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
-    work_dv = torch.empty(b * hkv * blocks[1] * dv_dim, dtype=dtype, device=q.device)
-    for cols, tiles in key_schedule(mask, blocks):
-        c = cols.stop - cols.start
-        dk_c = _scratch(work_dk, b, hkv, c, d).zero_()
-        dv_c = _scratch(work_dv, b, hkv, c, dv_dim).zero_()
-        for rows, keys in tiles:
-            r, n = rows.stop - rows.start, keys.stop - keys.start
-            local = slice(keys.start - cols.start, keys.stop - cols.start)
-            qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d), fresh
-            dob = take_rows(do5, rows)  # (B, Hkv, G*r, dv)
-            stats_b, delta_b = take_rows(stats5, rows), take_rows(delta, rows)  # (.., G*r, 2 | 1)
-            kc, vc = k[:, :, keys], v[:, :, keys]
-            qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n)
-            torch.matmul(qb, kc.transpose(-2, -1), out=qk)
-            slope = None if work_slope is None else _scratch(work_slope, b, hkv, g, r, n)
-            mask.apply_(qk.view(b, hkv, g, r, n), rows, keys, slope)
-            p = probabilities_(qk, stats_b)
-            dp = _scratch(work_ds, b, hkv, g * r, n)
-            torch.matmul(dob, vc.transpose(-2, -1), out=dp)
-            if drop is None:
-                _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
-                ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
-            else:
-                pz = Dropout.dropped(p, drop(rows, keys))
-                _accumulate(dv_c, local, pz.transpose(-2, -1), dob)  # dV += (P * Z)^T dO
-                ds = dp.mul_(pz).addcmul_(p, delta_b, value=-1.0)  # P * (dP * Z - Delta)
-            if dbias is not None:
-                add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
-            if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
-                ds.mul_(slope.view(b, hkv, g * r, n))
-            if dq5 is not None:
-                dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
-            _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)
-        if dk is not None:
-            dk[:, :, cols] += dk_c
-        if dv is not None:
-            dv[:, :, cols] += dv_c
 
 
 def _accumulate(acc: torch.Tensor, local: slice, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -241,4 +75,143 @@ class FlashAttention(AttentionFunction):
     """`AttentionFunction` of strategy "flash" (FlashAttentionBackward in the graph)."""
 
 
-Function = FlashAttention
+class Flash(KeepsOutput[Blocks]):
+    """Tiles in tensor ops: the online-softmax forward, the key-block backward."""
+
+    name = "flash"
+    function = FlashAttention
+
+    def tiles(
+        self, shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
+    ) -> Blocks:
+        """`attngrad.core.tiling.tile_sizes`: the given sizes or the measured defaults."""
+        return tile_sizes(shapes, block_q, block_k)
+
+    def pass_blocks(self, problem: Problem[Blocks]) -> Blocks:
+        """Its own tiles."""
+        return problem.tiles
+
+    def forward(self, problem: Problem[Blocks]) -> tuple[torch.Tensor, Saved]:
+        """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
+
+        stats = (m, log l), per query row.
+        """
+        q, mods, scale, blocks = problem.q, problem.mods, problem.scale, problem.tiles
+        b, hq, nq, _ = q.shape
+        hkv, dv = problem.k.shape[1], problem.v.shape[-1]
+        g = hq // hkv
+        dtype = problem.dtype
+        q5 = group_heads(q, hkv)  # (B, Hkv, G, Nq, d)
+        k, v = problem.k.to(dtype), problem.v.to(dtype)
+        o = q.new_empty(b, hq, nq, dv)  # a base tensor, not a view: callers may edit it in place
+        o5 = group_heads(o, hkv)
+        stats = torch.empty(b, hkv, g, nq, 2, dtype=dtype, device=q.device)
+        # one workspace for every score tile: a fresh multi-MiB tensor per tile costs page faults
+        work = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
+        drop = None if mods.dropout is None else mods.dropout.tiles(q, k, dtype)
+        for rows, key_tiles in schedule(mods, blocks):
+            r = rows.stop - rows.start
+            qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d)
+            m_i = torch.full((b, hkv, g * r, 1), _NEG_INF, dtype=dtype, device=q.device)
+            l_i = torch.zeros_like(m_i)
+            acc = torch.zeros(b, hkv, g * r, dv, dtype=dtype, device=q.device)
+            shift = torch.zeros_like(m_i)
+            for cols in key_tiles:
+                c = cols.stop - cols.start
+                qk = _scratch(work, b, hkv, g * r, c)  # (B, Hkv, G*r, c)
+                torch.matmul(qb, k[:, :, cols].transpose(-2, -1), out=qk)
+                mods.apply_(qk.view(b, hkv, g, r, c), rows, cols)
+                m_new = torch.maximum(m_i, qk.amax(dim=-1, keepdim=True))
+                # a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
+                shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+                p = qk.sub_(shift).mul_(LOG2E).exp2_()
+                alpha = torch.exp2((m_i - shift) * LOG2E)
+                l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l of the undropped P
+                if drop is not None:  # P * Z; the 1 / (1 - p) is applied to O once
+                    Dropout.apply_(p, drop(rows, cols))
+                _batched(acc.mul_(alpha)).baddbmm_(_batched(p), _batched(v[:, :, cols]))
+                m_i = m_new
+            if mods.dropout is not None:
+                acc.mul_(mods.dropout.scale)
+            o5[:, :, :, rows] = acc.div_(l_i.masked_fill(l_i == 0, 1.0)).view(b, hkv, g, r, dv)
+            stats[:, :, :, rows] = torch.cat((shift, log_normalizer(l_i)), -1).view(b, hkv, g, r, 2)
+        return o, {"o": o, "stats": stats.view(b, hq, nq, 2)}
+
+    def backward_into(self, backward: Backward[Blocks]) -> None:
+        """Add this call's gradients, tile by tile, into backward.grads = (dq, dk, dv, dbias).
+
+        dq: like q, dk: like k, dv: like v, in the compute dtype (views of larger
+        accumulators are fine, e.g. ring attention's); dbias: like the bias; None
+        for any not wanted.  saved: `forward`'s O and stats, or (ring attention)
+        the final O and stats of these rows over every key.  Key block by key block
+        (`key_schedule`): the block's dK and dV sit in contiguous buffers that
+        the matmuls add into in place and are added out once; dq rows gather one
+        small product per tile.  Each tile's rows of q are scaled as the tile
+        needs them: a scaled copy of all of q would cost q's size for no
+        measured gain.
+        """
+        problem, saved = backward.problem, backward.saved
+        q, mods, scale, blocks = problem.q, problem.mods, problem.scale, problem.tiles
+        dq, dk, dv, dbias = backward.grads
+        o, stats = saved["o"], saved["stats"]
+        b, hq, _, d = q.shape
+        hkv, dv_dim = problem.k.shape[1], problem.v.shape[-1]
+        g = hq // hkv
+        dtype = problem.dtype
+        do5 = group_heads(backward.dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
+        # Delta = rowsum(dO * O) - dlse: lse's cotangent joins Delta, dS = P * (dP - Delta + dlse)
+        delta = group_heads(ops.delta(backward.dout, o, backward.dlse, dtype), hkv).unsqueeze(-1)
+        dropout = mods.dropout
+        if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
+            do5 = do5 * dropout.scale
+        drop = None if dropout is None else dropout.tiles(q, problem.k, dtype)
+        stats5 = group_heads(stats, hkv)  # (B, Hkv, G, Nq, 2)
+        q5, dq5 = group_heads(q, hkv), None if dq is None else group_heads(dq, hkv)
+        k, v = problem.k.to(dtype), problem.v.to(dtype)
+        work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
+        work_ds = torch.empty_like(work_p)
+        work_slope = None if mods.softcap is None else torch.empty_like(work_p)
+        work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
+        work_dv = torch.empty(b * hkv * blocks[1] * dv_dim, dtype=dtype, device=q.device)
+        for cols, tiles in key_schedule(mods, blocks):
+            c = cols.stop - cols.start
+            dk_c = _scratch(work_dk, b, hkv, c, d).zero_()
+            dv_c = _scratch(work_dv, b, hkv, c, dv_dim).zero_()
+            for rows, keys in tiles:
+                r, n = rows.stop - rows.start, keys.stop - keys.start
+                local = slice(keys.start - cols.start, keys.stop - cols.start)
+                qb = take_rows(q5, rows).to(dtype) * scale  # (B, Hkv, G*r, d), fresh
+                dob = take_rows(do5, rows)  # (B, Hkv, G*r, dv)
+                stats_b, delta_b = (
+                    take_rows(stats5, rows),
+                    take_rows(delta, rows),
+                )  # (.., G*r, 2 | 1)
+                kc, vc = k[:, :, keys], v[:, :, keys]
+                qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n)
+                torch.matmul(qb, kc.transpose(-2, -1), out=qk)
+                slope = None if work_slope is None else _scratch(work_slope, b, hkv, g, r, n)
+                mods.apply_(qk.view(b, hkv, g, r, n), rows, keys, slope)
+                p = probabilities_(qk, stats_b)
+                dp = _scratch(work_ds, b, hkv, g * r, n)
+                torch.matmul(dob, vc.transpose(-2, -1), out=dp)
+                if drop is None:
+                    _accumulate(dv_c, local, p.transpose(-2, -1), dob)  # dV += P^T dO
+                    ds = dp.sub_(delta_b).mul_(p)  # (B, Hkv, G*r, n)
+                else:
+                    pz = Dropout.dropped(p, drop(rows, keys))
+                    _accumulate(dv_c, local, pz.transpose(-2, -1), dob)  # dV += (P * Z)^T dO
+                    ds = dp.mul_(pz).addcmul_(p, delta_b, value=-1.0)  # P * (dP * Z - Delta)
+                if dbias is not None:
+                    add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
+                if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
+                    ds.mul_(slope.view(b, hkv, g * r, n))
+                if dq5 is not None:
+                    dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
+                _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)
+            if dk is not None:
+                dk[:, :, cols] += dk_c
+            if dv is not None:
+                dv[:, :, cols] += dv_c
+
+
+strategy = Flash()

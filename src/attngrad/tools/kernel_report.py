@@ -44,6 +44,7 @@ import torch
 
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
+from attngrad.core.interface import Backward, Problem
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.triton import configs, ptxas
 from attngrad.strategies.triton.ptxas import Bound, Resources
@@ -135,14 +136,14 @@ def compiles(variant: Variant) -> bool:
     return configs.compiles(variant.dtype == "float64", variant.mask in ("bool", "masks", "all"))
 
 
-def _mask(variant: Variant, hq: int, hkv: int) -> tuple[ScoreMods, bool]:
+def _mods(variant: Variant, hq: int, hkv: int) -> tuple[ScoreMods, bool]:
     """The call's ScoreMods, and whether the bias needs its gradient."""
     mode, n = variant.mask, variant.seq
     dtype = getattr(torch, variant.dtype)
     shapes = Shapes((1,), hq, hkv, n, n, variant.head_dim, variant.head_dim)
     bias = torch.zeros(hq, n, n, dtype=dtype) if mode in ("bias", "masks", "all") else None
     keep = torch.ones(n, n, dtype=torch.bool) if mode in ("bool", "masks", "all") else None
-    mask = ScoreMods.build(
+    mods = ScoreMods.build(
         bias if bias is not None else keep,
         is_causal=mode in ("causal", "masks", "all"),
         window=(128, 0) if mode == "window" else None,
@@ -151,8 +152,8 @@ def _mask(variant: Variant, hq: int, hkv: int) -> tuple[ScoreMods, bool]:
         dropout=Dropout(0.1, 0, 0) if mode in ("dropout", "all") else None,
     )
     if mode in ("masks", "all"):
-        mask = dataclasses.replace(mask, keep=keep[None, None] if keep is not None else None)
-    return mask, bias is not None
+        mods = dataclasses.replace(mods, keep=keep[None, None] if keep is not None else None)
+    return mods, bias is not None
 
 
 def launches(variant: Variant, arch: int) -> list[tuple[str, dict[str, object], object]]:
@@ -168,20 +169,20 @@ def launches(variant: Variant, arch: int) -> list[tuple[str, dict[str, object], 
     dtype, d, n = getattr(torch, variant.dtype), variant.head_dim, variant.seq
     q = torch.zeros(1, hq, n, d, dtype=dtype)
     k = v = torch.zeros(1, hkv, n, d, dtype=dtype)
-    mask, bias_grad = _mask(variant, hq, hkv)
-    tiles = triton_strategy.tiles(Shapes.of(q, k, v), dtype, None, None)
+    mods, bias_grad = _mods(variant, hq, hkv)
+    triton = triton_strategy.strategy
+    tiles = triton.tiles(Shapes.of(q, k, v), dtype, None, None)
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
     matmul.fp32_precision = "tf32" if variant.precision == "tf32" else "ieee"
     try:
         with triton_strategy.dry_run(arch) as recorded:
-            o, saved = triton_strategy.forward(q, k, v, mask, d**-0.5, tiles)
+            problem = Problem(q, k, v, mods, d**-0.5, tiles)
+            o, saved = triton.forward(problem)
             grads = [torch.zeros_like(t) for t in (q, k, v)]
             dbias = torch.zeros(hq, n, n, dtype=dtype) if bias_grad else None
             accumulators = (grads[0], grads[1], grads[2], dbias)
-            triton_strategy.backward_into(
-                accumulators, o, None, q, k, v, saved, mask, d**-0.5, tiles
-            )
+            triton.backward_into(Backward(problem, saved, o, None, accumulators))
     finally:
         matmul.fp32_precision = before
     return [(launch.kernel.__name__, launch.args, launch.kernel) for launch in recorded]  # type: ignore[attr-defined]

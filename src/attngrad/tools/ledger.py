@@ -30,7 +30,8 @@ from typing import TypeVar
 import torch
 
 from attngrad.core.contract import dtype_name
-from attngrad.strategies import MODULES, base
+from attngrad.core.interface import saved_bytes
+from attngrad.strategies import REGISTRY
 from attngrad.tools.memory import measure_peak_bytes, measure_saved_bytes, measure_saved_storages
 from attngrad.tools.paths import SDPA_BASELINES, hessian_vector_product, path_fn
 from attngrad.verify.cases import Case
@@ -50,9 +51,9 @@ T = TypeVar("T")
 
 def predicted_saved_bytes(path: str, case: Case, mask_bytes: int = 0) -> int | None:
     """A strategy's declared saved bytes (its `saves`); None for the baselines."""
-    if path not in MODULES:
+    if path not in REGISTRY:
         return None
-    return base.saved_bytes(MODULES[path], case.shapes, case.dtype, mask_bytes)
+    return saved_bytes(REGISTRY[path], case.shapes, case.dtype, mask_bytes)
 
 
 def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:

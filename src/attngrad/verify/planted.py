@@ -3,7 +3,7 @@ r"""Planted bugs: copies of strategy "flash" with one mistake each, to show the 
 An error rule is only as good as what it fails.  Each `Bug` is a copy of
 `attngrad.strategies.flash` with one exact textual replacement in its source
 (`Mutation`), exec'd as a module of its own; `planted` swaps it into
-`attngrad.strategies.MODULES` (where the eager route looks the strategy up at
+`attngrad.strategies.REGISTRY` (where the eager route looks the strategy up at
 each call) and restores the real one after.  The mistake fires in the bug's
 dtype only (the mutated line tests ``q.dtype``), so the same copy is correct
 code in every other dtype: a bug that passes there proves the mutation is
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from attngrad.core.contract import dtype_name
-from attngrad.strategies import MODULES, flash
+from attngrad.strategies import REGISTRY, flash
 from attngrad.verify.cases import AttentionFn, Case
 from attngrad.verify.check import expect_case, run_case, strategy_fn
 from attngrad.verify.rule import Expected
@@ -191,17 +191,17 @@ def mutant(bug: Bug) -> types.ModuleType:
 @contextmanager
 def planted(bug: Bug) -> Iterator[types.ModuleType]:
     """Strategy "flash" is ``bug``'s mutant inside the block (the real one again after)."""
-    real = MODULES["flash"]
-    MODULES["flash"] = mutant(bug)
+    real, module = REGISTRY["flash"], mutant(bug)
+    REGISTRY["flash"] = module.strategy
     try:
-        yield MODULES["flash"]
+        yield module
     finally:
-        MODULES["flash"] = real
+        REGISTRY["flash"] = real
 
 
 def flash_on(blocks: tuple[int, int] = BLOCKS, **options: object) -> AttentionFn:
     """`attngrad.attention` with strategy "flash" on tiles ``blocks`` (block_q, block_k) and
-    ``options`` (e.g. return_lse=True): the module `attngrad.strategies.MODULES` holds at
+    ``options`` (e.g. return_lse=True): the strategy `attngrad.strategies.REGISTRY` holds at
     the call, a mutant inside `planted`."""
     return strategy_fn("flash", block_q=blocks[0], block_k=blocks[1], **options)
 

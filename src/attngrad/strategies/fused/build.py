@@ -262,7 +262,7 @@ def _load_library(path: Path) -> None:
     if hasattr(torch.ops, NAME) and hasattr(getattr(torch.ops, NAME), "forward"):
         return
     try:
-        torch.ops.load_library(str(path))
+        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
     except OSError as e:
         raise BuildError(
             f"strategy='fused' could not load {path} ({e}): run `attngrad build --force` to "
@@ -302,7 +302,7 @@ def product_rate(engine: str, shape: tuple[int, int, int], flops: float = 4e7) -
         ]
     finally:
         torch.set_num_threads(threads)
-    return max(rates)
+    return float(max(rates))
 
 
 def _attention_seconds(engine: str) -> float:

@@ -25,30 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
+from attngrad.core import ops
 from attngrad.core.contract import ArgumentError, Shapes
+from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import compute_dtype
-from attngrad.core.scores import ScoreMods
-from attngrad.strategies.base import AttentionFunction, Grads
-from attngrad.strategies.common import add_kernel_gradients, declare, rebuilt_probabilities
+from attngrad.strategies.base import AttentionFunction
+from attngrad.strategies.common import KeepsOutput, KernelMods, add_kernel_gradients
 from attngrad.strategies.fused import build
 
-__all__ = [
-    "KEEPS_MASK",
-    "TILED",
-    "Function",
-    "FusedAttention",
-    "Tiles",
-    "backward_into",
-    "forward",
-    "probabilities",
-    "saves",
-    "tiles",
-    "unavailable_reason",
-]
-
-KEEPS_MASK = True  # backward masks each rebuilt tile again
-TILED = True  # takes block sizes (block_q, block_k)
-probabilities = rebuilt_probabilities  # P from the saved stats: forward mode, second order
+__all__ = ["BLOCK_K", "BLOCK_Q", "Fused", "FusedAttention", "Tiles", "strategy"]
 
 # Tile sizes: of 64x128, 64x256, 128x128 and 128x256, timed side by side (B=1, H=8, N=4096,
 # d=64, float32, forward+backward, with and without is_causal), 128x256 and 64x256 led,
@@ -65,121 +50,91 @@ class Tiles:
     block_k: int
 
 
-def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
-    return declare(shapes, "o", "stats")
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why strategy "fused" cannot run on ``device`` tensors here, or None when it can."""
-    if device.type != "cpu":
-        return (
-            f"strategy='fused' runs on CPU tensors, got {device.type} tensors; "
-            "on a CUDA GPU pick strategy='triton' (or 'flash')."
-        )
-    return build.unavailable_reason()
-
-
-def tiles(shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> Tiles:
-    """The given block sizes or BLOCK_Q x BLOCK_K (B=1, H=8, N=4096, d=64, float32 measured),
-    never beyond Nq and Nk (a tile's scratch is block_q x block_k per thread).
-
-    ArgumentError for a block size below 1.
-    """
-    for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if size is not None and size < 1:
-            raise ArgumentError(f"{name}={size}: tiles need at least one row, e.g. 64 or 128.")
-    bq = min(block_q or BLOCK_Q, max(1, shapes.seq_q))
-    return Tiles(bq, min(block_k or BLOCK_K, max(1, shapes.seq_k)))
-
-
 def _operands(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Dense tensors in the compute dtype (16-bit inputs upcast; float32/float64 as they are)."""
     return [t.to(compute_dtype(t.dtype)).contiguous() for t in tensors]
 
 
-def _mask_args(
-    mask: ScoreMods, shape: tuple[int, int, int, int], dtype: torch.dtype
-) -> list[object]:
-    """The ops' mask arguments: bias, keep (broadcast views at the scores' [B, Hq, Nq, Nk]),
-    the band's lo and hi, dropout's row and column words, the softcap (0: none), the
-    threshold and 1 / (1 - p)."""
-    bias = None if mask.bias is None else mask.bias.to(dtype).expand(shape)
-    keep = None if mask.keep is None else mask.keep.expand(shape)
-    band = mask.band
-    lo, hi = (None, None) if band is None else (band.lo.cpu(), band.hi.cpu())
-    dropout = mask.dropout
-    words: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    if dropout is not None:
-        words = dropout.words(
-            shape[0], shape[1], mask.heads_kv, shape[2], shape[3], torch.device("cpu")
-        )
-    cap = 0.0 if mask.softcap is None else float(mask.softcap)
-    threshold = 0 if dropout is None else dropout.threshold
-    keep_scale = 1.0 if dropout is None else dropout.scale
-    return [bias, keep, lo, hi, *words, cap, threshold, keep_scale]
-
-
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: ScoreMods,
-    scale: float,
-    tiles: Tiles,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
-
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
-    """
-    library = build.load()
-    qc, kc, vc = _operands(q, k, v)
+def _mod_args(problem: Problem[Tiles]) -> tuple[list[object], list[object]]:
+    """The ops' arguments from the mods, before and after the scale: (bias, keep (at the
+    scores' [B, Hq, Nq, Nk], the bias in the compute dtype), the band's lo and hi,
+    dropout's row and column words) and (the softcap (0: none), the threshold,
+    1 / (1 - p))."""
+    q, k = problem.q, problem.k
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    args = _mask_args(mask, shape, qc.dtype)
-    o, stats = torch.ops.attngrad_fused.forward(
-        qc, kc, vc, *args[:6], scale, *args[6:], tiles.block_q, tiles.block_k, library.engine_id
-    )
-    o = o.to(q.dtype)
-    return o, {"o": o, "stats": stats}
-
-
-def backward_into(
-    grads: Grads,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    saved: dict[str, torch.Tensor],
-    mask: ScoreMods,
-    scale: float,
-    tiles: Tiles,
-) -> None:
-    """The backward kernel from dout: [B, Hq, Nq, dv], its dq, dk, dv (and dS for a bias
-    gradient) added into ``grads`` (`attngrad.strategies.base`).
-
-    Delta = rowsum(dO * O) is formed here from saved["o"], which is `forward`'s O
-    or, for ring attention's blocks, the final O of these rows over every key
-    (with saved["stats"] likewise).
-    """
-    library = build.load()
-    qc, kc, vc, doc = _operands(q, k, v, dout)
-    stats = saved["stats"].to(qc.dtype).contiguous()
-    # Delta = rowsum(dO * O), lse's cotangent joining it: dS = P * (dP - Delta + dlse)
-    delta = torch.einsum("bhnd,bhnd->bhn", doc, saved["o"].to(qc.dtype))
-    if dlse is not None:
-        delta -= dlse.to(delta.dtype)
-    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    args = _mask_args(mask, shape, qc.dtype)
-    dq, dk, dv, ds = torch.ops.attngrad_fused.backward(
-        doc, qc, kc, vc, stats, delta.contiguous(), *args[:6], scale, *args[6:],
-        tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
-    )  # fmt: skip
-    add_kernel_gradients(grads, (dq, dk, dv), ds)
+    m = KernelMods.of(problem.mods, shape, torch.device("cpu"), problem.dtype)
+    before: list[object] = [m.bias, m.keep, m.lo, m.hi, m.row_words, m.col_words]
+    return before, [0.0 if m.softcap is None else float(m.softcap), m.threshold, m.keep_scale]
 
 
 class FusedAttention(AttentionFunction):
     """`AttentionFunction` of strategy "fused" (FusedAttentionBackward in the graph)."""
 
 
-Function = FusedAttention
+class Fused(KeepsOutput[Tiles]):
+    """flash's tiles as C++ CPU kernels (see the module docstring)."""
+
+    name = "fused"
+    function = FusedAttention
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why strategy "fused" cannot run on ``device`` tensors here, or None when it can."""
+        if device.type != "cpu":
+            return (
+                f"strategy='fused' runs on CPU tensors, got {device.type} tensors; "
+                "on a CUDA GPU pick strategy='triton' (or 'flash')."
+            )
+        reason: str | None = build.unavailable_reason()  # constant under torch.compile
+        return reason
+
+    def tiles(
+        self, shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
+    ) -> Tiles:
+        """The given block sizes or BLOCK_Q x BLOCK_K (B=1, H=8, N=4096, d=64, float32 measured),
+        never beyond Nq and Nk (a tile's scratch is block_q x block_k per thread).
+
+        ArgumentError for a block size below 1.
+        """
+        for name, size in (("block_q", block_q), ("block_k", block_k)):
+            if size is not None and size < 1:
+                raise ArgumentError(f"{name}={size}: tiles need at least one row, e.g. 64 or 128.")
+        bq = min(block_q or BLOCK_Q, max(1, shapes.seq_q))
+        return Tiles(bq, min(block_k or BLOCK_K, max(1, shapes.seq_k)))
+
+    def forward(self, problem: Problem[Tiles]) -> tuple[torch.Tensor, Saved]:
+        """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype)."""
+        library = build.load()
+        qc, kc, vc = _operands(problem.q, problem.k, problem.v)
+        before, after = _mod_args(problem)
+        tiles = problem.tiles
+        o, stats = torch.ops.attngrad_fused.forward(
+            qc, kc, vc, *before, problem.scale, *after, tiles.block_q, tiles.block_k,
+            library.engine_id,
+        )  # fmt: skip
+        o = o.to(problem.q.dtype)
+        return o, {"o": o, "stats": stats}
+
+    def backward_into(self, backward: Backward[Tiles]) -> None:
+        """The backward kernel from backward.dout, its dq, dk, dv (and dS for a bias
+        gradient) added into backward.grads (`attngrad.core.interface`).
+
+        Delta = rowsum(dO * O) is formed here from saved["o"], which is `forward`'s O
+        or, for ring attention's blocks, the final O of these rows over every key
+        (with saved["stats"] likewise).
+        """
+        library = build.load()
+        problem, saved, grads = backward.problem, backward.saved, backward.grads
+        qc, kc, vc, doc = _operands(problem.q, problem.k, problem.v, backward.dout)
+        stats = saved["stats"].to(qc.dtype).contiguous()
+        # Delta = rowsum(dO * O) - dlse: lse's cotangent joins Delta, dS = P * (dP - Delta + dlse)
+        delta = ops.delta(doc, saved["o"], backward.dlse, qc.dtype)
+        before, after = _mod_args(problem)
+        tiles = problem.tiles
+        dq, dk, dv, ds = torch.ops.attngrad_fused.backward(
+            doc, qc, kc, vc, stats, delta.contiguous(), *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
+        )  # fmt: skip
+        add_kernel_gradients(grads, (dq, dk, dv), ds)
+
+
+strategy = Fused()

@@ -33,61 +33,28 @@ from typing import Any
 import torch
 
 from attngrad.core.contract import ArgumentError, Shapes
-from attngrad.core.ops import LOG2E, compute_dtype
+from attngrad.core.interface import Backward, Problem, Saved
+from attngrad.core.ops import LOG2E, compute_dtype, join_lse_cotangent_
 from attngrad.core.scores import ScoreMods
-from attngrad.strategies.base import AttentionFunction, Grads
-from attngrad.strategies.common import add_kernel_gradients, declare, rebuilt_probabilities
+from attngrad.strategies.base import AttentionFunction
+from attngrad.strategies.common import KeepsOutput, KernelMods, add_kernel_gradients
 from attngrad.strategies.triton import configs
 
 __all__ = [
-    "KEEPS_MASK",
     "MAX_HEAD_DIM",
-    "TILED",
-    "Function",
     "Launch",
     "Tiles",
+    "Triton",
     "TritonAttention",
-    "backward_into",
     "check_head_dims",
     "dry_run",
-    "forward",
-    "probabilities",
-    "saves",
+    "strategy",
     "tf32_enabled",
-    "tiles",
-    "unavailable_reason",
 ]
-
-KEEPS_MASK = True  # the backward kernels mask each rebuilt tile again
-TILED = True  # takes block sizes (block_q, block_k): powers of two up to MAX_BLOCK
-probabilities = rebuilt_probabilities  # P from the saved stats: forward mode, second order
 
 MAX_HEAD_DIM = 256
 MAX_BLOCK = 256  # the largest tile side: the table's, or a caller's (`tiles` checks)
 MIN_BLOCK = 16  # tl.dot's smallest operand side: the least tile side and padded head dim
-
-
-def saves(shapes: Shapes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """O: [B, Hq, Nq, dv] in the input dtype, stats: [B, Hq, Nq, 2] in the compute dtype."""
-    return declare(shapes, "o", "stats")
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why strategy "triton" cannot run on ``device`` tensors here, or None when it can."""
-    if importlib.util.find_spec("triton") is None:
-        return (
-            "strategy='triton' needs Triton, which is not installed: "
-            "pip install 'attngrad[gpu]' (or pick strategy='flash')."
-        )
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu" and _interpreting():
-        return _interpreter_reason()
-    return (
-        f"strategy='triton' runs on CUDA tensors, got {device.type} tensors. "
-        "On CPU it runs only in Triton's interpreter: set TRITON_INTERPRET=1 before attngrad "
-        "first uses it (slow; meant for tests), or pick strategy='flash'."
-    )
 
 
 def _interpreter_reason() -> str | None:
@@ -207,7 +174,7 @@ def tf32_enabled() -> bool:
     if precision is None:
         return bool(matmul.allow_tf32)
     if precision == "none":
-        precision = torch.backends.fp32_precision
+        precision = getattr(torch.backends, "fp32_precision", "none")
     return bool(precision == "tf32")
 
 
@@ -216,7 +183,7 @@ def _config(
     dtype: torch.dtype,
     head_dim: int,
     seq: tuple[int, int],
-    mask: ScoreMods,
+    mods: ScoreMods,
     tiles: Tiles,
     arch: int | None,
 ) -> tuple[dict[str, int], dict[str, object]]:
@@ -231,10 +198,10 @@ def _config(
     launch options, on a GPU only: num_warps, num_stages, and FMA contraction
     on (Triton's default so far, said aloud).
     """
-    heavy = mask.softcap is not None or mask.dropout is not None
+    heavy = mods.softcap is not None or mods.dropout is not None
     tf32 = _tf32(dtype, arch)
     if _DRY_RUN.get() is None:  # the compile report shows what fails to compile as such
-        _check_compiles(dtype, mask, arch)
+        _check_compiles(dtype, mods, arch)
     if arch is None:
         config = _INTERPRETER[kernel]
     else:
@@ -253,10 +220,10 @@ def _config(
     return tile, {**launch, "enable_fp_fusion": True}
 
 
-def _check_compiles(dtype: torch.dtype, mask: ScoreMods, arch: int | None) -> None:
+def _check_compiles(dtype: torch.dtype, mods: ScoreMods, arch: int | None) -> None:
     """RuntimeError where the installed Triton cannot compile the kernels for the call
     (`configs.compiles`: Triton 3.6 and float64 with a bool mask)."""
-    if arch is None or configs.compiles(dtype == torch.float64, mask.keep is not None):
+    if arch is None or configs.compiles(dtype == torch.float64, mods.keep is not None):
         return
     raise RuntimeError(
         f"strategy='triton' cannot compile float64 with a bool mask for sm_{arch} under "
@@ -303,99 +270,61 @@ def _dots(dtype: torch.dtype, arch: int | None) -> dict[str, object]:
     }
 
 
-def tiles(shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> Tiles:
-    """The caller's block sizes, kept for the launchers.
-
-    ArgumentError for head dims the kernels do not take, or block sizes that are
-    not powers of two from MIN_BLOCK to MAX_BLOCK.
-    """
-    check_head_dims(shapes.head_dim, shapes.value_dim)
-    for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if size is not None and (size < MIN_BLOCK or size > MAX_BLOCK or size & (size - 1)):
-            raise ArgumentError(
-                f"{name}={size}: Triton tiles must be a power of two from {MIN_BLOCK} to "
-                f"{MAX_BLOCK}, e.g. 16, 32, 64 or 128 (or None to choose from the shape)."
-            )
-    return Tiles(block_q, block_k)
-
-
-def _mask_args(
-    mask: ScoreMods, shape: tuple[int, int, int, int], device: torch.device
+def _mod_args(
+    mods: ScoreMods, shape: tuple[int, int, int, int], device: torch.device
 ) -> dict[str, object]:
-    """The kernels' mask arguments by name, for scores of shape [B, Hq, Nq, Nk] on ``device``.
+    """The kernels' arguments from the mods by name, for scores [B, Hq, Nq, Nk] on ``device``.
 
-    Bias, Keep and their strides, the band's Lo, Hi, dropout's words and
-    threshold, and the HAS_* flags; absent pieces are None pointers.
+    Bias and Keep with their strides at the scores' shape (sbb..sbn, seb..sen),
+    the band's Lo, Hi, dropout's RowWords (int32 [B*Hq, Nq]), ColWords (int32
+    [Nk]) and threshold (`attngrad.strategies.common.KernelMods`), and the HAS_*
+    flags; absent pieces are None pointers.  WIDE_TILES when a tile of
+    MAX_BLOCK x MAX_BLOCK scores could span 2**31 elements of the bias, the
+    keep mask or dS [B*Hq, Nq, Nk] (the kernels' 32-bit offsets inside a tile
+    would overflow).
     """
-    band = mask.band
-    return {
-        **_tensor_args(mask, shape),
-        "Lo": None if band is None else band.lo.to(device),
-        "Hi": None if band is None else band.hi.to(device),
-        **_dropout_args(mask, shape, device),
-        "HAS_BIAS": mask.bias is not None,
-        "HAS_KEEP": mask.keep is not None,
-        "HAS_BAND": band is not None,
-        "HAS_SOFTCAP": mask.softcap is not None,
-        "HAS_DROPOUT": mask.dropout is not None,
-    }
-
-
-def _tensor_args(mask: ScoreMods, shape: tuple[int, int, int, int]) -> dict[str, object]:
-    """Bias and Keep with their strides broadcast to the scores' shape (sbb..sbn, seb..sen).
-
-    WIDE_TILES when a tile of 256 x 256 scores could span 2**31 elements of
-    either, or of dS [B*Hq, Nq, Nk] (so the kernels' 32-bit offsets inside a
-    tile would overflow).
-    """
+    m = KernelMods.of(mods, shape, device)
     args: dict[str, object] = {"WIDE_TILES": MAX_BLOCK * shape[3] >= 2**31}
-    for name, prefix, t in (("Bias", "sb", mask.bias), ("Keep", "se", mask.keep)):
-        strides = (0, 0, 0, 0) if t is None else t.expand(shape).stride()
+    for name, prefix, t in (("Bias", "sb", m.bias), ("Keep", "se", m.keep)):
+        strides = (0, 0, 0, 0) if t is None else t.stride()
         args[name] = t
         args.update({prefix + dim: n for dim, n in zip("bhmn", strides, strict=True)})
         if MAX_BLOCK * (abs(strides[2]) + abs(strides[3])) >= 2**31:
             args["WIDE_TILES"] = True
-    return args
-
-
-def _dropout_args(
-    mask: ScoreMods, shape: tuple[int, int, int, int], device: torch.device
-) -> dict[str, object]:
-    """RowWords (int32 [B*Hq, Nq]), ColWords (int32 [Nk]) and the threshold of mask.dropout.
-
-    The words are `attngrad.core.dropout.Dropout.row_words` / ``col_words`` at the
-    block's global positions; the kernels finish the hash per score.
-    """
-    dropout = mask.dropout
-    if dropout is None:
-        return {"RowWords": None, "ColWords": None, "threshold": 0}
-    b, hq, nq, nk = shape
     return {
-        "RowWords": dropout.row_words(b, hq, mask.heads_kv, slice(0, nq), device),
-        "ColWords": dropout.col_words(slice(0, nk), device),
-        "threshold": dropout.threshold,
+        **args,
+        "Lo": m.lo,
+        "Hi": m.hi,
+        "RowWords": m.row_words,
+        "ColWords": m.col_words,
+        "threshold": m.threshold,
+        "HAS_BIAS": m.bias is not None,
+        "HAS_KEEP": m.keep is not None,
+        "HAS_BAND": m.lo is not None,
+        "HAS_SOFTCAP": m.softcap is not None,
+        "HAS_DROPOUT": m.row_words is not None,
     }
 
 
-def _query_span_args(mask: ScoreMods, device: torch.device) -> dict[str, object]:
+def _query_span_args(mods: ScoreMods, device: torch.device) -> dict[str, object]:
     """First, Stop: int64 [Nk], the query rows first <= i < stop that attend each key (dK/dV)."""
-    if mask.band is None:
+    if mods.band is None:
         return {"First": None, "Stop": None}
-    first, stop = mask.band.query_span()
+    first, stop = mods.band.query_span()
     return {"First": first.to(device), "Stop": stop.to(device)}
 
 
-def _scales(scale: float, mask: ScoreMods, like: torch.Tensor) -> torch.Tensor:
+def _scales(scale: float, mods: ScoreMods, like: torch.Tensor) -> torch.Tensor:
     """[scale, log2 e, softcap c, 1 / (1 - p)] in the accumulation dtype of ``like`` (see kernels).
 
-    c and 1 / (1 - p) are 1 where the mask has no softcap or no dropout (then unread).
+    c and 1 / (1 - p) are 1 where there is no softcap or no dropout (then unread).
     """
-    cap = 1.0 if mask.softcap is None else mask.softcap
-    keep_scale = 1.0 if mask.dropout is None else mask.dropout.scale
+    cap = 1.0 if mods.softcap is None else mods.softcap
+    keep_scale = 1.0 if mods.dropout is None else mods.dropout.scale
     return torch.tensor([scale, LOG2E, cap, keep_scale], dtype=like.dtype, device=like.device)
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
+def _sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
     """The kernels' sizes by name, from q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [.., dv]."""
     hq, nq, d = q.shape[1:]
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -411,94 +340,119 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, obj
     }
 
 
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: ScoreMods,
-    scale: float,
-    tiles: Tiles,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
-
-    q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv]; the kernels
-    read dense rows, so non-contiguous inputs are copied first.
-    """
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    b, hq, nq, _ = q.shape
-    nk = k.shape[2]
-    o = q.new_empty(b, hq, nq, v.shape[-1])
-    stats = torch.empty(b, hq, nq, 2, dtype=compute_dtype(q.dtype), device=q.device)
-    head_dim, arch = max(q.shape[-1], v.shape[-1]), _arch(q.device)
-    tile, launch = _config("forward", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
-    _launch(
-        _kernels().attention_forward, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
-        Q=q, K=k, V=v, Out=o, Stats=stats, **_mask_args(mask, (b, hq, nq, nk), q.device),
-        Scales=_scales(scale, mask, stats), **_problem(q, k, v),
-        **tile, **_dots(q.dtype, arch), **launch,
-    )  # fmt: skip
-    return o, {"o": o, "stats": stats}
-
-
-def backward_into(
-    grads: Grads,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    saved: dict[str, torch.Tensor],
-    mask: ScoreMods,
-    scale: float,
-    tiles: Tiles,
-) -> None:
-    """Add dq, dk, dv and dbias into ``grads`` (see `attngrad.strategies.base`).
-
-    dout: [B, Hq, Nq, dv]; saved: `forward`'s O and stats (or ring attention's
-    final ones for these rows).  The kernels write whole gradients, which are
-    then added into the accumulators.
-    """
-    q, k, v, o, stats = (t.contiguous() for t in (q, k, v, saved["o"], saved["stats"]))
-    kernels = _kernels()
-    b, hq, nq, d = q.shape
-    hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
-    dout = dout.contiguous()
-    problem, head_dim, arch = _problem(q, k, v), max(d, dv_dim), _arch(q.device)
-    shape = (b, hq, nq, nk)
-    masks = {**_mask_args(mask, shape, q.device), "Scales": _scales(scale, mask, stats)}
-    delta = stats.new_empty(b, hq, nq)
-    dots = _dots(q.dtype, arch)
-    tile, launch = _config("delta", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
-    _launch(
-        kernels.attention_delta, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
-        Out=o, DO=dout, Delta=delta, nq=nq, dv=dv_dim,
-        BLOCK_M=tile["BLOCK_M"], BLOCK_DV=problem["BLOCK_DV"], CHUNK=tile["CHUNK"],
-        **dots, **launch,
-    )  # fmt: skip
-    if dlse is not None:  # dS = P * (dP - Delta + dlse): lse's cotangent joins Delta
-        delta -= dlse.to(delta.dtype)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    tile, launch = _config("dkdv", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
-    _launch(
-        kernels.attention_dkdv, (b * hkv, _cdiv(nk, tile["BLOCK_N"])),
-        Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DK=dk, DV=dv, **masks,
-        **_query_span_args(mask, q.device), **problem,
-        **tile, **dots, **launch,
-    )  # fmt: skip
-    dbias = grads[3]
-    # dS at the scores' shape, only for a bias gradient; skipped tiles stay zero
-    ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if dbias is not None else stats
-    tile, launch = _config("dq", q.dtype, head_dim, (nq, nk), mask, tiles, arch)
-    _launch(
-        kernels.attention_dq, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
-        Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DQ=dq, DS=ds, **masks, **problem,
-        **tile, **dots, **launch, STORE_DS=dbias is not None,
-    )  # fmt: skip
-    add_kernel_gradients(grads, (dq, dk, dv), ds)
-
-
 class TritonAttention(AttentionFunction):
     """`AttentionFunction` of strategy "triton" (TritonAttentionBackward in the graph)."""
 
 
-Function = TritonAttention
+class Triton(KeepsOutput[Tiles]):
+    """flash's algorithm as fused Triton kernels (see the module docstring); block sizes
+    are powers of two up to MAX_BLOCK."""
+
+    name = "triton"
+    function = TritonAttention
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why strategy "triton" cannot run on ``device`` tensors here, or None when it can."""
+        if importlib.util.find_spec("triton") is None:
+            return (
+                "strategy='triton' needs Triton, which is not installed: "
+                "pip install 'attngrad[gpu]' (or pick strategy='flash')."
+            )
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and _interpreting():
+            return _interpreter_reason()
+        return (
+            f"strategy='triton' runs on CUDA tensors, got {device.type} tensors. "
+            "On CPU it runs only in Triton's interpreter: set TRITON_INTERPRET=1 before attngrad "
+            "first uses it (slow; meant for tests), or pick strategy='flash'."
+        )
+
+    def tiles(
+        self, shapes: Shapes, dtype: torch.dtype, block_q: int | None, block_k: int | None
+    ) -> Tiles:
+        """The caller's block sizes, kept for the launchers.
+
+        ArgumentError for head dims the kernels do not take, or block sizes that are
+        not powers of two from MIN_BLOCK to MAX_BLOCK.
+        """
+        check_head_dims(shapes.head_dim, shapes.value_dim)
+        for name, size in (("block_q", block_q), ("block_k", block_k)):
+            if size is not None and (size < MIN_BLOCK or size > MAX_BLOCK or size & (size - 1)):
+                raise ArgumentError(
+                    f"{name}={size}: Triton tiles must be a power of two from {MIN_BLOCK} to "
+                    f"{MAX_BLOCK}, e.g. 16, 32, 64 or 128 (or None to choose from the shape)."
+                )
+        return Tiles(block_q, block_k)
+
+    def forward(self, problem: Problem[Tiles]) -> tuple[torch.Tensor, Saved]:
+        """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype).
+
+        The kernels read dense rows, so non-contiguous inputs are copied first.
+        """
+        q, k, v = (t.contiguous() for t in (problem.q, problem.k, problem.v))
+        mods, tiles = problem.mods, problem.tiles
+        b, hq, nq, _ = q.shape
+        nk = k.shape[2]
+        o = q.new_empty(b, hq, nq, v.shape[-1])
+        stats = torch.empty(b, hq, nq, 2, dtype=compute_dtype(q.dtype), device=q.device)
+        head_dim, arch = max(q.shape[-1], v.shape[-1]), _arch(q.device)
+        tile, launch = _config("forward", q.dtype, head_dim, (nq, nk), mods, tiles, arch)
+        _launch(
+            _kernels().attention_forward, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
+            Q=q, K=k, V=v, Out=o, Stats=stats, **_mod_args(mods, (b, hq, nq, nk), q.device),
+            Scales=_scales(problem.scale, mods, stats), **_sizes(q, k, v),
+            **tile, **_dots(q.dtype, arch), **launch,
+        )  # fmt: skip
+        return o, {"o": o, "stats": stats}
+
+    def backward_into(self, backward: Backward[Tiles]) -> None:
+        """Add dq, dk, dv and dbias into backward.grads (see `attngrad.core.interface`).
+
+        saved: `forward`'s O and stats (or ring attention's final ones for these
+        rows).  The kernels write whole gradients, which are then added into the
+        accumulators.
+        """
+        problem, saved, grads = backward.problem, backward.saved, backward.grads
+        mods, tiles = problem.mods, problem.tiles
+        q, k, v, o, stats = (
+            t.contiguous() for t in (problem.q, problem.k, problem.v, saved["o"], saved["stats"])
+        )
+        kernels = _kernels()
+        b, hq, nq, d = q.shape
+        hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+        dout = backward.dout.contiguous()
+        sizes, head_dim, arch = _sizes(q, k, v), max(d, dv_dim), _arch(q.device)
+        shape = (b, hq, nq, nk)
+        masks = {**_mod_args(mods, shape, q.device), "Scales": _scales(problem.scale, mods, stats)}
+        delta = stats.new_empty(b, hq, nq)
+        dots = _dots(q.dtype, arch)
+        tile, launch = _config("delta", q.dtype, head_dim, (nq, nk), mods, tiles, arch)
+        _launch(
+            kernels.attention_delta, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
+            Out=o, DO=dout, Delta=delta, nq=nq, dv=dv_dim,
+            BLOCK_M=tile["BLOCK_M"], BLOCK_DV=sizes["BLOCK_DV"], CHUNK=tile["CHUNK"],
+            **dots, **launch,
+        )  # fmt: skip
+        join_lse_cotangent_(delta, backward.dlse)  # dS = P * (dP - Delta + dlse)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        tile, launch = _config("dkdv", q.dtype, head_dim, (nq, nk), mods, tiles, arch)
+        _launch(
+            kernels.attention_dkdv, (b * hkv, _cdiv(nk, tile["BLOCK_N"])),
+            Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DK=dk, DV=dv, **masks,
+            **_query_span_args(mods, q.device), **sizes,
+            **tile, **dots, **launch,
+        )  # fmt: skip
+        dbias = grads[3]
+        # dS at the scores' shape, only for a bias gradient; skipped tiles stay zero
+        ds = torch.zeros(shape, dtype=stats.dtype, device=q.device) if dbias is not None else stats
+        tile, launch = _config("dq", q.dtype, head_dim, (nq, nk), mods, tiles, arch)
+        _launch(
+            kernels.attention_dq, (b * hq, _cdiv(nq, tile["BLOCK_M"])),
+            Q=q, K=k, V=v, DO=dout, Stats=stats, Delta=delta, DQ=dq, DS=ds, **masks, **sizes,
+            **tile, **dots, **launch, STORE_DS=dbias is not None,
+        )  # fmt: skip
+        add_kernel_gradients(grads, (dq, dk, dv), ds)
+
+
+strategy = Triton()
