@@ -127,8 +127,8 @@ def test_an_empty_key_segment_gives_zero_rows() -> None:
 def test_the_tiled_pass_skips_every_tile_outside_the_segments() -> None:
     cu = tuple(range(0, 4097, 512))
     band = Band.of(4096, 4096, None, 0, segments=(cu, cu))
-    mask = ScoreMods(None, None, band, 1, 4096, 4096)
-    tiles = sum(len(keys) for _, keys in schedule(mask, (256, 256)))
+    mods = ScoreMods(None, None, band, 1, 4096, 4096)
+    tiles = sum(len(keys) for _, keys in schedule(mods, (256, 256)))
     assert tiles == 8 * 3  # per segment of 2 x 2 tiles: the causal 3
 
 
@@ -230,13 +230,13 @@ def test_forward_and_backward_visit_the_same_tiles(blocks, window) -> None:
     # the other strategies' error with packed segments and 7 x 5 tiles)
     cu_q, cu_k = (0, 3, 17, 20), (0, 1, 6, 9)
     band = Band.of(20, 9, *window, segments=(cu_q, cu_k))
-    mask = ScoreMods(None, None, band, 1, 20, 9)
+    mods = ScoreMods(None, None, band, 1, 20, 9)
     forward = {
-        (r.start, r.stop, k.start, k.stop) for r, keys in schedule(mask, blocks) for k in keys
+        (r.start, r.stop, k.start, k.stop) for r, keys in schedule(mods, blocks) for k in keys
     }
     backward = {
         (r.start, r.stop, k.start, k.stop)
-        for _, pairs in key_schedule(mask, blocks)
+        for _, pairs in key_schedule(mods, blocks)
         for r, k in pairs
     }
     assert forward == backward

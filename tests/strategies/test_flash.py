@@ -17,26 +17,26 @@ from attngrad.verify.check import strategy_fn
 from helpers import assert_rule, case
 
 
-def _mask(nq: int, nk: int, causal: bool = False, window=None) -> ScoreMods:
+def _mods(nq: int, nk: int, causal: bool = False, window=None) -> ScoreMods:
     shapes = Shapes(lead=(1,), heads_q=1, heads_kv=1, seq_q=nq, seq_k=nk, head_dim=8, value_dim=8)
     return ScoreMods.build(None, causal, window, shapes)
 
 
-def _tiles(mask: ScoreMods, blocks: tuple[int, int]) -> int:
-    return sum(len(cols) for _, cols in schedule(mask, blocks))
+def _tiles(mods: ScoreMods, blocks: tuple[int, int]) -> int:
+    return sum(len(cols) for _, cols in schedule(mods, blocks))
 
 
 def test_schedule_covers_every_key_once_per_row_block():
-    mask = _mask(100, 70)
-    for rows, cols in schedule(mask, (32, 16)):
+    mods = _mods(100, 70)
+    for rows, cols in schedule(mods, (32, 16)):
         keys = [j for c in cols for j in range(c.start, c.stop)]
         assert keys == list(range(70)), rows
 
 
 def test_causal_visits_about_half_of_the_tiles():
     blocks = (64, 64)
-    full = _tiles(_mask(4096, 4096), blocks)
-    causal = _tiles(_mask(4096, 4096, causal=True), blocks)
+    full = _tiles(_mods(4096, 4096), blocks)
+    causal = _tiles(_mods(4096, 4096, causal=True), blocks)
     assert full == 64 * 64
     # the diagonal tiles stay: (64 * 65 / 2) of 64 * 64
     assert causal == 64 * 65 // 2
@@ -45,7 +45,7 @@ def test_causal_visits_about_half_of_the_tiles():
 
 def test_window_visits_only_the_band():
     blocks = (64, 64)
-    window = _tiles(_mask(4096, 4096, window=(128, 0)), blocks)
+    window = _tiles(_mods(4096, 4096, window=(128, 0)), blocks)
     # each row block needs its own tile and the two before it (plus a partial start)
     assert window <= 3 * 64
 
@@ -54,15 +54,15 @@ def test_window_visits_only_the_band():
     ("causal", "window"), [(False, None), (True, None), (False, (5, 3)), (True, (7, None))], ids=str
 )
 def test_key_schedule_visits_each_pair_in_the_band_exactly_once(causal, window):
-    mask = _mask(37, 45, causal=causal, window=window)
+    mods = _mods(37, 45, causal=causal, window=window)
     seen = torch.zeros(37, 45, dtype=torch.int64)
-    for cols, pairs in key_schedule(mask, (8, 16)):
+    for cols, pairs in key_schedule(mods, (8, 16)):
         for rows, keys in pairs:
             assert cols.start <= keys.start < keys.stop <= cols.stop
             seen[rows, keys] += 1
     inside = torch.zeros(37, 45, dtype=torch.bool)
     for i in range(37):
-        lo, hi = mask.key_span(slice(i, i + 1))
+        lo, hi = mods.key_span(slice(i, i + 1))
         inside[i, lo:hi] = True
     assert seen.max() == 1 and bool((seen == 1)[inside].all())
     # tiles only reach past the band by less than one row block's spread
@@ -71,14 +71,14 @@ def test_key_schedule_visits_each_pair_in_the_band_exactly_once(causal, window):
 
 def test_key_schedule_with_causal_visits_about_half():
     def area(causal: bool) -> int:
-        tiles = key_schedule(_mask(4096, 4096, causal=causal), (256, 256))
+        tiles = key_schedule(_mods(4096, 4096, causal=causal), (256, 256))
         return sum((r.stop - r.start) * (c.stop - c.start) for _, pairs in tiles for r, c in pairs)
 
     assert 0.5 <= area(True) / area(False) <= 0.54
 
 
 def test_causal_with_more_queries_than_keys_keeps_every_key_for_late_rows():
-    for rows, cols in schedule(_mask(10, 4, causal=True), (3, 2)):
+    for rows, cols in schedule(_mods(10, 4, causal=True), (3, 2)):
         stop = max(c.stop for c in cols)
         assert stop == min(4, rows.stop)
 

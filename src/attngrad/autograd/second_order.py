@@ -57,7 +57,7 @@ import torch
 from attngrad.autograd.linearized import Direction, dropout_multipliers, softcap_tanh
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
-from attngrad.core.ops import cap_slope
+from attngrad.core.ops import cap_slope, join_lse_cotangent_
 from attngrad.core.scores import add_bias_gradient_
 from attngrad.core.tiling import key_schedule, schedule
 
@@ -133,8 +133,7 @@ def second_order(
         if u is not None and u_r is not None:
             rho_r += _rowsum(do_r * u_r)
             u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)
-        if dlse5 is not None:
-            delta_r -= take_rows(dlse5, rows)
+        join_lse_cotangent_(delta_r, None if dlse5 is None else take_rows(dlse5, rows))
         for full, part in ((c_row, delta_r), (r_sum, r_r), (rho, rho_r)):
             full[:, :, :, rows] = part.view(b, hkv, g, n, 1)
 
