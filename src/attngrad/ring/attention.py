@@ -183,20 +183,32 @@ def ring_forward(
 HEAD_GROUPS = 4
 
 
-def ring_backward(
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
-    ring: _Ring,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of this rank's shard (input dtype); shapes as in `ring_forward`.
+@dataclass(frozen=True)
+class _Shard:
+    """This rank's tensors of one backward, shapes as in `ring_forward`: q, k, v, the
+    final O and stats of its rows, dout [B, Hq, n, dv] and dlse [B, Hq, n], lse's
+    cotangent (None: lse unused)."""
 
-    dlse: [B, Hq, n], the cotangent of lse (None: lse unused).
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    stats: torch.Tensor
+    dout: torch.Tensor
+    dlse: torch.Tensor | None
+
+    def heads(self, qh: slice, kh: slice) -> _Shard:
+        """The query heads ``qh`` and their kv heads ``kh`` (k, v made contiguous: they travel)."""
+        return _Shard(
+            self.q[:, qh], self.k[:, kh].contiguous(), self.v[:, kh].contiguous(), self.o[:, qh],
+            self.stats[:, qh], self.dout[:, qh], None if self.dlse is None else self.dlse[:, qh],
+        )  # fmt: skip
+
+
+def ring_backward(
+    shard: _Shard, ring: _Ring, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this rank's shard (input dtype).
 
     The kv heads are cut into up to `HEAD_GROUPS` groups (a GQA group's query
     heads go with their kv head) and each group's gradients come from a ring
@@ -204,32 +216,21 @@ def ring_backward(
     1/HEAD_GROUPS the size, so the ring's buffers shrink by that factor.
     With dropout, one group of all heads (module docstring).
     """
+    q, k = shard.q, shard.k
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(shard.v)
     groups = 1 if ring.dropout is not None else min(hkv, HEAD_GROUPS)
     bounds = [hkv * i // groups for i in range(groups + 1)]
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
-        dk[:, kh], dv[:, kh] = _ring_backward_group(
-            dq[:, qh], dout[:, qh], None if dlse is None else dlse[:, qh], q[:, qh], k[:, kh].contiguous(), v[:, kh].contiguous(),
-            o[:, qh], stats[:, qh], ring, scale,
-        )  # fmt: skip
+        dk[:, kh], dv[:, kh] = _ring_backward_group(dq[:, qh], shard.heads(qh, kh), ring, scale)
     return dq.to(q.dtype), dk, dv
 
 
 def _ring_backward_group(
-    dq: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    stats: torch.Tensor,
-    ring: _Ring,
-    scale: float,
+    dq: torch.Tensor, shard: _Shard, ring: _Ring, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ring pass for a group of heads: adds into ``dq``, returns this shard's dk, dv.
 
@@ -243,6 +244,15 @@ def _ring_backward_group(
     rank keeps a second set of dK/dV buffers while the others travel.
     dk, dv come back in the compute dtype.
     """
+    q, k, v, o, stats, dout, dlse = (
+        shard.q,
+        shard.k,
+        shard.v,
+        shard.o,
+        shard.stats,
+        shard.dout,
+        shard.dlse,
+    )
     dtype = compute_dtype(q.dtype)
     steps = ring.steps(q.shape[2])
 
@@ -314,7 +324,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, o, stats = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(o)
-        dq, dk, dv = ring_backward(dout, dlse, q, k, v, o, stats, ctx.ring, ctx.scale)
+        dq, dk, dv = ring_backward(_Shard(q, k, v, o, stats, dout, dlse), ctx.ring, ctx.scale)
         return dq, dk, dv, None, None
 
 
