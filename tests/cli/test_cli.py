@@ -1,5 +1,9 @@
 """The ``attngrad`` command: check's exit codes, JSON report and table; the argparse
-types; --version, every subcommand's description and ``python -m attngrad``."""
+types; --version, every subcommand's description and ``python -m attngrad``.
+
+The full grid runs once, end to end (`test_check_runs_the_full_grid_end_to_end`); the tests
+of the command's plumbing run ``check`` on `SMALL_GRID`.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import attngrad
 from attngrad.cli import app as cli
 from attngrad.cli import check as check_command
 from attngrad.cli.args import measure_device, positive_float, positive_int
-from attngrad.verify.cases import default_cases
-from attngrad.verify.check import CaseResult
+from attngrad.verify.cases import Case, default_cases
+from attngrad.verify.check import SLOW_GRADGRADCHECK, CaseResult
+from helpers import TENSOR_STRATEGIES
 
 
 def _read(path) -> dict:
@@ -24,42 +30,115 @@ def _read(path) -> dict:
         return json.load(f)
 
 
-def test_check_json_has_one_passing_result_per_strategy_and_case(tmp_path):
-    path = tmp_path / "check.json"
-    assert cli.main(["check", "--json", str(path)]) == 0
+# The grid of the plumbing tests: the full grid's one-key layout (B2x2-H2:1-N7x1, its
+# smallest) in three dtypes: float64 for gradcheck's column, a float mask for dmask's.
+SMALL_GRID = [
+    c
+    for c in default_cases()
+    if c.shapes.seq_k == 1
+    and (c.dtype, c.mask)
+    in ((torch.float64, "none"), (torch.float32, "float"), (torch.bfloat16, "causal"))
+]
+
+
+@pytest.fixture
+def small_grid(monkeypatch: pytest.MonkeyPatch) -> list[Case]:
+    """``check`` runs `SMALL_GRID` in place of the full grid."""
+    monkeypatch.setattr(check_command, "default_cases", lambda: list(SMALL_GRID))
+    return SMALL_GRID
+
+
+def test_the_small_grid_is_three_cases_of_the_full_one():
+    assert [(c.dtype, c.mask) for c in SMALL_GRID] == [
+        (torch.float64, "none"),
+        (torch.float32, "float"),
+        (torch.bfloat16, "causal"),
+    ]
+
+
+# The full grid, end to end: ``attngrad check --strategy S --json PATH --csv PATH`` for every
+# strategy, each its own test so that the two workers of `pytest -n 2` share them.  triton
+# runs in Triton's interpreter, seconds a case (the other strategies take seconds for the
+# grid): it runs the grid a case a test, the tests together the whole grid.
+FULL_GRID_RUNS = [
+    *(pytest.param(s, None, id=s) for s in TENSOR_STRATEGIES),
+    *(pytest.param("triton", c, id=f"triton-{c.id}") for c in default_cases()),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "one_case"), FULL_GRID_RUNS)
+def test_check_runs_the_full_grid_end_to_end(strategy, one_case, tmp_path, monkeypatch, capsys):
+    cases = default_cases() if one_case is None else [one_case]
+    if one_case is not None:
+        monkeypatch.setattr(check_command, "default_cases", lambda: list(cases))
+    path, csv_path = tmp_path / "check.json", tmp_path / "check.csv"
+    argv = ["check", "--strategy", strategy, "--json", str(path), "--csv", str(csv_path)]
+    assert cli.main(argv) == 0
     report = _read(path)
-    cases = [c.id for c in default_cases()]
+    assert report["passed"] is True
+    assert report["strategies"] == [strategy]
+    got = [(r["strategy"], r["case"]) for r in report["results"]]
+    assert got == [(strategy, c.id) for c in cases]
+    failed = [r for r in report["results"] if r["passed"] is not True]
+    assert not failed, failed[:3]
+    for r in report["results"]:
+        # float64 cases also ran gradcheck, the higher derivatives and (except on the
+        # strategies whose gradgradcheck is slow) gradgradcheck; the others have no verdict
+        float64 = r["dtype"] == "float64"
+        gradgrad = float64 and strategy not in SLOW_GRADGRADCHECK
+        assert r["gradcheck_passed"] is (True if float64 else None), r["case"]
+        assert (r["second_order_error"] is not None) is float64, r["case"]
+        assert r["gradgradcheck_passed"] is (True if gradgrad else None), r["case"]
+        if float64 and strategy == "flash":
+            assert r["second_order_error"] < 1e-13 and r["jvp_error"] < 1e-13
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-3:] == ["d2", "jvp", "gradgrad"]
+    rows = [line for line in lines if line.startswith(f"{strategy} ")]
+    assert len(rows) == len(cases)
+    for c in cases:
+        assert sum(c.id in row for row in rows) == 1, c.id
+    assert f"{strategy}: {len(cases)} passed, 0 failed" in lines
+    assert f"wrote {csv_path}" in lines
+    with csv_path.open(encoding="utf-8") as f:
+        assert len(f.read().splitlines()) == 1 + len(cases)
+
+
+def test_check_without_a_strategy_runs_every_strategy(monkeypatch, tmp_path):
+    # one case: triton's interpreter takes seconds a case
+    one_case = SMALL_GRID[:1]
+    monkeypatch.setattr(check_command, "default_cases", lambda: list(one_case))
+    path = tmp_path / "check.json"
+    assert cli.main(["check", "--no-gradcheck", "--json", str(path)]) == 0
+    report = _read(path)
     assert report["passed"] is True
     assert report["strategies"] == list(attngrad.STRATEGIES)
     got = [(r["strategy"], r["case"]) for r in report["results"]]
-    assert sorted(got) == sorted((s, c) for s in attngrad.STRATEGIES for c in cases)
-    failed = [r for r in report["results"] if r["passed"] is not True]
-    assert not failed, failed[:3]
-    # float64 cases also ran gradcheck; the others have no gradcheck verdict
-    for r in report["results"]:
-        assert r["gradcheck_passed"] is (True if r["dtype"] == "float64" else None)
+    assert got == [(s, c.id) for s in attngrad.STRATEGIES for c in one_case]
 
 
-def test_check_one_strategy_prints_one_row_per_case(tmp_path, capsys):
+def test_check_one_strategy_prints_one_row_per_case(small_grid, tmp_path, capsys):
     path = tmp_path / "check.json"
     assert cli.main(["check", "--strategy", "explicit", "--no-gradcheck", "--json", str(path)]) == 0
     report = _read(path)
     assert {r["strategy"] for r in report["results"]} == {"explicit"}
     assert all(r["gradcheck_passed"] is None for r in report["results"])
+    assert all(r["gradgradcheck_passed"] is None for r in report["results"])
 
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.startswith("explicit ")]
-    assert len(rows) == len(default_cases())
-    for case in default_cases():
-        assert sum(case.id in row for row in rows) == 1, case.id
-    assert f"explicit: {len(default_cases())} passed, 0 failed" in lines
-    assert f"{len(default_cases())} passed, 0 failed" in "\n".join(lines)
+    assert len(rows) == len(small_grid)
+    for c in small_grid:
+        assert sum(c.id in row for row in rows) == 1, c.id
+    assert f"explicit: {len(small_grid)} passed, 0 failed" in lines
+    assert f"{len(small_grid)} passed, 0 failed" in "\n".join(lines)
 
 
 def _break_one_case(monkeypatch: pytest.MonkeyPatch, message: str = "") -> str:
     """Make ``check``'s ``run_case`` fail one case (dq over its bound); returns that case's id."""
     real = check_command.run_case
-    broken = default_cases()[5].id
+    broken = SMALL_GRID[1].id
 
     def run_case(strategy, case, *args, **kwargs) -> CaseResult:
         result = real(strategy, case, *args, **kwargs)
@@ -73,7 +152,7 @@ def _break_one_case(monkeypatch: pytest.MonkeyPatch, message: str = "") -> str:
     return broken
 
 
-def test_check_exits_1_and_reports_a_failed_case(tmp_path, monkeypatch, capsys):
+def test_check_exits_1_and_reports_a_failed_case(small_grid, tmp_path, monkeypatch, capsys):
     # the command must be able to fail: break one result and see it counted
     broken = _break_one_case(monkeypatch)
     path = tmp_path / "check.json"
@@ -87,7 +166,9 @@ def test_check_exits_1_and_reports_a_failed_case(tmp_path, monkeypatch, capsys):
     assert "dq: error 3.0e-03 > bound 1.0e-03" in out
 
 
-def test_check_failures_lists_only_the_failing_case_and_its_message(monkeypatch, capsys):
+def test_check_failures_lists_only_the_failing_case_and_its_message(
+    small_grid, monkeypatch, capsys
+):
     message = "dq: error 3.0e-03 over its bound 1.0e-03 (2x plain PyTorch + floor)"
     broken = _break_one_case(monkeypatch, message)
     assert cli.main(["check", "--strategy", "explicit", "--no-gradcheck", "--failures"]) == 1
@@ -95,15 +176,15 @@ def test_check_failures_lists_only_the_failing_case_and_its_message(monkeypatch,
     rows = [line for line in lines if line.startswith("explicit ")]
     assert len(rows) == 1 and broken in rows[0]
     assert f"    {message}" in lines
-    assert f"explicit: {len(default_cases()) - 1} passed, 1 failed" in lines
+    assert f"explicit: {len(small_grid) - 1} passed, 1 failed" in lines
 
 
-def test_check_json_to_stdout_is_valid_json_alone(capsys):
+def test_check_json_to_stdout_is_valid_json_alone(small_grid, capsys):
     assert cli.main(["check", "--strategy", "recompute", "--no-gradcheck", "--json", "-"]) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)  # nothing else on stdout
     assert report["passed"] is True and report["attngrad"] == attngrad.__version__
-    assert {r["strategy"] for r in report["results"]} == {"recompute"}
+    assert [r["strategy"] for r in report["results"]] == ["recompute"] * len(small_grid)
     assert "recompute: " in captured.err  # the table went to stderr
 
 
@@ -166,10 +247,23 @@ def test_argument_types_accept_good_values():
 
 
 def test_module_entry_point_runs_the_check():
-    # one intra-op thread, as in conftest: two cores are shared with the xdist workers
+    # ``python -m attngrad`` is runpy running attngrad/__main__.py as __main__: run it so, in a
+    # fresh interpreter, on the small grid.  One intra-op thread, as in conftest: two cores
+    # are shared with the xdist workers.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ids = [c.id for c in SMALL_GRID]
+    script = "\n".join(
+        [
+            "import runpy, sys",
+            "from attngrad.cli import check",
+            "grid = check.default_cases()",
+            f"check.default_cases = lambda: [c for c in grid if c.id in {ids}]",
+            "sys.argv = ['attngrad', 'check', '--no-gradcheck', '--strategy', 'explicit']",
+            "runpy.run_module('attngrad', run_name='__main__', alter_sys=True)",
+        ]
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "attngrad", "check", "--no-gradcheck", "--strategy", "explicit"],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=300,
@@ -177,24 +271,7 @@ def test_module_entry_point_runs_the_check():
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"{len(default_cases())} passed, 0 failed" in proc.stdout
-
-
-def test_check_reports_the_higher_derivatives_of_float64_cases(tmp_path, capsys):
-    path, csv_path = tmp_path / "check.json", tmp_path / "check.csv"
-    argv = ["check", "--strategy", "flash", "--json", str(path), "--csv", str(csv_path)]
-    assert cli.main(argv) == 0
-    for r in _read(path)["results"]:
-        float64 = r["dtype"] == "float64"
-        assert (r["second_order_error"] is not None) is float64, r["case"]
-        assert r["gradgradcheck_passed"] is (True if float64 else None), r["case"]
-        if float64:
-            assert r["second_order_error"] < 1e-13 and r["jvp_error"] < 1e-13
-    out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[-3:] == ["d2", "jvp", "gradgrad"]
-    assert f"wrote {csv_path}" in out
-    with csv_path.open(encoding="utf-8") as f:
-        assert len(f.read().splitlines()) == 1 + len(default_cases())
+    assert f"explicit: {len(SMALL_GRID)} passed, 0 failed" in proc.stdout
 
 
 def test_learn_and_verify_commands_are_wired(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
