@@ -68,9 +68,11 @@ differently from both the reference and the plain run:
   of exp (``SCORE_ROUNDINGS`` = 4; `score_error` is e).  This is the term
   that large logits (|S| u_c no longer small) and huge biases make large,
   and only where P lets the scores reach x.
-* The storage of its result in the dtype: one rounding to nearest, u |x_ref|
-  (the result's own accumulation error only adds u times itself).  In 16
-  bits this is the floor's largest term, 0.4% of x in bfloat16.
+* The storage of its result in the dtype: one rounding to nearest of the
+  value the terms above let a correct kernel reach, u (|x_ref| + those
+  terms).  In 16 bits this is mostly the floor's largest term, 0.4% of x in
+  bfloat16; where the scores' term dwarfs |x_ref| (a -1e9 bias swamping the
+  scores, P moved to uniform) it is u times that move.
 * ``R_x``: Delta = rowsum(dO o O) formed from O as the kernel stored it
   (16-bit storage and a kept P: O off by u (|O| + K_out)), the same move for
   every key of a row (`attngrad.verify.bounds.magnitudes`).  The plain
@@ -247,16 +249,18 @@ def rounding_floor(
     magnitudes (`operand_scale`); result: |x_ref|, whose storage in ``dtype``
     rounds once (None: its bound, the magnitude).  The sums and the scores
     run in the compute dtype (float32 for 16-bit inputs), O and the result
-    are stored in the dtype itself.
+    are stored in the dtype itself: the stored value is x_ref moved by the
+    sums' and the scores' terms, rounded once.
     """
     u_c, u = unit_roundoff(compute_dtype(dtype)), unit_roundoff(dtype)
     underflow = n * torch.finfo(compute_dtype(dtype)).tiny * operands
     sums = u_c * LAMBDA * math.sqrt(n) * (magnitude + underflow)
     scores = score_error(dtype, head_dim) * sensitivity
-    stored = (magnitude if result is None else result).abs() + torch.finfo(dtype).tiny
+    moved = sums + scores
+    stored = (magnitude if result is None else result).abs() + moved + torch.finfo(dtype).tiny
     if readback is not None:
         stored = stored + readback
-    return sums + scores + u * stored
+    return moved + u * stored
 
 
 def judge(
