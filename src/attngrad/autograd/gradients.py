@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from attngrad.autograd import batching
+from attngrad.autograd.linearized import Terminal
 from attngrad.autograd.second_order import second_order
 from attngrad.core.amp import no_autocast
 from attngrad.core.interface import Backward, Plan, Problem, Saved, Strategy
@@ -132,11 +133,15 @@ class AttentionGradients(torch.autograd.Function):
         return batching.vmap_rule(AttentionGradients, info, in_dims, args)
 
 
-class SecondOrder(torch.autograd.Function):
+class SecondOrder(Terminal):
     """Gradients of <g, (dq, dk, dv, dbias)> w.r.t. (dout, dlse, q, k, v, bias); not differentiable."""
 
     MASKS = (3, 9, 10)  # g_bias, bias, keep
     MASK_OUTPUTS: ClassVar[dict[int, int]] = {5: 9}  # grad bias
+    MISSING = (
+        "third derivatives of attention are not implemented: attngrad's gradients can be "
+        "differentiated once more (double backward, Hessian-vector products), not twice."
+    )
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
@@ -146,17 +151,6 @@ class SecondOrder(torch.autograd.Function):
             plan.strategy, problem, saved, (g_q, g_k, g_v, g_bias), dout, dlse, need
         )
         return in_dtypes_of(grads, (dout, dlse, problem.q, problem.k, problem.v, problem.mods.bias))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
-        raise NotImplementedError(
-            "third derivatives of attention are not implemented: attngrad's gradients can be "
-            "differentiated once more (double backward, Hessian-vector products), not twice."
-        )
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:

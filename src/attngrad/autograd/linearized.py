@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,7 +31,7 @@ from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.ops import capped_tanh
 from attngrad.core.scores import ScoreMods
 
-__all__ = ["Direction", "dropout_multipliers", "softcap_tanh"]
+__all__ = ["Direction", "Terminal", "dropout_multipliers", "softcap_tanh"]
 
 
 @dataclass
@@ -146,3 +147,19 @@ def dropout_multipliers(
         return Dropout.apply_(torch.full(z.shape, dropout.scale, dtype=dtype, device=z.device), z)
 
     return multiplier
+
+
+class Terminal(torch.autograd.Function):
+    """A Function of the derivative passes that is not differentiated again: it saves
+    nothing, and its backward raises ``MISSING``, which says what is not implemented
+    and what to take instead."""
+
+    MISSING: ClassVar[str]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @classmethod
+    def backward(cls, ctx: Any, *grads: Any) -> tuple[None, ...]:
+        raise NotImplementedError(cls.MISSING)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 
 from attngrad.autograd import batching
-from attngrad.autograd.linearized import Direction, dropout_multipliers, softcap_tanh
+from attngrad.autograd.linearized import Direction, Terminal, dropout_multipliers, softcap_tanh
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
 from attngrad.core.ops import cap_slope
@@ -95,7 +95,7 @@ def output_tangent(
     return out.view(b, hq, nq, dv_dim).to(q.dtype), mu.view(b, hq, nq)
 
 
-class OutputTangent(torch.autograd.Function):
+class OutputTangent(Terminal):
     """`output_tangent` as a Function, so that forward mode composes with vmap (jacfwd).
 
     OutputTangent.apply(t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved, plan)
@@ -104,6 +104,11 @@ class OutputTangent(torch.autograd.Function):
 
     MASKS = (3, 8, 9)  # t_bias, bias, keep
     MASK_OUTPUTS: ClassVar[dict[int, int]] = {}
+    MISSING = (
+        "reverse mode over attngrad's forward mode is not implemented: for second "
+        "derivatives take forward over reverse (torch.func.hessian, jacfwd(jacrev(f))) "
+        "or reverse over reverse (create_graph=True)."
+    )
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,18 +116,6 @@ class OutputTangent(torch.autograd.Function):
         problem = plan.problem(q, k, v, bias, keep)
         saved_map = plan.saved(None, tuple(saved))  # O is an output, passed on its own
         return output_tangent(plan.strategy, problem, saved_map, (t_q, t_k, t_v, t_bias), o)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
-        raise NotImplementedError(
-            "reverse mode over attngrad's forward mode is not implemented: for second "
-            "derivatives take forward over reverse (torch.func.hessian, jacfwd(jacrev(f))) "
-            "or reverse over reverse (create_graph=True)."
-        )
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +38,7 @@ from attngrad.verify.cases import Case
 
 __all__ = [
     "LedgerRow",
+    "PathAt",
     "SecondOrderRow",
     "ledger_row",
     "predicted_saved_bytes",
@@ -71,11 +72,8 @@ def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
 
 
 @dataclass(frozen=True)
-class LedgerRow:
-    """One path of the ledger at one `Case` (its sizes copied out); bytes throughout.
-
-    ``peak`` and ``peak_beyond_io`` are None when not measured.
-    """
+class PathAt:
+    """A path at one `Case`, its sizes copied out: the first columns of every ledger row."""
 
     path: str
     batch: int
@@ -87,6 +85,24 @@ class LedgerRow:
     value_dim: int
     dtype: str
     causal: bool
+
+
+_SIZES = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
+
+
+def _path_at(path: str, case: Case) -> dict[str, Any]:
+    """`PathAt`'s fields of ``path`` at ``case``, to build a row from."""
+    sizes = {name: getattr(case.shapes, name) for name in _SIZES}
+    return {"path": path, **sizes, "dtype": dtype_name(case.dtype), "causal": case.mask == "causal"}
+
+
+@dataclass(frozen=True)
+class LedgerRow(PathAt):
+    """One path of the ledger at one `Case`; bytes throughout.
+
+    ``peak`` and ``peak_beyond_io`` are None when not measured.
+    """
+
     predicted_saved: int | None
     measured_saved: int
     peak: int | None
@@ -117,12 +133,8 @@ def ledger_row(path: str, case: Case, device: str = "cpu", peak: bool = True) ->
         peak_bytes = measure_peak_bytes(run, device)
         io = sum(t.numel() * t.element_size() for t in (dout, q, k, v))  # output + the 3 grads
         beyond_io = max(0, peak_bytes - io)
-    sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
     return LedgerRow(
-        path=path,
-        **{name: getattr(case.shapes, name) for name in sizes},
-        dtype=dtype_name(case.dtype),
-        causal=case.mask == "causal",
+        **_path_at(path, case),
         predicted_saved=predicted_saved_bytes(path, case),
         measured_saved=saved,
         peak=peak_bytes,
@@ -173,8 +185,8 @@ def _rows(
 
 
 @dataclass(frozen=True)
-class SecondOrderRow:
-    """One path's double-backward memory at one `Case` (sizes copied out); bytes throughout.
+class SecondOrderRow(PathAt):
+    """One path's double-backward memory at one `Case`; bytes throughout.
 
     ``forward_saved`` / ``backward_saved``: every tensor packed by forward and by the
     ``create_graph=True`` backward; ``kept``: the storages of both, each once (what a
@@ -184,16 +196,6 @@ class SecondOrderRow:
     numbers after ``forward_saved`` are then None).
     """
 
-    path: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    value_dim: int
-    dtype: str
-    causal: bool
     supported: bool
     forward_saved: int
     backward_saved: int | None
@@ -223,14 +225,7 @@ def second_order_row(
         return torch.autograd.grad(o, (q, k, v), dout, create_graph=True)
 
     backward_saved, backward_storages, grads = measure_saved_storages(first)
-    sizes = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "value_dim")
-    common = dict(
-        path=path,
-        **{name: getattr(case.shapes, name) for name in sizes},
-        dtype=dtype_name(case.dtype),
-        causal=case.mask == "causal",
-        forward_saved=forward_saved,
-    )
+    common = {**_path_at(path, case), "forward_saved": forward_saved}
     try:
         hessian_vector_product(grads, (q, k, v), w)
     except RuntimeError as e:
@@ -240,7 +235,7 @@ def second_order_row(
         return SecondOrderRow(
             **common, supported=False, backward_saved=None, kept=None, peak=None,
             peak_beyond_io=None, note=first_line,
-        )  # type: ignore[arg-type]  # fmt: skip
+        )  # fmt: skip
     del out, grads
     kept = sum({**forward_storages, **backward_storages}.values())
     peak_bytes = beyond_io = None
@@ -258,7 +253,7 @@ def second_order_row(
     return SecondOrderRow(
         **common, supported=True, backward_saved=backward_saved, kept=kept, peak=peak_bytes,
         peak_beyond_io=beyond_io,
-    )  # type: ignore[arg-type]  # fmt: skip
+    )  # fmt: skip
 
 
 def run_second_order_ledger(
