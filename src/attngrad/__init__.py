@@ -37,4 +37,4 @@ __all__ = [
     "value_gradient",
 ]
 
-__version__ = "0.5.0"
+__version__ = "0.5.1"
