@@ -28,10 +28,12 @@ import torch
 
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
+from attngrad.core.interface import Problem, Saved, Strategy
 from attngrad.core.ops import capped_tanh
+from attngrad.core.probabilities import ProbabilityTiles
 from attngrad.core.scores import ScoreMods
 
-__all__ = ["Direction", "Terminal", "dropout_multipliers", "softcap_tanh"]
+__all__ = ["Direction", "Terminal", "dropout_multipliers", "softcap_tanh", "tile_inputs"]
 
 
 @dataclass
@@ -147,6 +149,19 @@ def dropout_multipliers(
         return Dropout.apply_(torch.full(z.shape, dropout.scale, dtype=dtype, device=z.device), z)
 
     return multiplier
+
+
+def tile_inputs(
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
+    direction: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> tuple[Direction, ProbabilityTiles, Callable[[slice, slice], torch.Tensor] | None]:
+    """What both passes read tile by tile: the direction (a_q, a_k, a_bias) ready to apply,
+    P's tiles (`Strategy.probabilities`) and dropout's multipliers (or None)."""
+    p, dtype = problem, problem.dtype
+    ready = Direction.of(*direction, p.mods, p.scale, dtype)
+    return ready, strategy.probabilities(p, saved), dropout_multipliers(p.mods, p.q, p.k, dtype)
 
 
 class Terminal(torch.autograd.Function):

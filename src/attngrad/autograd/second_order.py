@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from attngrad.autograd.linearized import Direction, dropout_multipliers, softcap_tanh
+from attngrad.autograd.linearized import softcap_tanh, tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
 from attngrad.core.ops import cap_slope, join_lse_cotangent_
@@ -95,9 +95,7 @@ def second_order(
     g = hq // hkv
     dtype = problem.dtype
     blocks = strategy.pass_blocks(problem)
-    direction = Direction.of(g_q, g_k, g_bias, mods, scale, dtype)
-    p_tile = strategy.probabilities(problem, saved)
-    multipliers = dropout_multipliers(mods, q, k, dtype)
+    direction, p_tile, multipliers = tile_inputs(strategy, problem, saved, (g_q, g_k, g_bias))
     q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
     k, v = k.to(dtype), v.to(dtype)
     gv = None if g_v is None else g_v.to(dtype)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 
 from attngrad.autograd import batching
-from attngrad.autograd.linearized import Direction, Terminal, dropout_multipliers, softcap_tanh
+from attngrad.autograd.linearized import Terminal, softcap_tanh, tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
 from attngrad.core.ops import cap_slope
@@ -65,9 +65,7 @@ def output_tangent(
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
     dtype = problem.dtype
-    direction = Direction.of(t_q, t_k, t_bias, mods, scale, dtype)
-    p_tile = strategy.probabilities(problem, saved)
-    multipliers = dropout_multipliers(mods, q, k, dtype)
+    direction, p_tile, multipliers = tile_inputs(strategy, problem, saved, (t_q, t_k, t_bias))
     q5, o5 = group_heads(q, hkv), group_heads(o, hkv)
     k, v = k.to(dtype), v.to(dtype)
     tv = None if t_v is None else t_v.to(dtype)

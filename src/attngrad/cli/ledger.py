@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import TypeVar
 
 import torch
 
@@ -184,16 +185,9 @@ def run_ledger(args: argparse.Namespace) -> int:
     machine = calibrate(DTYPES[args.dtype], device, args.gemm_time)
     if args.order == 2:
         return _second_order(args, paths, layouts, machine)
-    try:
-        with Progress(len(paths) * len(layouts), "ledger") as bar:
-            rows, notes = ledger.run_ledger(
-                paths, layouts, str(device), peak=not args.no_peak, step=bar.step
-            )
-    except (ValueError, TypeError) as e:
-        print(f"attngrad ledger: error: {e}", file=sys.stderr)
+    rows = _measured(ledger.run_ledger, args, paths, layouts)
+    if rows is None:
         return 2
-    for line in notes:
-        print(line, file=sys.stderr)
     print(ledger_table(rows, machine))
     sweep_default = "results/ledger.{}" if args.sweep else None
     if rows:  # none when every path asked for is a baseline that rejected the case
@@ -209,20 +203,38 @@ def run_ledger(args: argparse.Namespace) -> int:
     return 1 if mismatched else 0
 
 
-def _second_order(
-    args: argparse.Namespace, paths: Sequence[str], layouts: Sequence[Case], machine: Machine
-) -> int:
-    """``ledger --order 2``: the double-backward table, and its CSV (no plot)."""
+Row = TypeVar("Row")
+
+
+def _measured(
+    run: Callable[..., tuple[list[Row], list[str]]],
+    args: argparse.Namespace,
+    paths: Sequence[str],
+    layouts: Sequence[Case],
+) -> list[Row] | None:
+    """The rows of ``run`` (`ledger.run_ledger` or its second-order twin) over every path and
+    layout with a progress bar, its notes on stderr; None after printing the error of a
+    case it refuses."""
     try:
         with Progress(len(paths) * len(layouts), "ledger") as bar:
-            rows, notes = ledger.run_second_order_ledger(
+            rows, notes = run(
                 paths, layouts, str(args.device), peak=not args.no_peak, step=bar.step
             )
     except (ValueError, TypeError) as e:
         print(f"attngrad ledger: error: {e}", file=sys.stderr)
-        return 2
+        return None
     for line in notes:
         print(line, file=sys.stderr)
+    return rows
+
+
+def _second_order(
+    args: argparse.Namespace, paths: Sequence[str], layouts: Sequence[Case], machine: Machine
+) -> int:
+    """``ledger --order 2``: the double-backward table, and its CSV (no plot)."""
+    rows = _measured(ledger.run_second_order_ledger, args, paths, layouts)
+    if rows is None:
+        return 2
     print(second_order_table(rows, machine))
     sweep_default = "results/ledger_order2.csv" if args.sweep else None
     csv_path = destination(args.csv, sweep_default)
