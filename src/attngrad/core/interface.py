@@ -162,7 +162,7 @@ class Strategy(ABC, Generic[T]):
         return tuple(n for n in self.saves(shapes) if n != "o")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # its mods hold the band's tensors: compared by identity
 class Plan(Generic[T]):
     """The tensor-free part of a call that the autograd Functions carry from forward to
     backward: the strategy, the mods without their tensors, the scale, the tiles and
