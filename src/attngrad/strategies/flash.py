@@ -158,9 +158,10 @@ class Flash(KeepsOutput[Blocks]):
         hkv, dv_dim = problem.k.shape[1], problem.v.shape[-1]
         g = hq // hkv
         dtype = problem.dtype
-        do5 = group_heads(backward.dout.to(dtype), hkv)  # (B, Hkv, G, Nq, dv)
+        do = backward.dout.to(dtype)  # converted once, for Delta and the tiles
+        do5 = group_heads(do, hkv)  # (B, Hkv, G, Nq, dv)
         # Delta = rowsum(dO * O) - dlse: lse's cotangent joins Delta, dS = P * (dP - Delta + dlse)
-        delta = group_heads(ops.delta(backward.dout, o, backward.dlse, dtype), hkv).unsqueeze(-1)
+        delta = group_heads(ops.delta(do, o, backward.dlse, dtype), hkv).unsqueeze(-1)
         dropout = mods.dropout
         if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
             do5 = do5 * dropout.scale
