@@ -10,7 +10,7 @@ RuntimeErrors, which is what PyTorch's scaled_dot_product_attention raises.
 >>> attngrad.attention(q, q, q, strategy="explicit").sum().backward()
 """
 
-from attngrad.api import attention
+from attngrad.api import attention, flex_attention
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.core.ops import (
     probability_gradient,
@@ -29,6 +29,7 @@ __all__ = [
     "ArgumentTypeError",
     "CustomAttention",
     "attention",
+    "flex_attention",
     "patch_sdpa",
     "probability_gradient",
     "query_key_gradients",

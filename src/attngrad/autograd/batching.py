@@ -8,7 +8,11 @@ every sample first (a copy).  A mask tensor [Bm, ...] (Bm = 1 or B) is
 expanded to B before folding, since one shared across the batch is still
 per sample under vmap; its gradient is summed back to Bm per sample.
 A dropout mask stays the per-sample one: entry b of the folded batch draws
-the bits of entry b mod B (`attngrad.core.dropout.Dropout.folded`).
+the bits of entry b mod B (`attngrad.core.dropout.Dropout.folded`), and a
+FlexAttention score or mask function reads batch index b mod B.  A score
+function's captured tensors are shared by every sample: when one is
+vmapped, or their per-sample gradients are asked for, the samples run one
+by one.
 """
 
 from __future__ import annotations
@@ -33,23 +37,30 @@ def _leading(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
 
 
 def fold_all(
-    args: Sequence[object], in_dims: Sequence[int | None], size: int, masks: Sequence[int]
+    args: Sequence[object],
+    in_dims: Sequence[int | None],
+    size: int,
+    masks: Sequence[int],
+    whole: Sequence[int] = (),
 ) -> list[object]:
     """args with each tensor folded to [V*B, ...].
 
-    args[i] for i in ``masks`` are mask tensors [Bm, ...]; every other tensor
-    is per-sample [B, ...] (the first of them sets B).  Non-tensors pass.
+    args[i] for i in ``masks`` are mask tensors [Bm, ...]; those in ``whole``
+    (not vmapped) pass unchanged; every other tensor is per-sample [B, ...]
+    (the first of them sets B).  Non-tensors pass.
     """
     leading = [
-        _leading(a, d, size) if isinstance(a, torch.Tensor) else a
-        for a, d in zip(args, in_dims, strict=True)
+        _leading(a, d, size) if isinstance(a, torch.Tensor) and i not in whole else a
+        for i, (a, d) in enumerate(zip(args, in_dims, strict=True))
     ]
     batch = next(
-        a.shape[1] for i, a in enumerate(leading) if isinstance(a, torch.Tensor) and i not in masks
+        a.shape[1]
+        for i, a in enumerate(leading)
+        if isinstance(a, torch.Tensor) and i not in masks and i not in whole
     )
     folded: list[object] = []
     for i, a in enumerate(leading):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and i not in whole:
             if i in masks:
                 a = a.expand(size, batch, *a.shape[2:])
             a = a.reshape(size * a.shape[1], *a.shape[2:])
@@ -72,28 +83,40 @@ def unfold_mask_gradient(t: torch.Tensor | None, size: int, batch_mask: int) -> 
     return g.sum(dim=1, keepdim=True) if batch_mask == 1 and g.shape[1] != 1 else g
 
 
+def _plan(args: Sequence[object]) -> Plan[Any]:
+    return next(a for a in args if isinstance(a, Plan))
+
+
 def vmap_rule(
     function: Any, info: Any, in_dims: Sequence[int | None], args: Sequence[object]
 ) -> tuple[tuple[object, ...], tuple[int | None, ...]]:
     """The vmap staticmethod of an attention Function: fold, apply once, unfold.
 
-    ``function.MASKS``: positions of mask tensors among ``args``;
-    ``function.MASK_OUTPUTS``: output position -> the mask argument whose
-    gradient it is.
+    ``function.roles(plan)`` gives (masks, captured, mask_outputs): the
+    positions of mask tensors among ``args``, those of the score function's
+    captured tensors, and output position -> the mask argument whose gradient
+    it is.  Captured tensors are shared by the whole call, not per sample:
+    when one is vmapped, or the Function returns their (per-sample)
+    gradients, the samples run one by one instead (`_per_sample`).
     """
     size = info.batch_size
-    folded = fold_all(args, in_dims, size, function.MASKS)
+    masks, captured, mask_outputs = function.roles(_plan(args))
+    if captured and (
+        function.GRADIENTS_OF_CAPTURED or any(in_dims[i] is not None for i in captured)
+    ):
+        return _per_sample(function, size, in_dims, args)
+    folded = fold_all(args, in_dims, size, masks, captured)
     batch = next(
         _leading(a, d, size).shape[1]
         for i, (a, d) in enumerate(zip(args, in_dims, strict=True))
-        if isinstance(a, torch.Tensor) and i not in function.MASKS
+        if isinstance(a, torch.Tensor) and i not in masks and i not in captured
     )
-    folded = [_keep_dropout(a, batch) for a in folded]
+    folded = [_keep_batch_index(a, batch) for a in folded]
     out = function.apply(*folded)
     out = out if isinstance(out, tuple) else (out,)
     result: list[object] = []
     for i, t in enumerate(out):
-        j = function.MASK_OUTPUTS.get(i)
+        j = mask_outputs.get(i)
         if j is not None and isinstance(t, torch.Tensor):
             per_sample = _leading(args[j], in_dims[j], size)  # type: ignore[arg-type]
             result.append(unfold_mask_gradient(t, size, per_sample.shape[1]))
@@ -102,10 +125,31 @@ def vmap_rule(
     return tuple(result), tuple(0 if isinstance(t, torch.Tensor) else None for t in result)
 
 
-def _keep_dropout(arg: object, batch: int) -> object:
-    """A Plan whose dropout still draws the per-sample mask of a ``batch``-entry call."""
-    if isinstance(arg, Plan) and arg.mods.dropout is not None:
-        return replace(arg, mods=replace(arg.mods, dropout=arg.mods.dropout.folded(batch)))
+def _per_sample(
+    function: Any, size: int, in_dims: Sequence[int | None], args: Sequence[object]
+) -> tuple[tuple[object, ...], tuple[int | None, ...]]:
+    """vmap as a loop: ``function`` once per sample, the outputs stacked at dim 0."""
+    runs = []
+    for n in range(size):
+        sample = [
+            a.select(d, n) if isinstance(a, torch.Tensor) and d is not None else a
+            for a, d in zip(args, in_dims, strict=True)
+        ]
+        out = function.apply(*sample)
+        runs.append(out if isinstance(out, tuple) else (out,))
+    result = tuple(
+        None if parts[0] is None else torch.stack(parts) for parts in zip(*runs, strict=True)
+    )
+    return result, tuple(None if t is None else 0 for t in result)
+
+
+def _keep_batch_index(arg: object, batch: int) -> object:
+    """A Plan whose dropout, score and mask functions still read the per-sample batch
+    index of a ``batch``-entry call."""
+    if isinstance(arg, Plan):
+        mods = arg.mods
+        if mods.dropout is not None or mods.score is not None or mods.blocks is not None:
+            return replace(arg, mods=mods.folded(batch))
     return arg
 
 

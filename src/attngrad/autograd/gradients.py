@@ -18,16 +18,20 @@ with the inputs' tangents as its cotangents.  Third derivatives raise.
 Argument layout (tensors first, so vmap can fold them; see
 `attngrad.autograd.batching`)::
 
-    AttentionGradients.apply(dout, dlse, q, k, v, bias, keep, o, *saved, plan, need)
-    SecondOrder.apply(g_q, g_k, g_v, g_bias, <the same>, need6)
+    AttentionGradients.apply(dout, dlse, q, k, v, bias, keep, o, *saved, *captured, plan, need)
+        -> (dq, dk, dv, dbias, *dcaptured)
+    SecondOrder.apply(g_q, g_k, g_v, g_bias, *g_captured, <the same>, need)
+        -> (grad dout, grad dlse, grad q, grad k, grad v, grad bias, *grad captured)
 
 ``plan`` (`attngrad.core.interface.Plan`) is the call's strategy, mods, scale
-and tiles, with the names of the saved tensors.
+and tiles, with the names of the saved tensors; ``captured`` are a score
+function's captured tensors (`attngrad.core.score_function`), as many as
+``plan.n_captured``.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -57,33 +61,44 @@ def first_order(
     dlse: torch.Tensor | None,
     need: tuple[bool, ...],
 ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dbias) in the input dtypes from the strategy's ``backward_into``;
-    None where ``need`` says no."""
+    """(dq, dk, dv, dbias, *dcaptured) in the input dtypes from the strategy's
+    ``backward_into``; None where ``need`` says no."""
     q, k, v, bias = problem.q, problem.k, problem.v, problem.mods.bias
+    captured = problem.mods.captured
     if dout is None:
         dout = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
 
     def zeros(like: torch.Tensor | None, wanted: bool) -> torch.Tensor | None:
-        if like is None or not wanted:
+        if like is None or not wanted or not like.is_floating_point():
             return None
-        return torch.zeros(like.shape, dtype=problem.dtype, device=q.device)
+        dtype = torch.promote_types(like.dtype, problem.dtype)
+        return torch.zeros(like.shape, dtype=dtype, device=like.device)
 
-    grads = (zeros(q, need[0]), zeros(k, need[1]), zeros(v, need[2]), zeros(bias, need[3]))
-    strategy.backward_into(Backward(problem, saved, dout, dlse, grads))
-    return in_dtypes_of(grads, (q, k, v, bias))
+    likes = (q, k, v, bias, *captured)
+    grads = tuple(zeros(t, n) for t, n in zip(likes, need, strict=True))
+    backward = Backward(problem, saved, dout, dlse, grads[:4], grads[4:])  # type: ignore[arg-type]
+    strategy.backward_into(backward)
+    return in_dtypes_of(grads, likes)
 
 
 def _unpack(plan: Plan[Any], tensors: tuple[Any, ...]) -> tuple[Problem[Any], Saved]:
-    """The problem and the saved mapping from (q, k, v, bias, keep, o, *saved)."""
-    q, k, v, bias, keep, o, *saved = tensors
-    return plan.problem(q, k, v, bias, keep), plan.saved(o, tuple(saved))
+    """The problem and the saved mapping from (q, k, v, bias, keep, o, *saved, *captured)."""
+    q, k, v, bias, keep, o, *rest = tensors
+    n = len(plan.names)
+    return plan.problem(q, k, v, bias, keep, tuple(rest[n:])), plan.saved(o, tuple(rest[:n]))
 
 
 class AttentionGradients(torch.autograd.Function):
-    """(dq, dk, dv, dbias) of a strategy, differentiable once more (see the module docstring)."""
+    """(dq, dk, dv, dbias, *dcaptured) of a strategy, differentiable once more (see the
+    module docstring)."""
 
-    MASKS = (5, 6)  # bias, keep
-    MASK_OUTPUTS: ClassVar[dict[int, int]] = {3: 5}  # dbias is the bias's gradient
+    GRADIENTS_OF_CAPTURED = True
+
+    @staticmethod
+    def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
+        """(masks: bias, keep; captured; {dbias: bias}) positions for vmap."""
+        first = 8 + len(plan.names)
+        return (5, 6), tuple(range(first, first + plan.n_captured)), {3: 5}
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
@@ -102,25 +117,30 @@ class AttentionGradients(torch.autograd.Function):
     @staticmethod
     @no_autocast
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        tensors = ctx.saved_tensors
-        wants = tuple(ctx.needs_input_grad[:6])
-        grads = (None,) * 6
+        tensors, plan = ctx.saved_tensors, ctx.plan
+        n, first = plan.n_captured, 8 + len(plan.names)
+        wants = (*ctx.needs_input_grad[:6], *ctx.needs_input_grad[first : first + n])
+        grads: tuple[torch.Tensor | None, ...] = (None,) * (6 + n)
         if any(c is not None for c in cotangents) and any(wants):
-            grads = batching.apply(SecondOrder, *cotangents, *tensors, ctx.plan, wants)
-        return (*grads, *(None for _ in tensors[6:]), None, None)
+            grads = batching.apply(SecondOrder, *cotangents, *tensors, plan, wants)
+        middle = (None for _ in tensors[6:first])  # keep, o, saved
+        return (*grads[:6], *middle, *grads[6:], None, None)
 
     @staticmethod
     @no_autocast
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         tensors, plan, need = ctx.saved_tensors, ctx.plan, ctx.need
+        n, first = plan.n_captured, 8 + len(plan.names)
         t_dout, t_dlse, t_q, t_k, t_v, t_bias = tangents[:6]
-        out: list[torch.Tensor | None] = [None] * 4
+        t_captured = tangents[first : first + n]
+        out: list[torch.Tensor | None] = [None] * (4 + n)
         if t_dout is not None or t_dlse is not None:
-            first = batching.apply(AttentionGradients, t_dout, t_dlse, *tensors[2:], plan, need)
-            out = list(first)
-        if any(t is not None for t in (t_q, t_k, t_v, t_bias)):
+            first_part = batching.apply(AttentionGradients, t_dout, t_dlse, *tensors[2:], plan, need)
+            out = list(first_part)
+        direction = (t_q, t_k, t_v, t_bias, *t_captured)
+        if any(t is not None for t in direction):
             second = batching.apply(
-                SecondOrder, t_q, t_k, t_v, t_bias, *tensors, plan, (False, False, *need)
+                SecondOrder, *direction, *tensors, plan, (False, False, *need)
             )[2:]
             out = [
                 a if b is None else (b if a is None else a + b)
@@ -134,23 +154,38 @@ class AttentionGradients(torch.autograd.Function):
 
 
 class SecondOrder(Terminal):
-    """Gradients of <g, (dq, dk, dv, dbias)> w.r.t. (dout, dlse, q, k, v, bias); not differentiable."""
+    """Gradients of <g, (dq, dk, dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias,
+    *captured); not differentiable."""
 
-    MASKS = (3, 9, 10)  # g_bias, bias, keep
-    MASK_OUTPUTS: ClassVar[dict[int, int]] = {5: 9}  # grad bias
+    GRADIENTS_OF_CAPTURED = True
     MISSING = (
         "third derivatives of attention are not implemented: attngrad's gradients can be "
         "differentiated once more (double backward, Hessian-vector products), not twice."
     )
 
     @staticmethod
+    def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
+        """(masks: g_bias, bias, keep; g_captured and captured; {grad bias: bias})."""
+        n = plan.n_captured
+        bias = 4 + n + 5
+        last = bias + 3 + len(plan.names)  # after keep, o, saved
+        captured = (*range(4, 4 + n), *range(last, last + n))
+        return (3, bias, bias + 1), captured, {5: bias}
+
+    @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
-        g_q, g_k, g_v, g_bias, dout, dlse, *tensors, plan, need = args
-        problem, saved = _unpack(plan, tuple(tensors))
+        *tensors, plan, need = args
+        n = plan.n_captured
+        g_q, g_k, g_v, g_bias = tensors[:4]
+        g_captured = tuple(tensors[4 : 4 + n])
+        dout, dlse, *rest = tensors[4 + n :]
+        problem, saved = _unpack(plan, tuple(rest))
         grads = second_order(
-            plan.strategy, problem, saved, (g_q, g_k, g_v, g_bias), dout, dlse, need
+            plan.strategy, problem, saved, (g_q, g_k, g_v, g_bias, *g_captured), dout, dlse, need
         )
-        return in_dtypes_of(grads, (dout, dlse, problem.q, problem.k, problem.v, problem.mods.bias))
+        m = problem.mods
+        likes = (dout, dlse, problem.q, problem.k, problem.v, m.bias, *m.captured)
+        return in_dtypes_of(grads, likes)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:

@@ -7,15 +7,18 @@ differentiated once:
     L(a) = scale * (a_q k^T + q a_k^T) + a_bias          [Nq, Nk]
 
 or, with a softcap c (scores c tanh(S_raw / c) + bias), the raw part times
-the cap's slope 1 - tanh^2 before a_bias is added.
+the cap's slope 1 - tanh^2 before a_bias is added; with a score function f
+(S' = f(S, theta)), the part so far pushed through f with the direction
+a_theta of its captured tensors, J_f (L, a_theta) (`ScoreFunction.push`).
 
 Forward mode applies it to the tangents (dS/dt = L(q', k', bias')); the
 second-order backward to the cotangents of (dq, dk, dbias), since
 <g_q, scale dS k> + <g_k, scale dS^T q> + <g_bias, dS> = <L(g), dS>.
 Tiles are [B, Hkv, G*r, c] (a GQA group's rows folded, as in
 `attngrad.core.heads`), in the compute dtype.  Both passes also need the
-softcap's tanh (`softcap_tanh`) and dropout's multiplier Z / (1 - p)
-(`dropout_multipliers`) of a tile.
+tile's raw scores (`attngrad.core.probabilities.raw_scores`: the softcap's
+tanh, the score function's input) and dropout's multiplier Z / (1 - p)
+(`dropout_multipliers`).
 """
 
 from __future__ import annotations
@@ -29,31 +32,36 @@ import torch
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
-from attngrad.core.ops import capped_tanh
-from attngrad.core.probabilities import ProbabilityTiles
+from attngrad.core.probabilities import ProbabilityTiles, RawScores
+from attngrad.core.score_function import ScoreFunction
 from attngrad.core.scores import ScoreMods
 
-__all__ = ["Direction", "Terminal", "dropout_multipliers", "softcap_tanh", "tile_inputs"]
+__all__ = ["Direction", "Terminal", "dropout_multipliers", "tile_inputs"]
 
 
 @dataclass
 class Direction:
-    """A direction (a_q, a_k, a_bias) in the scores' inputs, ready to apply tile by tile.
+    """A direction (a_q, a_k, a_bias, a_captured) in the scores' inputs, ready to apply
+    tile by tile.
 
     a_q: scale * (like q) grouped to [B, Hkv, G, Nq, d]; a_k: scale * (like k);
     a_bias: like the bias [Bm, Hm, Nqm, Nkm], held as a `ScoreMods` (no band) so
-    it broadcasts onto tiles exactly as the bias does.  None = zero.
+    it broadcasts onto tiles exactly as the bias does; a_captured: like the score
+    function's captured tensors (``score``), empty when all are zero.  None = zero.
     """
 
     a_q: torch.Tensor | None
     a_k: torch.Tensor | None
     a_bias: ScoreMods | None
+    a_captured: tuple[torch.Tensor | None, ...] = ()
+    score: ScoreFunction | None = None
 
     @staticmethod
     def of(
         a_q: torch.Tensor | None,
         a_k: torch.Tensor | None,
         a_bias: torch.Tensor | None,
+        a_captured: tuple[torch.Tensor | None, ...],
         mods: ScoreMods,
         scale: float,
         dtype: torch.dtype,
@@ -65,11 +73,14 @@ class Direction:
         gb = None
         if a_bias is not None:
             gb = ScoreMods(a_bias.to(dtype), None, None, hkv, mods.seq_q, mods.seq_k)
-        return Direction(gq, gk, gb)
+        moved = tuple(a_captured) if any(a is not None for a in a_captured) else ()
+        return Direction(gq, gk, gb, moved, mods.score)
 
     @property
     def zero(self) -> bool:
-        return self.a_q is None and self.a_k is None and self.a_bias is None
+        return (
+            self.a_q is None and self.a_k is None and self.a_bias is None and not self.a_captured
+        )
 
     def raw_tile(
         self, q_rows: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice
@@ -95,13 +106,21 @@ class Direction:
             out = torch.zeros(b, hkv, gr, c, dtype=q_rows.dtype, device=q_rows.device)
         return out
 
+    def captured_dot(self) -> tuple[torch.Tensor | None, ...]:
+        """The captures' direction, one per capture (None = zero)."""
+        n = 0 if self.score is None else len(self.score.keys)
+        return self.a_captured or (None,) * n
+
     def finish_(
-        self, raw: torch.Tensor, rows: slice, keys: slice, groups: int, slope: torch.Tensor | None
+        self, raw: torch.Tensor, rows: slice, keys: slice, groups: int, scores: RawScores
     ) -> torch.Tensor:
-        """L(a) from `raw_tile`'s part, in place: raw * slope (a softcap's) + a_bias."""
+        """L(a) from `raw_tile`'s part: times a softcap's slope, through the score function
+        (its push, with the captures' direction), plus a_bias; in place where it can."""
         b, hkv, gr, c = raw.shape
-        if slope is not None:
-            raw.mul_(slope)
+        if scores.slope is not None:
+            raw.mul_(scores.slope)
+        if self.score is not None and scores.raw is not None:
+            raw = self.score.push(scores.raw, rows, keys, raw, self.captured_dot())
         if self.a_bias is not None:
             self.a_bias.apply_(raw.view(b, hkv, groups, gr // groups, c), rows, keys)
         return raw
@@ -113,22 +132,14 @@ class Direction:
         rows: slice,
         keys: slice,
         groups: int,
-        slope: torch.Tensor | None = None,
+        scores: RawScores,
     ) -> torch.Tensor:
-        """L(a) on the tile (rows, keys): [B, Hkv, G*r, c]; ``slope``: a softcap's 1 - tanh^2.
+        """L(a) on the tile (rows, keys): [B, Hkv, G*r, c]; ``scores``: the tile's
+        `RawScores` (a softcap's slope, the score function's input).
 
         q_rows: [B, Hkv, G*r, d] (q's rows of the tile, unscaled); k: [B, Hkv, Nk, d].
         """
-        return self.finish_(self.raw_tile(q_rows, k, rows, keys), rows, keys, groups, slope)
-
-
-def softcap_tanh(
-    mods: ScoreMods, q_rows: torch.Tensor, k: torch.Tensor, keys: slice, scale: float
-) -> torch.Tensor | None:
-    """tanh(S / c) of the tile's raw scores under the mods' softcap c, or None without one."""
-    if mods.softcap is None:
-        return None
-    return capped_tanh(q_rows, k[:, :, keys], scale, mods.softcap)
+        return self.finish_(self.raw_tile(q_rows, k, rows, keys), rows, keys, groups, scores)
 
 
 def dropout_multipliers(
@@ -155,12 +166,13 @@ def tile_inputs(
     strategy: Strategy[Any],
     problem: Problem[Any],
     saved: Saved,
-    direction: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    direction: tuple[torch.Tensor | None, ...],
 ) -> tuple[Direction, ProbabilityTiles, Callable[[slice, slice], torch.Tensor] | None]:
-    """What both passes read tile by tile: the direction (a_q, a_k, a_bias) ready to apply,
-    P's tiles (`Strategy.probabilities`) and dropout's multipliers (or None)."""
+    """What both passes read tile by tile: the direction (a_q, a_k, a_bias, *a_captured)
+    ready to apply, P's tiles (`Strategy.probabilities`) and dropout's multipliers (or None)."""
     p, dtype = problem, problem.dtype
-    ready = Direction.of(*direction, p.mods, p.scale, dtype)
+    a_q, a_k, a_bias, *a_captured = direction
+    ready = Direction.of(a_q, a_k, a_bias, tuple(a_captured), p.mods, p.scale, dtype)
     return ready, strategy.probabilities(p, saved), dropout_multipliers(p.mods, p.q, p.k, dtype)
 
 

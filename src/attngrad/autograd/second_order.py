@@ -45,7 +45,12 @@ M * (dO g_v^T).  A softcap (scores c tanh(S_raw / c), slope
 sigma' = 1 - tanh^2, curvature sigma'' = -2 tanh sigma' / c) makes
 G = sigma' * G_raw + g_bias with G_raw = s (g_q k^T + q g_k^T), and the
 raw scores' cotangent S-hat * sigma' + G_raw * dS * sigma''; the direct
-terms take dS_raw = dS * sigma', while grad bias stays S-hat.
+terms take dS_raw = dS * sigma', while grad bias stays S-hat.  A score
+function f (S' = f(S_c, theta), S_c the capped scores) makes
+G = J_f (sigma' G_raw, g_theta) + g_bias, and takes S-hat onto S_c as
+J_S^T S-hat + d/dS_c <dS, J_f (sigma' G_raw, g_theta)>, the captures' gradient
+being the theta part of the same (`attngrad.core.score_function`); dS
+itself goes on as J_S^T dS.
 """
 
 from __future__ import annotations
@@ -54,18 +59,17 @@ from typing import Any
 
 import torch
 
-from attngrad.autograd.linearized import softcap_tanh, tile_inputs
+from attngrad.autograd.linearized import tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
-from attngrad.core.ops import cap_slope, join_lse_cotangent_
+from attngrad.core.ops import join_lse_cotangent_
+from attngrad.core.probabilities import raw_scores
 from attngrad.core.scores import add_bias_gradient_
 from attngrad.core.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
 
-Cotangents = tuple[
-    torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
-]
+Cotangents = tuple[torch.Tensor | None, ...]  # (g_q, g_k, g_v, g_bias, *g_captured)
 
 
 def _rowsum(t: torch.Tensor) -> torch.Tensor:
@@ -81,21 +85,25 @@ def second_order(
     dlse: torch.Tensor | None,
     need: tuple[bool, ...],
 ) -> tuple[torch.Tensor | None, ...]:
-    """Gradients of <g, (dq, dk, dv, dbias)> w.r.t. (dout, dlse, q, k, v, bias).
+    """Gradients of <g, (dq, dk, dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias,
+    *captured).
 
-    cotangents g = (g_q, g_k, g_v, g_bias): like q, k, v and the bias, None
-    for zero.  dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: the
-    strategy's saved tensors.  ``need``: which of the six to return (the
-    rest come back None).  Results are in the compute dtype.
+    cotangents g = (g_q, g_k, g_v, g_bias, *g_captured): like q, k, v, the bias
+    and the score function's captured tensors, None for zero.  dout:
+    [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: the strategy's saved
+    tensors.  ``need``: which to return (the rest come back None).  Results
+    are in the compute dtype.
     """
-    g_q, g_k, g_v, g_bias = cotangents
+    g_q, g_k, g_v, g_bias, *g_captured = cotangents
     q, k, v, mods, scale = problem.q, problem.k, problem.v, problem.mods, problem.scale
     b, hq, nq, d = q.shape
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
     dtype = problem.dtype
     blocks = strategy.pass_blocks(problem)
-    direction, p_tile, multipliers = tile_inputs(strategy, problem, saved, (g_q, g_k, g_bias))
+    direction, p_tile, multipliers = tile_inputs(
+        strategy, problem, saved, (g_q, g_k, g_bias, *g_captured)
+    )
     q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
     k, v = k.to(dtype), v.to(dtype)
     gv = None if g_v is None else g_v.to(dtype)
@@ -120,9 +128,8 @@ def second_order(
                 dp.mul_(m)  # dP = (dO v^T) * M
             delta_r += _rowsum(p * dp)
             if not direction.zero:
-                t = softcap_tanh(mods, q_r, k, keys, scale)
-                slope = None if t is None else cap_slope(t)
-                pg = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)
+                raw = raw_scores(mods, q_r, k[:, :, keys], scale, g)
+                pg = direction.tile(q_r, k, rows, keys, g, raw).mul_(p)
                 r_r += _rowsum(pg)
                 pgdp += _rowsum(pg.mul_(dp))
             if u_r is not None and gv is not None:
@@ -136,7 +143,13 @@ def second_order(
             full[:, :, :, rows] = part.view(b, hkv, g, n, 1)
 
     # pass 2, by key blocks: the gradients
-    need_dout, need_dlse, need_q, need_k, need_v, need_bias = need
+    need_dout, need_dlse, need_q, need_k, need_v, need_bias = need[:6]
+    grad_captured = tuple(
+        torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, dtype), device=t.device)
+        if wanted and t.is_floating_point()
+        else None
+        for t, wanted in zip(mods.captured, need[6:], strict=True)
+    )
     grad_q = zeros(b, hkv, g, nq, d) if need_q else None
     grad_k = zeros(*k.shape) if need_k else None
     grad_v = zeros(*v.shape) if need_v else None
@@ -157,14 +170,15 @@ def second_order(
                 y.mul_(m)  # dP = (dO v^T) * M
             y.sub_(take_rows(c_row, rows))  # Y = dP - c
             ds = p * y
-            tanh = softcap_tanh(mods, q_r, k, keys, scale)
-            slope = None if tanh is None else cap_slope(tanh)
+            raw = raw_scores(mods, q_r, kc, scale, g)
+            tanh, slope = raw.tanh, raw.slope
             g_raw = None  # scale (g_q k^T + q g_k^T), the cap's curvature term needs it
             t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
             if not direction.zero:
                 g_raw = direction.raw_tile(q_r, k, rows, keys)
+                keep_raw = slope is not None or mods.score is not None
                 g_tile = direction.finish_(
-                    g_raw.clone() if slope is not None else g_raw, rows, keys, g, slope
+                    g_raw.clone() if keep_raw else g_raw, rows, keys, g, raw
                 )
                 h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
                 if grad_v is not None or grad_do is not None:
@@ -190,6 +204,13 @@ def second_order(
             s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
             if grad_bias is not None and s_hat is not None:
                 add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
+            if mods.score is not None and raw.raw is not None:
+                # through S' = f(S_c, theta): onto the capped scores, and the captures' part
+                g_c = None if g_raw is None else (g_raw if slope is None else g_raw * slope)
+                s_hat = mods.score.second(
+                    raw.raw, rows, keys, ds, s_hat, g_c, direction.captured_dot(), grad_captured
+                )
+                mods.score.pullback_(raw.raw, rows, keys, ds, (None,) * len(grad_captured))
             if slope is not None and tanh is not None and mods.softcap is not None:
                 # onto the raw scores: S-hat * slope + G_raw * dS * curvature, and dS_raw
                 if s_hat is not None:
@@ -224,4 +245,5 @@ def second_order(
         grad_k,
         grad_v,
         grad_bias,
+        *grad_captured,
     )

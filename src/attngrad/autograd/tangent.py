@@ -9,7 +9,8 @@ S' = L(q', k', bias') = scale * (q' k^T + q k'^T) + bias'
 
 With dropout (O = (P * M) v, M = Z / (1 - p)) the products with v take
 P * M and (P * S') * M, while mu keeps the undropped P; with a softcap S'
-carries the cap's slope (`attngrad.autograd.linearized`).
+carries the cap's slope, and with a score function its push, with the
+tangents of the captured tensors (`attngrad.autograd.linearized`).
 
 In the online-softmax form of the forward (`attngrad.strategies.flash`),
 over key tiles j with running max m_j, alpha_j = exp(m_{j-1} - m_j) and
@@ -33,15 +34,15 @@ accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from attngrad.autograd import batching
-from attngrad.autograd.linearized import Terminal, softcap_tanh, tile_inputs
+from attngrad.autograd.linearized import Terminal, tile_inputs
 from attngrad.core.heads import group_heads, take_rows
-from attngrad.core.interface import Problem, Saved, Strategy
-from attngrad.core.ops import cap_slope
+from attngrad.core.interface import Plan, Problem, Saved, Strategy
+from attngrad.core.probabilities import raw_scores
 from attngrad.core.tiling import schedule
 
 __all__ = ["OutputTangent", "output_tangent"]
@@ -56,16 +57,19 @@ def output_tangent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O': [B, Hq, Nq, dv] in the input dtype, lse': [B, Hq, Nq] in the compute dtype).
 
-    tangents = (q', k', v', bias'): like q, k, v and the bias, None for zero.
+    tangents = (q', k', v', bias', *captured'): like q, k, v, the bias and the score
+    function's captured tensors, None for zero.
     o: the forward's O; saved: the strategy's saved tensors.
     """
-    t_q, t_k, t_v, t_bias = tangents
+    t_q, t_k, t_v, t_bias, *t_captured = tangents
     q, k, v, mods, scale = problem.q, problem.k, problem.v, problem.mods, problem.scale
     b, hq, nq, _ = q.shape
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
     dtype = problem.dtype
-    direction, p_tile, multipliers = tile_inputs(strategy, problem, saved, (t_q, t_k, t_bias))
+    direction, p_tile, multipliers = tile_inputs(
+        strategy, problem, saved, (t_q, t_k, t_bias, *t_captured)
+    )
     q5, o5 = group_heads(q, hkv), group_heads(o, hkv)
     k, v = k.to(dtype), v.to(dtype)
     tv = None if t_v is None else t_v.to(dtype)
@@ -80,9 +84,8 @@ def output_tangent(
             p = p_tile(rows, keys)
             m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
             if not direction.zero:
-                t = softcap_tanh(mods, q_r, k, keys, scale)
-                slope = None if t is None else cap_slope(t)
-                ps = direction.tile(q_r, k, rows, keys, g, slope).mul_(p)  # P * S'
+                raw = raw_scores(mods, q_r, k[:, :, keys], scale, g)
+                ps = direction.tile(q_r, k, rows, keys, g, raw).mul_(p)  # P * S'
                 mu_r += ps.sum(dim=-1, keepdim=True)
                 acc += torch.matmul(ps if m is None else ps.mul_(m), v[:, :, keys])
             if tv is not None:
@@ -96,12 +99,11 @@ def output_tangent(
 class OutputTangent(Terminal):
     """`output_tangent` as a Function, so that forward mode composes with vmap (jacfwd).
 
-    OutputTangent.apply(t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved, plan)
-    -> (O', lse').
+    OutputTangent.apply(t_q, t_k, t_v, t_bias, *t_captured, q, k, v, o, bias, keep, *saved,
+    *captured, plan) -> (O', lse').
     """
 
-    MASKS = (3, 8, 9)  # t_bias, bias, keep
-    MASK_OUTPUTS: ClassVar[dict[int, int]] = {}
+    GRADIENTS_OF_CAPTURED = False
     MISSING = (
         "reverse mode over attngrad's forward mode is not implemented: for second "
         "derivatives take forward over reverse (torch.func.hessian, jacfwd(jacrev(f))) "
@@ -109,11 +111,23 @@ class OutputTangent(Terminal):
     )
 
     @staticmethod
+    def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
+        """(masks: t_bias, bias, keep; t_captured and captured; no mask outputs)."""
+        n = plan.n_captured
+        bias = 4 + n + 4
+        last = bias + 2 + len(plan.names)
+        return (3, bias, bias + 1), (*range(4, 4 + n), *range(last, last + n)), {}
+
+    @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        t_q, t_k, t_v, t_bias, q, k, v, o, bias, keep, *saved, plan = args
-        problem = plan.problem(q, k, v, bias, keep)
-        saved_map = plan.saved(None, tuple(saved))  # O is an output, passed on its own
-        return output_tangent(plan.strategy, problem, saved_map, (t_q, t_k, t_v, t_bias), o)
+        *tensors, plan = args
+        n, n_saved = plan.n_captured, len(plan.names)
+        t_q, t_k, t_v, t_bias, *t_captured = tensors[: 4 + n]
+        q, k, v, o, bias, keep, *rest = tensors[4 + n :]
+        problem = plan.problem(q, k, v, bias, keep, tuple(rest[n_saved:]))
+        saved_map = plan.saved(None, tuple(rest[:n_saved]))  # O is an output, passed on its own
+        tangents = (t_q, t_k, t_v, t_bias, *t_captured)
+        return output_tangent(plan.strategy, problem, saved_map, tangents, o)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:

@@ -32,4 +32,6 @@ def run(
         dropout = Dropout(call.dropout_p, *draw_seed(q.device, call.generator))
     band = call.band.build(call.shapes.seq_q, call.shapes.seq_k, q.device)
     mods = call.score_mods(band, dropout)
-    return differentiable(strategy, Problem(q, k, v, mods, call.scale, call.tiles(strategy, q)))
+    problem = Problem(q, k, v, mods, call.scale, call.tiles(strategy, q))
+    o, lse, _ = differentiable(strategy, problem)
+    return o, lse

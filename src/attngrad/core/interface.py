@@ -7,8 +7,9 @@ hands a strategy one typed object, never a list of positional arguments:
     Problem[T]   q, k, v, mods (the score modifications), scale, tiles (the
                  strategy's own tile type T)
     Backward[T]  a Problem, what forward saved, the cotangents dout (and
-                 dlse), and the accumulators grads = (dq, dk, dv, dbias), each
-                 None when that gradient is not wanted
+                 dlse), and the accumulators grads = (dq, dk, dv, dbias) and
+                 dcaptured (the score function's captured tensors), each None
+                 when that gradient is not wanted
 
 and a `Strategy[T]` answers:
 
@@ -104,7 +105,8 @@ class Problem(Generic[T]):
 class Backward(Generic[T]):
     """What a strategy's backward takes: the problem, what forward saved, the cotangents
     dout [B, Hq, Nq, dv] and dlse [B, Hq, Nq] (or None), and the accumulators ``grads``
-    (dq, dk, dv, dbias) it adds into, None where a gradient is not wanted.
+    (dq, dk, dv, dbias) it adds into, None where a gradient is not wanted, and
+    ``dcaptured``, one per captured tensor of the score function (compute dtype).
 
     saved: forward's tensors, or (ring attention) the final O and statistics of
     these rows over every key.
@@ -115,6 +117,7 @@ class Backward(Generic[T]):
     dout: torch.Tensor
     dlse: torch.Tensor | None
     grads: Grads
+    dcaptured: tuple[torch.Tensor | None, ...] = ()
 
 
 class Strategy(ABC, Generic[T]):
@@ -128,6 +131,11 @@ class Strategy(ABC, Generic[T]):
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the strategy cannot run on ``device`` tensors here, or None (plain tensor ops
         run on every device)."""
+        return None
+
+    def refuses(self, mods: ScoreMods) -> str | None:
+        """Why the strategy cannot run a call with these mods, or None (the tensor-op
+        strategies run every score function and BlockMask)."""
         return None
 
     @abstractmethod
@@ -176,7 +184,7 @@ class Plan(Generic[T]):
 
     @staticmethod
     def of(problem: Problem[T], strategy: Strategy[T]) -> Plan[T]:
-        mods = problem.mods.with_tensors(None, None)
+        mods = problem.mods.with_tensors(None, None, ())
         names = strategy.saved_names(problem.shapes)
         return Plan(strategy, mods, problem.scale, problem.tiles, names)
 
@@ -187,9 +195,16 @@ class Plan(Generic[T]):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         keep: torch.Tensor | None,
+        captured: tuple[torch.Tensor, ...] = (),
     ) -> Problem[T]:
         """The problem over these tensors (saved, or folded by vmap)."""
-        return Problem(q, k, v, self.mods.with_tensors(bias, keep), self.scale, self.tiles)
+        mods = self.mods.with_tensors(bias, keep, captured)
+        return Problem(q, k, v, mods, self.scale, self.tiles)
+
+    @property
+    def n_captured(self) -> int:
+        """How many tensors the score function captures (they follow bias and keep)."""
+        return 0 if self.mods.score is None else len(self.mods.score.keys)
 
     def saved(self, o: torch.Tensor | None, tensors: tuple[torch.Tensor, ...]) -> Saved:
         """The strategy's ``saved`` mapping from the saved tensors, with O as "o" when kept."""

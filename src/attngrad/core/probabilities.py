@@ -13,6 +13,7 @@ query heads share a key/value head.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +21,7 @@ from attngrad.core import ops
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.scores import ScoreMods
 
-__all__ = ["ProbabilityTiles", "masked_scores", "rebuilt_probabilities"]
+__all__ = ["ProbabilityTiles", "RawScores", "masked_scores", "raw_scores", "rebuilt_probabilities"]
 
 # P of one tile: (rows, cols) -> [B, Hkv, G*r, c] in the compute dtype.
 ProbabilityTiles = Callable[[slice, slice], torch.Tensor]
@@ -56,3 +57,28 @@ def rebuilt_probabilities(
         return ops.probabilities_(s, stats5[:, :, :, rows]).flatten(2, 3)
 
     return p_tile
+
+
+class RawScores(NamedTuple):
+    """What the derivative passes read of a tile's scores before the mask, rebuilt from
+    q k^T: the softcap's tanh(S / c) and slope 1 - tanh^2 [B, Hkv, G*r, c] (None without
+    a softcap), and the score function's input [B, Hkv, G, r, c] (None without one)."""
+
+    tanh: torch.Tensor | None
+    slope: torch.Tensor | None
+    raw: torch.Tensor | None
+
+
+def raw_scores(
+    mods: ScoreMods, q_rows: torch.Tensor, k_tile: torch.Tensor, scale: float, groups: int
+) -> RawScores:
+    """`RawScores` of a tile from q_rows: [B, Hkv, G*r, d] (unscaled) and k_tile: [B, Hkv, c, d]."""
+    if mods.softcap is None and mods.score is None:
+        return RawScores(None, None, None)
+    b, hkv, gr, _ = q_rows.shape
+    if mods.softcap is None:
+        raw = ops.scores(q_rows, k_tile, scale)
+        return RawScores(None, None, raw.view(b, hkv, groups, gr // groups, -1))
+    t = ops.capped_tanh(q_rows, k_tile, scale, mods.softcap)
+    capped = None if mods.score is None else (t * mods.softcap).view(b, hkv, groups, gr // groups, -1)
+    return RawScores(t, ops.cap_slope(t), capped)

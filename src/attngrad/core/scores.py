@@ -12,7 +12,11 @@ and ``dropout_p``.  A `ScoreMods` holds them as every strategy applies them:
 * a band (`attngrad.core.band.Band`): query i attends keys lo(i) <= j < hi(i),
   from ``is_causal``, the window, the alignment and the segments (decided in
   `attngrad.core.band`, which draws its pictures);
-* ``dropout`` (`attngrad.core.dropout.Dropout`), applied to P after the softmax.
+* ``dropout`` (`attngrad.core.dropout.Dropout`), applied to P after the softmax;
+* a FlexAttention ``score`` function (`attngrad.core.score_function.ScoreFunction`),
+  S' = score_mod(S, b, h, i, j) after the softcap and before the bias, and
+  its ``blocks`` (`attngrad.core.block_table.BlockTable`): a BlockMask's
+  empty tiles skipped, ``mask_mod`` on its partial ones.
 
 Every strategy applies them the same way, to the whole score matrix or to one
 tile of it; the band also tells the tiled strategies which tiles to skip.
@@ -25,10 +29,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from attngrad.core.band import Band, BandSpec
+from attngrad.core.block_table import BlockTable
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads
 from attngrad.core.ops import cap_slope
+from attngrad.core.score_function import ScoreFunction
 
 __all__ = ["ScoreMods", "add_bias_gradient_", "split_mask", "tile"]
 
@@ -79,6 +85,8 @@ class ScoreMods:
     seq_q, seq_k: Nq and Nk.
     softcap: c, when scores are capped to c * tanh(S / c) before the bias is added.
     dropout: the call's `attngrad.core.dropout.Dropout` of P, or None.
+    score: a FlexAttention score function (with its captured tensors), or None.
+    blocks: a FlexAttention BlockMask's tiles and mask function, or None.
     """
 
     bias: torch.Tensor | None
@@ -89,6 +97,8 @@ class ScoreMods:
     seq_k: int
     softcap: float | None = None
     dropout: Dropout | None = None
+    score: ScoreFunction | None = None
+    blocks: BlockTable | None = None
 
     @staticmethod
     def build(
@@ -118,29 +128,60 @@ class ScoreMods:
         return ScoreMods(None, None, None, heads_kv, seq_q, seq_k)
 
     @property
-    def tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(bias, keep): what a strategy passes to autograd and saves for backward."""
-        return self.bias, self.keep
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """(bias, keep, *captured): what a strategy passes to autograd and saves for
+        backward; captured are the score function's tensors (`ScoreFunction`)."""
+        captured = () if self.score is None else self.score.captured
+        return (self.bias, self.keep, *captured)
 
-    def with_tensors(self, bias: torch.Tensor | None, keep: torch.Tensor | None) -> ScoreMods:
-        """The same mask over other (e.g. saved) bias and keep tensors."""
-        return replace(self, bias=bias, keep=keep)
+    def with_tensors(
+        self,
+        bias: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        captured: tuple[torch.Tensor, ...] = (),
+    ) -> ScoreMods:
+        """The same mods over other (e.g. saved) bias, keep and captured tensors."""
+        score = None if self.score is None else self.score.with_captured(captured)
+        return replace(self, bias=bias, keep=keep, score=score)
+
+    @property
+    def captured(self) -> tuple[torch.Tensor, ...]:
+        """The score function's captured tensors (none without one)."""
+        return () if self.score is None else self.score.captured
+
+    def folded(self, batch: int) -> ScoreMods:
+        """For a call whose batch folds vmap's samples over a ``batch``-entry call: dropout
+        and the score and mask functions read each entry's own batch index."""
+        return replace(
+            self,
+            dropout=None if self.dropout is None else self.dropout.folded(batch),
+            score=None if self.score is None else self.score.folded(batch),
+            blocks=None if self.blocks is None else self.blocks.folded(batch),
+        )
 
     # -- the band ---------------------------------------------------------
 
     @property
     def banded(self) -> bool:
-        return self.band is not None
+        """Whether some keys are never computed (a band, or a BlockMask's empty tiles)."""
+        return self.band is not None or self.blocks is not None
 
     def key_span(self, rows: slice) -> tuple[int, int]:
-        """[c0, c1): the keys rows [rows.start, rows.stop) can attend under the band.
+        """[c0, c1): the keys rows [rows.start, rows.stop) can attend under the band and
+        the BlockMask.
 
         Tiles outside it are entirely masked and the tiled strategies skip
         them: with is_causal that is about half of all tiles.
         """
-        if self.band is None:
-            return 0, self.seq_k
-        return self.band.key_span(rows)
+        lo, hi = (0, self.seq_k) if self.band is None else self.band.key_span(rows)
+        if self.blocks is not None:
+            b_lo, b_hi = self.blocks.key_span(rows)
+            lo, hi = max(lo, b_lo), min(hi, b_hi)
+        return lo, max(lo, hi)
+
+    def skips(self, rows: slice, cols: slice) -> bool:
+        """Whether a BlockMask leaves every score of the tile masked (the tile is skipped)."""
+        return self.blocks is not None and self.blocks.skips(rows, cols)
 
     def band_covers(self, rows: slice, cols: slice) -> bool:
         """True when every (i, j) of the tile lies inside the band (no band mask needed)."""
@@ -154,20 +195,27 @@ class ScoreMods:
         rows: slice = _ALL,
         cols: slice = _ALL,
         slope: torch.Tensor | None = None,
+        raw: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Cap, bias and mask a tile of scores in place and return it.
+        """Cap, modify, bias and mask a tile of scores in place and return it.
 
         s: [B, Hkv, G, r, c], the scaled scores of query rows ``rows`` against
         key columns ``cols`` (slices with explicit bounds when not whole).
         With a softcap and a ``slope`` buffer (like s), slope receives
         d(c tanh(S / c)) / dS = 1 - tanh(S / c)^2, the factor the backward
-        carries dS through.
+        carries dS through; with a score function and a ``raw`` buffer (like
+        s), raw receives the scores it was applied to, which its derivatives
+        read (`raw_gradient_`).
         """
         if self.softcap is not None:
             t = s.div_(self.softcap).tanh_()
             if slope is not None:
                 cap_slope(t, out=slope)
             t.mul_(self.softcap)
+        if self.score is not None:
+            if raw is not None:
+                raw.copy_(s)
+            self.score.values_(s, _bounds(rows, self.seq_q), _bounds(cols, self.seq_k))
         if self.bias is not None:
             s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
         if self.keep is not None:  # as a -inf bias: a broadcast masked_fill is ~5x slower
@@ -175,10 +223,41 @@ class ScoreMods:
             blocked = torch.zeros(keep.shape, dtype=s.dtype, device=s.device)
             s.add_(blocked.masked_fill_(keep.logical_not(), float("-inf")))
         if self.band is not None and not self.band.covers(rows, cols):
-            r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
-            c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
-            s.add_(self.band.bias(slice(r0, r1), slice(c0, c1), s))  # finite + -inf = -inf
+            r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
+            s.add_(self.band.bias(r, c, s))  # finite + -inf = -inf
+        if self.blocks is not None:
+            r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
+            keep = self.blocks.keep(s.shape[0], r, c, s.device)
+            if keep is not None:  # [B, H, r, c]
+                s.masked_fill_(keep.logical_not().view(s.shape), float("-inf"))
         return s
+
+    def raw_gradient_(
+        self,
+        ds: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        slope: torch.Tensor | None,
+        raw: torch.Tensor | None,
+        dcaptured: tuple[torch.Tensor | None, ...],
+    ) -> torch.Tensor:
+        """dS of a tile carried back from the scores the mask saw to S = scale q k^T, in place.
+
+        ds: dS' [B, Hkv, G*r, c]; through the score function (its raw scores
+        ``raw``, `apply_`'s; its captures' gradients added into ``dcaptured``,
+        None where not wanted), then through the softcap's ``slope``.
+        """
+        if self.score is not None:
+            assert raw is not None
+            self.score.pullback_(raw, _bounds(rows, self.seq_q), _bounds(cols, self.seq_k), ds, dcaptured)
+        if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
+            ds.mul_(slope.view(ds.shape))
+        return ds
+
+
+def _bounds(s: slice, n: int) -> slice:
+    """A slice with explicit bounds: [start or 0, stop or n)."""
+    return slice(s.start or 0, n if s.stop is None else s.stop)
 
 
 def add_bias_gradient_(

@@ -45,7 +45,7 @@ def schedule(mods: ScoreMods, blocks: Blocks) -> Iterator[tuple[slice, list[slic
 
     The key tiles are the blocks of `key_schedule` (multiples of block_k) cut
     to ``mods.key_span(rows)``, those outside it (entirely masked by the band)
-    left out: forward and backward then form each score in a tile of one
+    left out, and so are those a BlockMask leaves empty: forward and backward then form each score in a tile of one
     shape, so with the same bits (a BLAS rounds a product by its shape, and a
     P rebuilt from other scores than the saved statistics' is not normalised).
     """
@@ -54,7 +54,8 @@ def schedule(mods: ScoreMods, blocks: Blocks) -> Iterator[tuple[slice, list[slic
         rows = slice(r0, min(r0 + block_q, mods.seq_q))
         c_lo, c_hi = mods.key_span(rows)
         starts = range(c_lo - c_lo % block_k, c_hi, block_k) if c_lo < c_hi else range(0)
-        yield rows, [slice(max(c0, c_lo), min(c0 + block_k, c_hi)) for c0 in starts]
+        tiles = [slice(max(c0, c_lo), min(c0 + block_k, c_hi)) for c0 in starts]
+        yield rows, [cols for cols in tiles if not mods.skips(rows, cols)]
 
 
 def key_schedule(
@@ -74,6 +75,6 @@ def key_schedule(
         pairs = []
         for rows, (lo, hi) in zip(row_blocks, spans, strict=True):
             keys = slice(max(lo, cols.start), min(hi, cols.stop))
-            if keys.start < keys.stop:
+            if keys.start < keys.stop and not mods.skips(rows, keys):
                 pairs.append((rows, keys))
         yield cols, pairs

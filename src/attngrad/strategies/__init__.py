@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from attngrad.core.contract import Shapes
+from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Strategy
+from attngrad.core.scores import ScoreMods
 from attngrad.strategies import explicit, flash, recompute
 from attngrad.strategies.fused import strategy as fused_strategy
 from attngrad.strategies.triton import strategy as triton_strategy
@@ -34,6 +35,7 @@ __all__ = [
     "TILED",
     "available",
     "resolve",
+    "resolve_for",
     "tiled_default",
     "unavailable_reason",
 ]
@@ -122,6 +124,23 @@ def resolve(
     if tiling_given or scores >= threshold:
         return "flash"
     return "explicit"
+
+
+def resolve_for(
+    strategy: str, shapes: Shapes, mods: ScoreMods, tiling_given: bool, device: torch.device
+) -> str:
+    """`resolve` for a call with these mods: a named strategy that cannot run them raises
+    ArgumentError with its reason; "auto" passes over such a strategy to the fastest
+    tensor-op strategy (flash or explicit, by `resolve`'s sizes)."""
+    name = resolve(strategy, shapes, tiling_given, mods.banded, device)
+    reason = REGISTRY[name].refuses(mods)
+    if reason is None:
+        return name
+    if strategy != "auto":
+        raise ArgumentError(f"strategy={strategy!r} cannot run this call: {reason}")
+    scores = shapes.seq_q * shapes.seq_k
+    threshold = AUTO_FLASH_SCORES_BANDED if mods.banded else AUTO_FLASH_SCORES
+    return "flash" if tiling_given or scores >= threshold else "explicit"
 
 
 def tiled_default(device: torch.device, head_dim: int, value_dim: int) -> str:

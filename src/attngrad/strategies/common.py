@@ -35,7 +35,7 @@ from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Backward, Declaration, Grads, Problem, Strategy
-from attngrad.core.probabilities import ProbabilityTiles, masked_scores
+from attngrad.core.probabilities import ProbabilityTiles, masked_scores, raw_scores
 from attngrad.core.scores import ScoreMods, add_bias_gradient_
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "chunks",
     "declare",
     "forward_chunks",
+    "kernel_refusal",
 ]
 
 # Bytes of one chunk of scores across all (batch, head) pairs: small enough to
@@ -136,9 +137,9 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
     gives P's chunk as [B, Hkv, G*r, c] in the compute dtype: read from the
     saved P (explicit) or rebuilt from the row statistics (recompute); it is
     read, never written.  Of the mods only the band (to skip keys P is zero
-    for), the dropout (its Z regenerated chunk by chunk) and the softcap
-    (whose slope is rebuilt from q k^T) are used.  A None accumulator is not
-    computed.
+    for), the dropout (its Z regenerated chunk by chunk), the softcap (whose
+    slope is rebuilt from q k^T) and the score function (its raw scores
+    rebuilt likewise) are used.  A None accumulator is not computed.
     """
     problem, dout, dlse = backward.problem, backward.dout, backward.dlse
     dq, dk, dv, dbias = backward.grads
@@ -146,7 +147,8 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
     b, hq, _, d = q.shape
     hkv = problem.k.shape[1]
     g, dtype = hq // hkv, problem.dtype
-    need_ds = dq is not None or dk is not None or dbias is not None
+    dcaptured = backward.dcaptured
+    need_ds = any(t is not None for t in (dq, dk, dbias, *dcaptured))
     dropout = mods.dropout
     if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
         dout = dout.to(dtype) * dropout.scale
@@ -172,11 +174,10 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
             ds.addcmul_(p_c, take_rows(dlse5, rows).to(dtype))
         if dbias is not None:
             add_bias_gradient_(dbias, ds.view(b, hkv, g, r, c), rows, cols)
-        if dq is not None or dk is not None:
+        if dq is not None or dk is not None or any(d is not None for d in dcaptured):
             q_c = take_rows(q5, rows).to(dtype)
-            if mods.softcap is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
-                t = ops.capped_tanh(q_c, k[:, :, cols], scale, mods.softcap)
-                ds.mul_(ops.cap_slope(t))
+            rs = raw_scores(mods, q_c, k[:, :, cols], scale, g)
+            mods.raw_gradient_(ds, rows, cols, rs.slope, rs.raw, dcaptured)
             dq_c, dk_c = ops.query_key_gradients(ds, q_c, k[:, :, cols], scale)
             if dq is not None:
                 group_heads(dq, hkv)[:, :, :, rows] += dq_c.view(b, hkv, g, r, d)
@@ -215,6 +216,19 @@ class KeepsOutput(Strategy[T]):
 
 
 # -- what the fused kernels read -------------------------------------------------
+
+
+def kernel_refusal(name: str, mods: ScoreMods) -> str | None:
+    """Why a fused-kernel strategy cannot run these mods (a FlexAttention score function or
+    BlockMask, which its kernels do not read), or None."""
+    if mods.score is None and mods.blocks is None:
+        return None
+    what = "a score_mod" if mods.score is not None else "a BlockMask"
+    return (
+        f"its kernels do not run {what}; strategy='flash', 'recompute' or 'explicit' runs "
+        "every score_mod and BlockMask (strategy='auto' picks one)."
+    )
+
 
 
 @dataclass(frozen=True)

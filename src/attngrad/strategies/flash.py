@@ -16,7 +16,9 @@ scales O by 1 / (1 - p) once; backward regenerates each tile's Z, takes dV
 from (P * Z) and dS = P * (dP * Z - Delta) = (P * Z) * dP - P * Delta, with
 dO pre-scaled by 1 / (1 - p).  With a softcap, the tile's masking also
 writes the cap's slope 1 - tanh^2, which dS takes on its way to dq and dk
-(after dbias, which is dS itself).
+(after dbias, which is dS itself); with a score function it keeps the
+tile's raw scores, through which dS reaches dq, dk and the captured
+tensors (`attngrad.core.scores.ScoreMods.raw_gradient_`).
 
 Tiles that the band (causal, window, alignment, packed segments) masks
 entirely are skipped.  Scores stay in
@@ -172,6 +174,7 @@ class Flash(KeepsOutput[Blocks]):
         work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
         work_ds = torch.empty_like(work_p)
         work_slope = None if mods.softcap is None else torch.empty_like(work_p)
+        work_raw = None if mods.score is None else torch.empty_like(work_p)
         work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
         work_dv = torch.empty(b * hkv * blocks[1] * dv_dim, dtype=dtype, device=q.device)
         for cols, tiles in key_schedule(mods, blocks):
@@ -191,7 +194,8 @@ class Flash(KeepsOutput[Blocks]):
                 qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n)
                 torch.matmul(qb, kc.transpose(-2, -1), out=qk)
                 slope = None if work_slope is None else _scratch(work_slope, b, hkv, g, r, n)
-                mods.apply_(qk.view(b, hkv, g, r, n), rows, keys, slope)
+                raw = None if work_raw is None else _scratch(work_raw, b, hkv, g, r, n)
+                mods.apply_(qk.view(b, hkv, g, r, n), rows, keys, slope, raw)
                 p = probabilities_(qk, stats_b)
                 dp = _scratch(work_ds, b, hkv, g * r, n)
                 torch.matmul(dob, vc.transpose(-2, -1), out=dp)
@@ -204,8 +208,7 @@ class Flash(KeepsOutput[Blocks]):
                     ds = dp.mul_(pz).addcmul_(p, delta_b, value=-1.0)  # P * (dP * Z - Delta)
                 if dbias is not None:
                     add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
-                if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
-                    ds.mul_(slope.view(b, hkv, g * r, n))
+                mods.raw_gradient_(ds, rows, keys, slope, raw, backward.dcaptured)
                 if dq5 is not None:
                     dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
                 _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)

@@ -28,9 +28,15 @@ import torch
 from attngrad.core import ops
 from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Backward, Problem, Saved
+from attngrad.core.scores import ScoreMods
 from attngrad.core.ops import compute_dtype
 from attngrad.strategies.base import AttentionFunction
-from attngrad.strategies.common import KeepsOutput, KernelMods, add_kernel_gradients
+from attngrad.strategies.common import (
+    KeepsOutput,
+    KernelMods,
+    add_kernel_gradients,
+    kernel_refusal,
+)
 from attngrad.strategies.fused import build
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "Fused", "FusedAttention", "Tiles", "strategy"]
@@ -76,6 +82,9 @@ class Fused(KeepsOutput[Tiles]):
 
     name = "fused"
     function = FusedAttention
+
+    def refuses(self, mods: ScoreMods) -> str | None:
+        return kernel_refusal(self.name, mods)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why strategy "fused" cannot run on ``device`` tensors here, or None when it can."""

@@ -37,7 +37,12 @@ from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import LOG2E, compute_dtype, join_lse_cotangent_
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction
-from attngrad.strategies.common import KeepsOutput, KernelMods, add_kernel_gradients
+from attngrad.strategies.common import (
+    KeepsOutput,
+    KernelMods,
+    add_kernel_gradients,
+    kernel_refusal,
+)
 from attngrad.strategies.triton import configs
 
 __all__ = [
@@ -350,6 +355,9 @@ class Triton(KeepsOutput[Tiles]):
 
     name = "triton"
     function = TritonAttention
+
+    def refuses(self, mods: ScoreMods) -> str | None:
+        return kernel_refusal(self.name, mods)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why strategy "triton" cannot run on ``device`` tensors here, or None when it can."""
