@@ -1,0 +1,247 @@
+"""What FlexAttention's score and mask functions cost on attngrad's strategies, as ratios.
+
+    python benchmarks/benchmark_flex.py [--seq 4096] [--strategy flash] [--repeats 5]
+                                        [--memory-seq 16384] [--no-memory] [--no-torch]
+                                        [--csv results/benchmark_flex.csv]
+
+Forward+backward (O, then dq, dk, dv and the captured tensors' gradients) of
+``attngrad.flex_attention`` on one strategy, B=1, H=8, d=64, float32, every variant timed
+once per round and the rounds interleaved (`attngrad.tools.timing.interleaved`), so the
+machine's noise falls on all alike; a ratio is the fastest round over its baseline's.
+
+    causal     attention(q, k, v, is_causal=True)                       the baseline
+    blockmask  flex_attention(block_mask=causal BlockMask)              target <= 1.15x causal
+    packed     flex_attention(block_mask=8 causal documents of N/8)     target <= 0.25x causal
+    alibi      flex_attention(score_mod=ALiBi, fixed slopes, causal)    target <= 1.5x blockmask
+    alibi-learn  the same with learnable slopes [H]                     (reported)
+    buckets    flex_attention(score_mod=learnable T5 bucket table [H, 32], causal)
+                                                                        target <= 2x blockmask
+
+and beside them, reported without targets: the forward alone against torch's own
+compiled CPU ``flex_attention`` (``torch.compile(flex_attention)``, the one CPU path torch
+has, forward only: it has no CPU backward), and forward+backward against SDPA's
+FLASH_ATTENTION kernel on the causal mask.
+
+Memory (``--memory-seq``, default 16384; B=1, H=4, d=64): the peak bytes beyond the inputs
+of forward+backward and of double backward with a learnable relative-position table
+[H, 2N-1], against the same strategy without a score function (both causal); target
+within 2x.  Exit 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+import attngrad
+from attngrad.tools.memory import format_bytes, measure_peak_bytes
+from attngrad.tools.timing import interleaved, spreads
+
+DOCUMENTS = 8
+BUCKETS = 32
+TARGETS = {"blockmask": ("causal", 1.15), "packed": ("causal", 0.25),
+           "alibi": ("blockmask", 1.5), "buckets": ("blockmask", 2.0)}  # fmt: skip
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def causal(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return i >= j
+
+
+def t5_bucket(distance: torch.Tensor, buckets: int = BUCKETS, reach: int = 128) -> torch.Tensor:
+    """T5's causal relative-position bucket of i - j >= 0: exact below buckets/2, log above."""
+    exact = buckets // 2
+    far = exact + (
+        torch.log(distance.float().clamp(min=1) / exact) / math.log(reach / exact) * (buckets - exact)
+    ).long()
+    return torch.where(distance < exact, distance.long(), far.clamp(max=buckets - 1))
+
+
+def variants(n: int, heads: int, strategy: str) -> dict[str, Callable[..., torch.Tensor]]:
+    """{variant: q, k, v -> O} (module docstring)."""
+    mask = create_block_mask(causal, None, None, n, n, device="cpu")
+    doc = torch.arange(n) // (n // DOCUMENTS)
+
+    def packed_mask(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return (doc[i] == doc[j]) & (i >= j)
+
+    docs = create_block_mask(packed_mask, None, None, n, n, device="cpu")
+    fixed = torch.exp2(-8 * torch.arange(1, heads + 1) / heads)
+    slopes = fixed.clone().requires_grad_()
+    table = (0.1 * torch.randn(heads, BUCKETS)).requires_grad_()
+
+    def alibi(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s - fixed[h] * (i - j)
+
+    def alibi_learn(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s - slopes[h] * (i - j)
+
+    def buckets(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s + table[h, t5_bucket(i - j)]
+
+    def flex(**kw: object) -> Callable[..., torch.Tensor]:
+        return lambda q, k, v: attngrad.flex_attention(q, k, v, strategy=strategy, **kw)
+
+    return {
+        "causal": lambda q, k, v: attngrad.attention(q, k, v, is_causal=True, strategy=strategy),
+        "blockmask": flex(block_mask=mask),
+        "packed": flex(block_mask=docs),
+        "alibi": flex(score_mod=alibi, block_mask=mask),
+        "alibi-learn": flex(score_mod=alibi_learn, block_mask=mask),
+        "buckets": flex(score_mod=buckets, block_mask=mask),
+        "sdpa-flash": _sdpa_flash,
+    }
+
+
+def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def time_variants(n: int, strategy: str, repeats: int) -> dict[str, float]:
+    """Fastest forward+backward round of every variant, seconds."""
+    heads, d = 8, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, heads, n, d, generator=g) for _ in range(4))
+    inputs = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
+    calls = {
+        name: (lambda fn=fn: torch.autograd.grad(fn(*inputs), inputs, do))
+        for name, fn in variants(n, heads, strategy).items()
+    }
+    times = interleaved(calls, repeats=repeats, warmup=1, on_round=lambda r: _note(f"round {r + 1}"))
+    return {name: s.low for name, s in spreads(times).items()}
+
+
+def time_forward_vs_torch(n: int, strategy: str, repeats: int) -> tuple[float, float]:
+    """(attngrad, torch compiled) fastest forward of causal ALiBi, no grad, seconds."""
+    heads, d = 8, 64
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, heads, n, d, generator=g) for _ in range(3))
+    mask = create_block_mask(causal, None, None, n, n, device="cpu")
+    fixed = torch.exp2(-8 * torch.arange(1, heads + 1) / heads)
+
+    def alibi(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s - fixed[h] * (i - j)
+
+    compiled = torch.compile(torch_flex)
+
+    @torch.no_grad()
+    def ours() -> torch.Tensor:
+        return attngrad.flex_attention(q, k, v, alibi, mask, strategy=strategy)
+
+    @torch.no_grad()
+    def theirs() -> torch.Tensor:
+        return compiled(q, k, v, score_mod=alibi, block_mask=mask)
+
+    _note("compiling torch's flex_attention (once)")
+    theirs()
+    times = spreads(interleaved({"ours": ours, "torch": theirs}, repeats=repeats, warmup=1))
+    return times["ours"].low, times["torch"].low
+
+
+def peaks(n: int, strategy: str) -> dict[str, int]:
+    """Peak bytes beyond the inputs: forward+backward and double backward, with and
+    without a learnable relative-position table [H, 2N-1] (both causal)."""
+    heads, d = 4, 64
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, heads, n, d, generator=g).requires_grad_() for _ in range(3))
+    table = torch.zeros(heads, 2 * n - 1, requires_grad=True)
+    mask = create_block_mask(causal, None, None, n, n, device="cpu")
+
+    def relative(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s + table[h, i - j + n - 1]
+
+    def call(score: object) -> torch.Tensor:
+        if score is None:
+            return attngrad.attention(q, k, v, is_causal=True, strategy=strategy)
+        return attngrad.flex_attention(q, k, v, score, mask, strategy=strategy)
+
+    def first(score: object) -> Callable[[], object]:
+        wrt = (q, k, v) if score is None else (q, k, v, table)
+        return lambda: torch.autograd.grad(call(score).sum(), wrt)
+
+    def second(score: object) -> Callable[[], object]:
+        wrt = (q, k, v) if score is None else (q, k, v, table)
+
+        def run() -> object:
+            grads = torch.autograd.grad(call(score).square().sum(), wrt, create_graph=True)
+            return torch.autograd.grad(sum(gr.square().sum() for gr in grads), wrt)
+
+        return run
+
+    out = {}
+    for name, run in (("first plain", first(None)), ("first table", first(relative)),
+                      ("second plain", second(None)), ("second table", second(relative))):  # fmt: skip
+        _note(f"memory: {name} at N={n}")
+        out[name] = measure_peak_bytes(run)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--strategy", default="flash")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--memory-seq", type=int, default=16384)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's compiled flex")
+    parser.add_argument("--csv", type=Path)
+    args = parser.parse_args()
+    if args.seq % DOCUMENTS:
+        parser.error(f"--seq must be a multiple of {DOCUMENTS} (the packed documents)")
+    rows: list[tuple[str, str, float, float | None, str]] = []  # what, against, ratio, target, verdict
+    best = time_variants(args.seq, args.strategy, args.repeats)
+    print(f"\nforward+backward, {args.strategy}, B=1 H=8 N={args.seq} d=64 float32, fastest of "
+          f"{args.repeats} interleaved rounds")  # fmt: skip
+    for name, seconds in best.items():
+        print(f"  {name:12s} {seconds * 1e3:9.1f} ms")
+    met = True
+    for name, (base, target) in TARGETS.items():
+        ratio = best[name] / best[base]
+        ok = ratio <= target
+        met = met and ok
+        rows.append((name, base, ratio, target, "met" if ok else "MISSED"))
+    rows.append(("alibi-learn", "blockmask", best["alibi-learn"] / best["blockmask"], None, ""))
+    rows.append(("causal", "sdpa-flash", best["causal"] / best["sdpa-flash"], None, ""))
+    rows.append(("blockmask", "sdpa-flash", best["blockmask"] / best["sdpa-flash"], None, ""))
+    if not args.no_torch:
+        ours, theirs = time_forward_vs_torch(args.seq, args.strategy, args.repeats)
+        rows.append(("alibi forward", "torch compiled flex", ours / theirs, None, ""))
+    if not args.no_memory:
+        p = peaks(args.memory_seq, args.strategy)
+        for order in ("first", "second"):
+            ratio = p[f"{order} table"] / p[f"{order} plain"]
+            ok = ratio <= 2.0
+            met = met and ok
+            print(f"  peak {order}: table {format_bytes(p[f'{order} table'])}, "
+                  f"plain {format_bytes(p[f'{order} plain'])}")  # fmt: skip
+            rows.append((f"peak {order} order, table [H, 2N-1], N={args.memory_seq}",
+                         "no score_mod", ratio, 2.0, "met" if ok else "MISSED"))  # fmt: skip
+    print("\nratios (fastest rounds):")
+    for what, against, ratio, target, verdict in rows:
+        goal = "" if target is None else f"  target <= {target}: {verdict}"
+        print(f"  {what} / {against}: {ratio:.3f}{goal}")
+    if args.csv is not None:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["variant", "baseline", "ratio", "target", "verdict"])
+            w.writerows(rows)
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
