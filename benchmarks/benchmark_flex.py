@@ -62,7 +62,9 @@ def causal(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -
 
 
 def t5_bucket(distance: torch.Tensor, buckets: int = BUCKETS, reach: int = 128) -> torch.Tensor:
-    """T5's causal relative-position bucket of i - j >= 0: exact below buckets/2, log above."""
+    """T5's causal relative-position bucket of i - j (0 for j > i): exact below buckets/2,
+    logarithmic above, the last bucket from ``reach`` on."""
+    distance = distance.clamp(min=0)
     exact = buckets // 2
     far = exact + (
         torch.log(distance.float().clamp(min=1) / exact) / math.log(reach / exact) * (buckets - exact)

@@ -39,6 +39,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch._C._functorch import (
+    _add_batch_dim,
+    _remove_batch_dim,
+    _vmap_decrement_nesting,
+    _vmap_increment_nesting,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -142,17 +148,35 @@ def _check_arity(fn: object, name: str, count: int, example: str) -> None:
         pass
 
 
-def _vmapped(point: Callable[..., torch.Tensor], leading: int, extra: int) -> Callable[..., Any]:
-    """``point`` (0-d arguments) over a tile: vmap over kv_idx, q_idx, h, b in turn.
-
-    ``leading``: tensors before the four indices batched like the tile (the score);
-    ``extra``: tensors after them passed whole (the captures).
-    """
-    fn = point
-    for axis in (3, 2, 1, 0):  # kv_idx innermost, as torch's own eager route
-        dims = (0,) * leading + tuple(0 if a == axis else None for a in range(4))
-        fn = torch.vmap(fn, in_dims=dims + (None,) * extra)
-    return fn
+def _over_tile(
+    point: Callable[..., Any],
+    s: torch.Tensor | None,
+    index: TileIndex,
+    extra: Sequence[torch.Tensor] = (),
+) -> Any:
+    """``point`` (one score, 0-d arguments) over a tile at once, as nested vmaps would run
+    it: over b, then h, q_idx and kv_idx (innermost), the score s: [B, H, r, c] (or None,
+    for a mask function) batched along each; ``extra`` passed whole.  The levels are
+    entered by hand: ``torch.vmap``'s argument handling costs more than a tile's ops."""
+    axes = (index.b, index.h, index.i, index.j)
+    levels: list[tuple[int, int]] = []
+    try:
+        for n, ax in enumerate(axes):
+            level = _vmap_increment_nesting(ax.shape[0], "error")
+            levels.append((level, ax.shape[0]))
+            if s is not None:
+                s = _add_batch_dim(s, 0, level)
+            axes = (*axes[:n], _add_batch_dim(ax, 0, level), *axes[n + 1 :])
+        out = point(*(() if s is None else (s,)), *axes, *extra)
+        while levels:
+            level, size = levels.pop()
+            if isinstance(out, torch.Tensor):
+                out = _remove_batch_dim(out, level, size, 0)
+            _vmap_decrement_nesting()
+        return out
+    finally:
+        for _ in levels:
+            _vmap_decrement_nesting()
 
 
 def _explain(err: RuntimeError, name: str) -> Exception:
@@ -173,8 +197,9 @@ class ScoreFunction:
     """A ``score_mod`` over tiles, with the tensors it captures (see the module docstring).
 
     fn: the user's function; keys: the identities of the captured tensors in the
-    closure; captured: the tensors read in their place (the Function's inputs),
-    same order; batch: B of the call (a folded batch entry b reads b mod batch);
+    closure (``captured_originals``, which the closure keeps alive anyway);
+    captured: the tensors read in their place (the Function's inputs), same
+    order; batch: B of the call (a folded batch entry b reads b mod batch);
     heads: Hq.
     """
 
@@ -183,6 +208,7 @@ class ScoreFunction:
     captured: tuple[torch.Tensor, ...]
     batch: int
     heads: int
+    captured_originals: tuple[torch.Tensor, ...] = ()
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -205,7 +231,7 @@ class ScoreFunction:
             return out
 
         try:
-            _vmapped(point, 1, 0)(score, index.b, index.h, index.i, index.j)
+            _over_tile(point, score, index)
         except RuntimeError as err:
             raise _explain(err, "score_mod") from err
         captured = tuple(reads.read.values())
@@ -216,7 +242,7 @@ class ScoreFunction:
                     f"query is on {q.device}; move the tensor to {q.device}."
                 )
         keys = tuple(id(t) for t in captured)
-        return ScoreFunction(fn, keys, captured, batch, q.shape[1])
+        return ScoreFunction(fn, keys, captured, batch, q.shape[1], captured)
 
     def with_captured(self, captured: Sequence[torch.Tensor]) -> ScoreFunction:
         """The same function reading ``captured`` (saved, unwrapped or batched copies)."""
@@ -242,21 +268,20 @@ class ScoreFunction:
 
     def _tile_fn(self, index: TileIndex) -> Callable[..., torch.Tensor]:
         """F(s [B, H, r, c], *captured) -> S' [B, H, r, c] on one tile."""
-        fn, keys, n = self.fn, self.keys, len(self.keys)
+        fn, keys = self.fn, self.keys
+        originals = self.captured_originals
 
         def point(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
                   j: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:  # fmt: skip
-            swap = {k: t for k, t in zip(keys, captured, strict=True)}
-            with _Reads((), swap):
+            swap = {k: t for k, t, o in zip(keys, captured, originals, strict=True) if t is not o}
+            with _Reads((), swap) if swap else contextlib.nullcontext():
                 out = fn(s, b, h, i, j)
             _check_score(out, s)
             return out.to(s.dtype)
 
-        vmapped = _vmapped(point, 1, n)
-
         def tile(s: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:
             try:
-                return vmapped(s, index.b, index.h, index.i, index.j, *captured)
+                return _over_tile(point, s, index, captured)  # type: ignore[no-any-return]
             except RuntimeError as err:
                 raise _explain(err, "score_mod") from err
 
@@ -271,8 +296,20 @@ class ScoreFunction:
         b, hkv, g, r, c = s5.shape
         return s5.reshape(b, hkv * g, r, c)
 
-    def values_(self, s5: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
-        """S' = score_mod(S) on the tile s5: [B, Hkv, G, r, c] raw scores, in place."""
+    def values_(
+        self, s5: torch.Tensor, rows: slice, cols: slice, keep_graph: bool = False
+    ) -> torch.Tensor:
+        """S' = score_mod(S) on the tile s5: [B, Hkv, G, r, c] raw scores, in place.
+
+        ``keep_graph``: evaluate it differentiably and keep its graph for the
+        `pullback_` of the same tile that follows (a backward pass's), which then
+        does not evaluate it again.
+        """
+        if keep_graph:
+            with torch.enable_grad():
+                leaves = self._leaves(s5, rows, cols)
+            self._cache["graph"] = ((rows.start, rows.stop, cols.start, cols.stop), leaves)
+            return s5.copy_(leaves[2].detach().view(s5.shape))
         f = self._tile_fn(self._index(s5, rows, cols))
         with torch.no_grad():
             out = f(self._flat(s5), *self._read(s5.dtype))
@@ -306,8 +343,12 @@ class ScoreFunction:
         dtype), None where no gradient is wanted.
         """
         wanted = [n for n, d in enumerate(dcaptured) if d is not None]
+        kept = self._cache.pop("graph", None)
         with torch.enable_grad(), _one_thread() if wanted else contextlib.nullcontext():
-            x, theta, y = self._leaves(raw, rows, cols)
+            if kept is not None and kept[0] == (rows.start, rows.stop, cols.start, cols.stop):
+                x, theta, y = kept[1]
+            else:
+                x, theta, y = self._leaves(raw, rows, cols)
             inputs = (x, *(theta[n] for n in wanted))
             grads = torch.autograd.grad(
                 y, inputs, ds.reshape(y.shape), allow_unused=True, materialize_grads=True
@@ -443,7 +484,7 @@ class MaskFunction:
                 return fn(b, h, i, j)
 
         try:
-            out = _vmapped(point, 0, 0)(index.b, index.h, index.i, index.j)
+            out = _over_tile(point, None, index)
         except RuntimeError as err:
             raise _explain(err, "mask_mod") from err
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
@@ -474,6 +515,7 @@ class MaskFunction:
 
         with torch.no_grad():
             try:
-                return _vmapped(point, 0, 0)(index.b, index.h, index.i, index.j)
+                keep = _over_tile(point, None, index)
             except RuntimeError as err:
                 raise _explain(err, "mask_mod") from err
+        return keep.expand(index.b.shape[0], index.h.shape[0], *keep.shape[2:])

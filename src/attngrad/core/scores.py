@@ -215,7 +215,8 @@ class ScoreMods:
         if self.score is not None:
             if raw is not None:
                 raw.copy_(s)
-            self.score.values_(s, _bounds(rows, self.seq_q), _bounds(cols, self.seq_k))
+            r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
+            self.score.values_(s, r, c, keep_graph=raw is not None)
         if self.bias is not None:
             s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
         if self.keep is not None:  # as a -inf bias: a broadcast masked_fill is ~5x slower
