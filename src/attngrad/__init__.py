@@ -19,6 +19,7 @@ from attngrad.core.ops import (
     value_gradient,
 )
 from attngrad.integrations.patch import patch_sdpa
+from attngrad.integrations.patch_flex import patch_flex_attention
 from attngrad.learn.chapter import CustomAttention
 from attngrad.ring import ring_attention
 from attngrad.strategies import STRATEGIES
@@ -30,6 +31,7 @@ __all__ = [
     "CustomAttention",
     "attention",
     "flex_attention",
+    "patch_flex_attention",
     "patch_sdpa",
     "probability_gradient",
     "query_key_gradients",
