@@ -53,9 +53,13 @@ def flex_attention(
     * ``kernel_options`` is accepted and ignored (it tunes torch's Triton
       kernels; attngrad picks its own tiles).
     * ``strategy``: "explicit", "recompute" and "flash" run every score_mod and
-      BlockMask; "fused" and "triton" refuse both, naming why; "auto" takes
-      the fastest that runs the call (flash from Nq * Nk = 2**20, 2**18 with a
-      BlockMask, else explicit).
+      BlockMask.  "fused" runs every BlockMask without a score_mod: a mask that
+      keeps one interval of keys per row, the same for every (b, h) (causal,
+      sliding windows, documents, prefix-LM), becomes its kernels' band, with
+      tiles outside it skipped; any other becomes a dense bool mask
+      [B, Hq, Nq, Nk] beside the band of its blocks.  "triton" runs neither;
+      a strategy that cannot run a call raises ValueError saying why, and
+      "auto" takes the fastest that can (`attngrad.strategies.resolve_for`).
 
     Every derivative works on every strategy that runs the call: backward,
     double backward (``create_graph=True``), forward mode

@@ -19,21 +19,29 @@ line up with the blocks:
   span only those);
 * `keep`: the tile's bool mask [B, H, r, c] -- ``mask_mod`` on the scores
   of partial blocks, True in full blocks, False in empty ones -- or None
-  when every block the tile touches is full for every (b, h).
+  when every block the tile touches is full for every (b, h);
+* `rows_of_keys`: for the fused kernels, which read a band of keys per row
+  ([lo, hi) int64 [Nq]) and a dense keep: the band alone when every row
+  keeps one interval of keys, the same for every (b, h) -- causal, sliding
+  windows, documents, prefix-LM (``mask_mod`` called on partial blocks only)
+  -- else the rows' spans and the whole keep [B, H, Nq, Nk] (O(Nq * Nk)
+  bytes: global tokens, dilated windows, masks that differ by head).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
-from attngrad.core.score_function import MaskFunction
+from attngrad.core.score_function import MaskFunction, one_thread
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockTable"]
+__all__ = ["EMPTY", "FULL", "MIXED", "PARTIAL", "BlockTable"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+MIXED = 3  # a block whose status differs between (b, h)
 
 
 def _status(
@@ -59,6 +67,8 @@ class BlockTable:
     seq_q: int
     seq_k: int
     mask: MaskFunction
+    kinds: tuple[tuple[int, ...], ...]
+    _cache: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def of(block_mask: object, q: torch.Tensor, k: torch.Tensor, batch: int) -> BlockTable:
@@ -90,58 +100,161 @@ class BlockTable:
                 f"{heads}; build it with B in (None, {batch}) and H in (None, {heads})."
             )
         bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
-        blocks_k = -(-nk // bk)
-        if qb < -(-nq // bq):
+        blocks_q, blocks_k = -(-nq // bq), -(-nk // bk)
+        if qb < blocks_q:
             raise ArgumentError(
-                f"block_mask has {qb} query blocks of {bq} but Nq = {nq} needs {-(-nq // bq)}; "
+                f"block_mask has {qb} query blocks of {bq} but Nq = {nq} needs {blocks_q}; "
                 "build it for these lengths."
             )
-        status = torch.zeros(bm, hm, qb, blocks_k, dtype=torch.uint8)
-        _status(block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu(), blocks_k, PARTIAL, status)
-        if block_mask.full_kv_num_blocks is not None:
-            full_idx = block_mask.full_kv_indices
-            assert full_idx is not None
-            _status(block_mask.full_kv_num_blocks.cpu(), full_idx.cpu(), blocks_k, FULL, status)
+        with one_thread():  # small host-side ops
+            status = torch.zeros(bm, hm, qb, blocks_k, dtype=torch.uint8)
+            num, idx = block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu()
+            _status(num, idx, blocks_k, PARTIAL, status)
+            if block_mask.full_kv_num_blocks is not None:
+                full_idx = block_mask.full_kv_indices
+                assert full_idx is not None
+                _status(block_mask.full_kv_num_blocks.cpu(), full_idx.cpu(), blocks_k, FULL, status)
+            status = status[:, :, :blocks_q].contiguous()
+            same = (status == status[:1, :1]).all(dim=1).all(dim=0)
+            kinds = torch.where(same, status[0, 0], MIXED).tolist()
         mask = MaskFunction.of(block_mask.mask_mod, q.device, batch, heads)
-        return BlockTable(status[:, :, : -(-nq // bq)].contiguous(), (bq, bk), nq, nk, mask)
+        table = tuple(tuple(row) for row in kinds)
+        return BlockTable(status, (bq, bk), nq, nk, mask, table)
 
     def folded(self, batch: int) -> BlockTable:
         """For a call whose batch folds vmap's samples (`attngrad.autograd.batching`)."""
-        return replace(self, mask=self.mask.folded(batch))
+        return replace(self, mask=self.mask.folded(batch), _cache={})
 
-    def _blocks(self, rows: slice, cols: slice) -> torch.Tensor:
-        """The statuses of every block the tile touches: [Bm, Hm, qb, kb]."""
+    def _range(self, rows: slice, cols: slice) -> tuple[range, range]:
+        """The query and key block numbers the tile touches."""
         bq, bk = self.block
         r0, r1 = rows.start or 0, self.seq_q if rows.stop is None else rows.stop
         c0, c1 = cols.start or 0, self.seq_k if cols.stop is None else cols.stop
-        return self.status[:, :, r0 // bq : -(-r1 // bq), c0 // bk : -(-c1 // bk)]
+        return range(r0 // bq, -(-r1 // bq)), range(c0 // bk, -(-c1 // bk))
+
+    def _kinds(self, rows: slice, cols: slice) -> set[int]:
+        """The kinds (EMPTY, PARTIAL, FULL, MIXED) of the blocks the tile touches."""
+        qbs, kbs = self._range(rows, cols)
+        return {self.kinds[i][j] for i in qbs for j in kbs}
+
+    def _blocks(self, rows: slice, cols: slice) -> torch.Tensor:
+        """The statuses of every block the tile touches: [Bm, Hm, qb, kb]."""
+        qbs, kbs = self._range(rows, cols)
+        return self.status[:, :, qbs.start : qbs.stop, kbs.start : kbs.stop]
 
     def skips(self, rows: slice, cols: slice) -> bool:
         """Whether every block the tile touches is empty for every (b, h)."""
-        return not bool(self._blocks(rows, cols).any())
+        return self._kinds(rows, cols) == {EMPTY}
 
     def key_span(self, rows: slice) -> tuple[int, int]:
         """[c0, c1): from the first to the last key block that rows reach (0, 0 if none)."""
         bk = self.block[1]
-        reached = self._blocks(rows, slice(0, self.seq_k)).amax(dim=(0, 1, 2)).nonzero()
-        if reached.numel() == 0:
+        qbs, _ = self._range(rows, slice(0, self.seq_k))
+        reached = [j for i in qbs for j, kind in enumerate(self.kinds[i]) if kind != EMPTY]
+        if not reached:
             return 0, 0
-        return int(reached[0]) * bk, min(self.seq_k, (int(reached[-1]) + 1) * bk)
+        return min(reached) * bk, min(self.seq_k, (max(reached) + 1) * bk)
 
     def keep(
         self, folded: int, rows: slice, cols: slice, device: torch.device
     ) -> torch.Tensor | None:
         """The tile's bool keep mask [B, H, r, c], or None when it keeps every score."""
-        blocks = self._blocks(rows, cols)
-        if bool((blocks == FULL).all()):
+        kinds = self._kinds(rows, cols)
+        if kinds == {FULL}:
             return None
         keep = self.mask.keep(folded, rows, cols, device)
-        if bool((blocks == PARTIAL).all()):
+        if kinds == {PARTIAL}:
             return keep
         bq, bk = self.block
         r0, c0 = rows.start, cols.start
         # each score's block status, cut to the tile
+        blocks = self._blocks(rows, cols)
         status = blocks.repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)
         status = status[:, :, r0 % bq : r0 % bq + keep.shape[2], c0 % bk : c0 % bk + keep.shape[3]]
         status = status.to(device)
         return (keep & (status != EMPTY)) | (status == FULL)
+
+    def _exact_rows(
+        self, folded: int, rows: slice, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[lo, hi) of each of ``rows`` when each keeps one interval of keys, the same for
+        every (b, h); else None.  ``mask_mod`` is called on partial blocks only: a full
+        block adds its keys to every row, an empty one none."""
+        bk = self.block[1]
+        r = rows.stop - rows.start
+        qbs, _ = self._range(rows, slice(0, self.seq_k))
+        if len(qbs) != 1 or MIXED in self.kinds[qbs.start]:
+            return None  # a row block over several of the mask's blocks, or (b, h)-dependent
+        row = self.kinds[qbs.start]
+        full = [j for j, kind in enumerate(row) if kind == FULL]
+        partial = [j for j, kind in enumerate(row) if kind == PARTIAL]
+        big = self.seq_k + 1
+        first = torch.full((r,), big, dtype=torch.int64)
+        last = torch.full((r,), -1, dtype=torch.int64)
+        count = torch.zeros(r, dtype=torch.int64)
+        if full:
+            c0, c1 = full[0] * bk, min(self.seq_k, (full[-1] + 1) * bk)
+            first.fill_(c0)
+            last.fill_(c1 - 1)
+            count += sum(min(self.seq_k, (j + 1) * bk) - j * bk for j in full)
+        for j in partial:
+            cols = slice(j * bk, min(self.seq_k, (j + 1) * bk))
+            keep = self.mask.keep(folded, rows, cols, device)  # [B, H, r, c]
+            if not bool((keep == keep[:1, :1]).all()):
+                return None
+            kept = keep[0, 0].cpu()
+            idx = torch.arange(cols.start, cols.stop)
+            first = torch.minimum(first, torch.where(kept, idx, big).amin(-1))
+            last = torch.maximum(last, torch.where(kept, idx, -1).amax(-1))
+            count += kept.sum(-1)
+        live = count > 0
+        if not bool((~live | (last - first + 1 == count)).all()):
+            return None
+        return torch.where(live, first, 0), torch.where(live, last + 1, 0)
+
+    def rows_of_keys(
+        self, folded: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(lo, hi, keep) for a fused kernel (module docstring): int64 [Nq] bounds of each
+        row's keys, and None when they are exact, else the bool keep [B, H, Nq, Nk]."""
+        cached = self._cache.get(folded)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        with one_thread():  # small host-side ops
+            out = self._rows_of_keys(folded, device)
+        self._cache[folded] = out
+        return out
+
+    def _rows_of_keys(
+        self, folded: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        nq, bq = self.seq_q, self.block[0]
+        lo = torch.zeros(nq, dtype=torch.int64)
+        hi = torch.zeros(nq, dtype=torch.int64)
+        row_blocks = [slice(r0, min(r0 + bq, nq)) for r0 in range(0, nq, bq)]
+        dense = None
+        for rows in row_blocks:
+            bounds = self._exact_rows(folded, rows, device)
+            if bounds is None:
+                dense = self._dense(folded, device)
+                break
+            lo[rows], hi[rows] = bounds
+        if dense is not None:  # each row's span of blocks as its band, the keep inside it
+            for rows in row_blocks:
+                lo[rows], hi[rows] = self.key_span(rows)
+        return lo.to(device), hi.to(device), dense
+
+    def _dense(self, folded: int, device: torch.device) -> torch.Tensor:
+        """The whole keep, bool [B, H, Nq, Nk], block by block (``mask_mod`` on partial ones)."""
+        bq, bk = self.block
+        dense = torch.zeros(folded, self.mask.heads, self.seq_q, self.seq_k, dtype=torch.bool,
+                            device=device)  # fmt: skip
+        for r0 in range(0, self.seq_q, bq):
+            rows = slice(r0, min(r0 + bq, self.seq_q))
+            for c0 in range(0, self.seq_k, bk):
+                cols = slice(c0, min(c0 + bk, self.seq_k))
+                if self.skips(rows, cols):
+                    continue
+                keep = self.keep(folded, rows, cols, device)
+                dense[:, :, rows, cols] = True if keep is None else keep
+        return dense

@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.core.ops import compute_dtype
 
-__all__ = ["MaskFunction", "ScoreFunction", "TileIndex"]
+__all__ = ["MaskFunction", "ScoreFunction", "TileIndex", "one_thread"]
 
 _INDEX = torch.int32
 
@@ -96,8 +96,9 @@ class _Reads(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run the block's ops on one thread: a sum then rounds the same for any thread count."""
+def one_thread() -> Iterator[None]:
+    """Run the block's ops on one thread: a sum then rounds the same for any thread count,
+    and small host-side ops do not wait on a busy machine's other threads."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
@@ -344,7 +345,7 @@ class ScoreFunction:
         """
         wanted = [n for n, d in enumerate(dcaptured) if d is not None]
         kept = self._cache.pop("graph", None)
-        with torch.enable_grad(), _one_thread() if wanted else contextlib.nullcontext():
+        with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
             if kept is not None and kept[0] == (rows.start, rows.stop, cols.start, cols.stop):
                 x, theta, y = kept[1]
             else:
@@ -417,7 +418,7 @@ class ScoreFunction:
         if s_hat is None and not direction:
             return None
         wanted = [n for n, d in enumerate(dcaptured) if d is not None]
-        with torch.enable_grad(), _one_thread() if wanted else contextlib.nullcontext():
+        with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
             x, theta, y = self._leaves(raw, rows, cols)
             total = y.new_zeros(())
             if s_hat is not None:

@@ -218,17 +218,20 @@ class KeepsOutput(Strategy[T]):
 # -- what the fused kernels read -------------------------------------------------
 
 
-def kernel_refusal(name: str, mods: ScoreMods) -> str | None:
-    """Why a fused-kernel strategy cannot run these mods (a FlexAttention score function or
-    BlockMask, which its kernels do not read), or None."""
-    if mods.score is None and mods.blocks is None:
+def kernel_refusal(name: str, mods: ScoreMods, reads_blocks: bool) -> str | None:
+    """Why a fused-kernel strategy cannot run these mods, or None: its kernels cannot call
+    a FlexAttention score function, and read a BlockMask only when ``reads_blocks`` (as a
+    band and a keep mask, `attngrad.core.block_table.BlockTable.rows_of_keys`)."""
+    if mods.score is not None:
+        what = "call a Python score_mod"
+    elif mods.blocks is not None and not reads_blocks:
+        what = "read a BlockMask"
+    else:
         return None
-    what = "a score_mod" if mods.score is not None else "a BlockMask"
     return (
-        f"its kernels do not run {what}; strategy='flash', 'recompute' or 'explicit' runs "
+        f"{name}'s kernels cannot {what}; strategy='flash', 'recompute' or 'explicit' runs "
         "every score_mod and BlockMask (strategy='auto' picks one)."
     )
-
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,10 @@ class KernelMods:
         keep = None if mods.keep is None else mods.keep.expand(shape)
         band, dropout = mods.band, mods.dropout
         lo, hi = (None, None) if band is None else (band.lo.to(device), band.hi.to(device))
+        if mods.blocks is not None:  # a BlockMask: its rows' keys as a band, else a dense keep
+            assert band is None and keep is None  # flex calls carry neither
+            lo, hi, dense = mods.blocks.rows_of_keys(shape[0], device)
+            keep = None if dense is None else dense.expand(shape)
         if dropout is None:
             return KernelMods(bias, keep, lo, hi, None, None, mods.softcap, 0, 1.0)
         b, hq, nq, nk = shape

@@ -14,6 +14,10 @@ gradient costs O(Nq * Nk) memory).  Double backward and forward mode run
 through the shared tiled passes (`attngrad.autograd`), on P rebuilt from the
 saved statistics.
 
+A FlexAttention BlockMask reaches the kernels as their band and keep mask
+(`attngrad.core.block_table.BlockTable.rows_of_keys`); a score function
+they cannot call, and the strategy refuses it.
+
 The kernels are compiled once per torch version and CPU
 (`attngrad.strategies.fused.build`); where they cannot be, the strategy says
 what to install, and "auto" picks flash instead.
@@ -84,7 +88,7 @@ class Fused(KeepsOutput[Tiles]):
     function = FusedAttention
 
     def refuses(self, mods: ScoreMods) -> str | None:
-        return kernel_refusal(self.name, mods)
+        return kernel_refusal(self.name, mods, reads_blocks=True)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why strategy "fused" cannot run on ``device`` tensors here, or None when it can."""

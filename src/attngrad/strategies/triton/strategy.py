@@ -357,7 +357,7 @@ class Triton(KeepsOutput[Tiles]):
     function = TritonAttention
 
     def refuses(self, mods: ScoreMods) -> str | None:
-        return kernel_refusal(self.name, mods)
+        return kernel_refusal(self.name, mods, reads_blocks=False)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why strategy "triton" cannot run on ``device`` tensors here, or None when it can."""
