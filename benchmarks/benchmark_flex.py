@@ -66,9 +66,14 @@ def t5_bucket(distance: torch.Tensor, buckets: int = BUCKETS, reach: int = 128) 
     logarithmic above, the last bucket from ``reach`` on."""
     distance = distance.clamp(min=0)
     exact = buckets // 2
-    far = exact + (
-        torch.log(distance.float().clamp(min=1) / exact) / math.log(reach / exact) * (buckets - exact)
-    ).long()
+    far = (
+        exact
+        + (
+            torch.log(distance.float().clamp(min=1) / exact)
+            / math.log(reach / exact)
+            * (buckets - exact)
+        ).long()
+    )
     return torch.where(distance < exact, distance.long(), far.clamp(max=buckets - 1))
 
 
@@ -77,7 +82,9 @@ def variants(n: int, heads: int, strategy: str) -> dict[str, Callable[..., torch
     mask = create_block_mask(causal, None, None, n, n, device="cpu")
     doc = torch.arange(n) // (n // DOCUMENTS)
 
-    def packed_mask(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    def packed_mask(
+        b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+    ) -> torch.Tensor:
         return (doc[i] == doc[j]) & (i >= j)
 
     docs = create_block_mask(packed_mask, None, None, n, n, device="cpu")
@@ -123,7 +130,9 @@ def time_variants(n: int, strategy: str, repeats: int) -> dict[str, float]:
         name: (lambda fn=fn: torch.autograd.grad(fn(*inputs), inputs, do))
         for name, fn in variants(n, heads, strategy).items()
     }
-    times = interleaved(calls, repeats=repeats, warmup=1, on_round=lambda r: _note(f"round {r + 1}"))
+    times = interleaved(
+        calls, repeats=repeats, warmup=1, on_round=lambda r: _note(f"round {r + 1}")
+    )
     return {name: s.low for name, s in spreads(times).items()}
 
 
@@ -193,7 +202,9 @@ def peaks(n: int, strategy: str) -> dict[str, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--strategy", default="flash")
     parser.add_argument("--repeats", type=int, default=5)
@@ -204,7 +215,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.seq % DOCUMENTS:
         parser.error(f"--seq must be a multiple of {DOCUMENTS} (the packed documents)")
-    rows: list[tuple[str, str, float, float | None, str]] = []  # what, against, ratio, target, verdict
+    rows: list[
+        tuple[str, str, float, float | None, str]
+    ] = []  # what, against, ratio, target, verdict
     best = time_variants(args.seq, args.strategy, args.repeats)
     print(f"\nforward+backward, {args.strategy}, B=1 H=8 N={args.seq} d=64 float32, fastest of "
           f"{args.repeats} interleaved rounds")  # fmt: skip

@@ -14,7 +14,7 @@ from attngrad.strategies.base import differentiable
 __all__ = ["flex_attention"]
 
 
-@torch.compiler.disable  # a Python score function cannot cross into a compiled graph's ops
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # a Python score function cannot enter a compiled graph's ops
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -135,13 +135,15 @@ class AttentionGradients(torch.autograd.Function):
         t_captured = tangents[first : first + n]
         out: list[torch.Tensor | None] = [None] * (4 + n)
         if t_dout is not None or t_dlse is not None:
-            first_part = batching.apply(AttentionGradients, t_dout, t_dlse, *tensors[2:], plan, need)
+            first_part = batching.apply(
+                AttentionGradients, t_dout, t_dlse, *tensors[2:], plan, need
+            )
             out = list(first_part)
         direction = (t_q, t_k, t_v, t_bias, *t_captured)
         if any(t is not None for t in direction):
-            second = batching.apply(
-                SecondOrder, *direction, *tensors, plan, (False, False, *need)
-            )[2:]
+            second = batching.apply(SecondOrder, *direction, *tensors, plan, (False, False, *need))[
+                2:
+            ]
             out = [
                 a if b is None else (b if a is None else a + b)
                 for a, b in zip(out, second, strict=True)

@@ -78,9 +78,7 @@ class Direction:
 
     @property
     def zero(self) -> bool:
-        return (
-            self.a_q is None and self.a_k is None and self.a_bias is None and not self.a_captured
-        )
+        return self.a_q is None and self.a_k is None and self.a_bias is None and not self.a_captured
 
     def raw_tile(
         self, q_rows: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice

@@ -177,9 +177,7 @@ def second_order(
             if not direction.zero:
                 g_raw = direction.raw_tile(q_r, k, rows, keys)
                 keep_raw = slope is not None or mods.score is not None
-                g_tile = direction.finish_(
-                    g_raw.clone() if keep_raw else g_raw, rows, keys, g, raw
-                )
+                g_tile = direction.finish_(g_raw.clone() if keep_raw else g_raw, rows, keys, g, raw)
                 h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
                 if grad_v is not None or grad_do is not None:
                     d_hat = p * h

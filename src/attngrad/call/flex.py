@@ -44,7 +44,9 @@ def _check_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
             )
 
 
-def _tiles(strategy: Strategy[Any], shapes: Shapes, dtype: torch.dtype, blocks: BlockTable | None) -> Any:
+def _tiles(
+    strategy: Strategy[Any], shapes: Shapes, dtype: torch.dtype, blocks: BlockTable | None
+) -> Any:
     """The strategy's tiles; for a tiled strategy under a BlockMask, whole multiples of its
     blocks near the measured defaults (`attngrad.core.tiling.tile_sizes`)."""
     if not strategy.tiled or blocks is None:

@@ -80,5 +80,7 @@ def raw_scores(
         raw = ops.scores(q_rows, k_tile, scale)
         return RawScores(None, None, raw.view(b, hkv, groups, gr // groups, -1))
     t = ops.capped_tanh(q_rows, k_tile, scale, mods.softcap)
-    capped = None if mods.score is None else (t * mods.softcap).view(b, hkv, groups, gr // groups, -1)
+    capped = (
+        None if mods.score is None else (t * mods.softcap).view(b, hkv, groups, gr // groups, -1)
+    )
     return RawScores(t, ops.cap_slope(t), capped)

@@ -159,7 +159,7 @@ def _over_tile(
     it: over b, then h, q_idx and kv_idx (innermost), the score s: [B, H, r, c] (or None,
     for a mask function) batched along each; ``extra`` passed whole.  The levels are
     entered by hand: ``torch.vmap``'s argument handling costs more than a tile's ops."""
-    axes = (index.b, index.h, index.i, index.j)
+    axes = [index.b, index.h, index.i, index.j]
     levels: list[tuple[int, int]] = []
     try:
         for n, ax in enumerate(axes):
@@ -167,7 +167,7 @@ def _over_tile(
             levels.append((level, ax.shape[0]))
             if s is not None:
                 s = _add_batch_dim(s, 0, level)
-            axes = (*axes[:n], _add_batch_dim(ax, 0, level), *axes[n + 1 :])
+            axes[n] = _add_batch_dim(ax, 0, level)
         out = point(*(() if s is None else (s,)), *axes, *extra)
         while levels:
             level, size = levels.pop()
@@ -227,7 +227,7 @@ class ScoreFunction:
             reads.keep += [s, b, h, i, j]
             reads.made.update(id(t) for t in (s, b, h, i, j))
             with reads:
-                out = fn(s, b, h, i, j)
+                out: torch.Tensor = fn(s, b, h, i, j)
             _check_score(out, s)
             return out
 
@@ -387,10 +387,11 @@ class ScoreFunction:
             )  # fmt: skip
             out = grads[0].detach() * s_dot.reshape(y.shape)
             if moving:
-                inner = sum(
-                    (g * captured_dot[n].to(g.dtype)).sum()  # type: ignore[union-attr]
-                    for n, g in zip(moving, grads[1:], strict=True)
-                )
+                inner = y.new_zeros(())
+                for n, g in zip(moving, grads[1:], strict=True):
+                    dot = captured_dot[n]
+                    assert dot is not None
+                    inner = inner + (g * dot.to(g.dtype)).sum()
                 (along,) = torch.autograd.grad(inner, w, allow_unused=True, materialize_grads=True)
                 out = out + along
         b, hkv, gq, r, c = raw.shape
@@ -478,11 +479,14 @@ class MaskFunction:
         index = TileIndex.of(1, 1, 1, slice(0, 1), slice(0, 1), device)
         reads = _Reads(tuple(index.__dict__.values()), None)
 
-        def point(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        def point(
+            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+        ) -> torch.Tensor:
             reads.keep += [b, h, i, j]
             reads.made.update(id(t) for t in (b, h, i, j))
             with reads:
-                return fn(b, h, i, j)
+                out: torch.Tensor = fn(b, h, i, j)
+            return out
 
         try:
             out = _over_tile(point, None, index)
@@ -511,12 +515,14 @@ class MaskFunction:
         index = TileIndex.of(self.batch, folded, self.heads, rows, cols, device)
         fn = self.fn
 
-        def point(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        def point(
+            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+        ) -> torch.Tensor:
             return fn(b, h, i, j)
 
         with torch.no_grad():
             try:
-                keep = _over_tile(point, None, index)
+                keep: torch.Tensor = _over_tile(point, None, index)
             except RuntimeError as err:
                 raise _explain(err, "mask_mod") from err
         return keep.expand(index.b.shape[0], index.h.shape[0], *keep.shape[2:])

@@ -228,9 +228,9 @@ class ScoreMods:
             s.add_(self.band.bias(r, c, s))  # finite + -inf = -inf
         if self.blocks is not None:
             r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
-            keep = self.blocks.keep(s.shape[0], r, c, s.device)
-            if keep is not None:  # [B, H, r, c]
-                s.masked_fill_(keep.logical_not().view(s.shape), float("-inf"))
+            kept = self.blocks.keep(s.shape[0], r, c, s.device)
+            if kept is not None:  # [B, H, r, c]
+                s.masked_fill_(kept.logical_not().view(s.shape), float("-inf"))
         return s
 
     def raw_gradient_(
@@ -250,7 +250,9 @@ class ScoreMods:
         """
         if self.score is not None:
             assert raw is not None
-            self.score.pullback_(raw, _bounds(rows, self.seq_q), _bounds(cols, self.seq_k), ds, dcaptured)
+            self.score.pullback_(
+                raw, _bounds(rows, self.seq_q), _bounds(cols, self.seq_k), ds, dcaptured
+            )
         if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
             ds.mul_(slope.view(ds.shape))
         return ds

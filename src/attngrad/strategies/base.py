@@ -83,7 +83,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None, *_: object
     ) -> tuple[torch.Tensor | None, ...]:
         plan = ctx.plan
-        n = plan.n_captured
+        n: int = plan.n_captured
         if dout is None and dlse is None:
             return (None,) * (6 + n)
         q, k, v, o, bias, keep, *rest = ctx.saved_tensors

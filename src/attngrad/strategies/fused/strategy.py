@@ -32,8 +32,8 @@ import torch
 from attngrad.core import ops
 from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Backward, Problem, Saved
-from attngrad.core.scores import ScoreMods
 from attngrad.core.ops import compute_dtype
+from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction
 from attngrad.strategies.common import (
     KeepsOutput,
