@@ -40,4 +40,4 @@ __all__ = [
     "value_gradient",
 ]
 
-__version__ = "0.5.1"
+__version__ = "0.6.0"
