@@ -95,12 +95,12 @@ SAVED_SCORE_BUG = pytest.mark.xfail(
 )  # fmt: skip
 READS_THE_SCORE = {"softcap-learn", "gate-prefix-lm", "per-head-mask"}
 
-# A tile with no key in it reaches the score_mod, whose vmap over zero keys raises
-# IndexError (`select(): index 0 out of range`): recompute's 16-row chunks when a block of
-# rows attends nothing, explicit's whole matrix under a BlockMask that keeps nothing.
-# flash skips such tiles.
+# A tile with no key in it reaches the score_mod and the mask_mod (BlockTable.keep), whose
+# vmap over zero keys raises IndexError (`select(): index 0 out of range`): recompute's
+# 16-row chunks when a block of rows attends nothing, explicit's whole matrix under a
+# BlockMask that keeps nothing -- with or without a score_mod.  flash skips such tiles.
 EMPTY_TILE_BUG = pytest.mark.xfail(
-    raises=IndexError, strict=True, reason="score_mod evaluated on a tile with no keys",
+    raises=IndexError, strict=True, reason="score_mod / mask_mod evaluated on a tile with no keys",
 )  # fmt: skip
 
 # vmap over a call whose BlockMask differs by batch entry (create_block_mask(..., B, ...)):
@@ -610,11 +610,13 @@ def test_every_case_matches_torch_and_the_reference(
         assert torch.equal(now[name], t), f"the caller's {name} was modified"
 
 
+@pytest.mark.parametrize("with_score", [True, False], ids=["alibi", "mask-only"])
 def test_rows_that_attend_nothing_are_zero(
-    run: Callable[..., Any], request: pytest.FixtureRequest
+    with_score: bool, run: Callable[..., Any], request: pytest.FixtureRequest
 ) -> None:
     known_bugs(request, run, "empty-rows", dead_chunk=True)
     case = next(c for c in CASES if c.name == "empty-rows")
+    case = case if with_score else replace(case, score=None, params=_no_params)
     inputs = Inputs.of(case)
     dead = ~case.keep().any(-1)  # [B, H, Nq]
     assert dead.any() and dead[..., 32:].all()
@@ -624,13 +626,17 @@ def test_rows_that_attend_nothing_are_zero(
     assert all(not g.isnan().any() for g in grads.values())
 
 
-def test_a_mask_that_keeps_nothing(run: Callable[..., Any], request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("with_score", [True, False], ids=["alibi", "mask-only"])
+def test_a_mask_that_keeps_nothing(
+    with_score: bool, run: Callable[..., Any], request: pytest.FixtureRequest
+) -> None:
     """Every row dead: out 0, lse -inf, every gradient (the capture's too) 0, no NaN."""
     known_bugs(request, run, "empty-rows", all_dead=True)
     case = next(c for c in CASES if c.name == "empty-rows")
+    case = case if with_score else replace(case, score=None, params=_no_params)
     inputs = Inputs.of(case)
     nothing = create_block_mask(
-        lambda b, h, i, j: i < 0, None, None, 40, 40, device="cpu", BLOCK_SIZE=16
+        lambda b, h, i, j: (i < 0) & (j <= i), None, None, 40, 40, device="cpu", BLOCK_SIZE=16
     )
     (out, lse), grads = flex_grads(run, case, inputs, nothing, return_lse=True)
     assert (out == 0).all() and (lse == float("-inf")).all()
