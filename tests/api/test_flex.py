@@ -81,60 +81,6 @@ def _runner(name: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     return fn
 
 
-# -- bugs known when these tests were written (each reported with them) ---------------
-# Each is a strict xfail on exactly the runs it breaks, so that its fix fails the run and
-# asks for the mark to go.
-
-# flash's backward keeps each tile's score_mod graph from the tile's rebuild for its
-# pullback (commit b6e9f25); the graph's leaf aliases the score workspace, which the softmax
-# then overwrites in place: a score_mod whose derivative in a capture reads the score
-# (s * sigmoid(g), cap * tanh(s / cap)) raises "modified by an inplace operation".
-SAVED_SCORE_BUG = pytest.mark.xfail(
-    raises=RuntimeError, strict=True,
-    reason="flash backward: the kept score_mod graph's leaf is overwritten in place",
-)  # fmt: skip
-READS_THE_SCORE = {"softcap-learn", "gate-prefix-lm", "per-head-mask"}
-
-# A tile with no key in it reaches the score_mod and the mask_mod (BlockTable.keep), whose
-# vmap over zero keys raises IndexError (`select(): index 0 out of range`): recompute's
-# 16-row chunks when a block of rows attends nothing, explicit's whole matrix under a
-# BlockMask that keeps nothing -- with or without a score_mod.  flash skips such tiles.
-EMPTY_TILE_BUG = pytest.mark.xfail(
-    raises=IndexError, strict=True, reason="score_mod / mask_mod evaluated on a tile with no keys",
-)  # fmt: skip
-
-# vmap over a call whose BlockMask differs by batch entry (create_block_mask(..., B, ...)):
-# BlockTable.keep combines the folded batch's mask [V*B, H, r, c] with the blocks' status
-# [B, ...] and the sizes do not broadcast (where a tile's blocks are all partial or all full
-# the status is not read: flash-tiles here).
-FOLDED_BLOCKS_BUG = pytest.mark.xfail(
-    raises=RuntimeError, strict=True, reason="vmap with a per-batch BlockMask: status not folded",
-)  # fmt: skip
-
-
-def known_bugs(
-    request: pytest.FixtureRequest,
-    run: Any,
-    case: str,
-    *,
-    dead_chunk: bool = False,
-    all_dead: bool = False,
-    folded: bool = False,
-) -> None:
-    """Apply the marks above that this run of ``case`` meets.  dead_chunk: a 16-row block
-    of rows attends nothing; all_dead: no row attends anything; folded: vmap of a call with
-    a per-batch BlockMask."""
-    name = run.name
-    if name in ("flash", "flash-tiles") and case in READS_THE_SCORE:
-        request.applymarker(SAVED_SCORE_BUG)
-    if (dead_chunk and name == "recompute-chunks") or (
-        all_dead and name in ("explicit", "recompute", "recompute-chunks")
-    ):
-        request.applymarker(EMPTY_TILE_BUG)
-    if folded and name != "flash-tiles":
-        request.applymarker(FOLDED_BLOCKS_BUG)
-
-
 # -- the float64 reference ----------------------------------------------------------
 
 
@@ -585,11 +531,10 @@ def flex_grads(
 
 
 def test_every_case_matches_torch_and_the_reference(
-    expected: Expected, run: Callable[..., Any], request: pytest.FixtureRequest
+    expected: Expected, run: Callable[..., Any]
 ) -> None:
     case, inputs = expected.case, expected.inputs
     # empty-rows: its last query block (a 16-row chunk) attends nothing
-    known_bugs(request, run, case.name, dead_chunk=case.name == "empty-rows")
     assert not inputs.q.is_contiguous() and not inputs.k.is_contiguous()  # the views are the point
     before = {
         n: t.clone()
@@ -611,10 +556,7 @@ def test_every_case_matches_torch_and_the_reference(
 
 
 @pytest.mark.parametrize("with_score", [True, False], ids=["alibi", "mask-only"])
-def test_rows_that_attend_nothing_are_zero(
-    with_score: bool, run: Callable[..., Any], request: pytest.FixtureRequest
-) -> None:
-    known_bugs(request, run, "empty-rows", dead_chunk=True)
+def test_rows_that_attend_nothing_are_zero(with_score: bool, run: Callable[..., Any]) -> None:
     case = next(c for c in CASES if c.name == "empty-rows")
     case = case if with_score else replace(case, score=None, params=_no_params)
     inputs = Inputs.of(case)
@@ -627,11 +569,8 @@ def test_rows_that_attend_nothing_are_zero(
 
 
 @pytest.mark.parametrize("with_score", [True, False], ids=["alibi", "mask-only"])
-def test_a_mask_that_keeps_nothing(
-    with_score: bool, run: Callable[..., Any], request: pytest.FixtureRequest
-) -> None:
+def test_a_mask_that_keeps_nothing(with_score: bool, run: Callable[..., Any]) -> None:
     """Every row dead: out 0, lse -inf, every gradient (the capture's too) 0, no NaN."""
-    known_bugs(request, run, "empty-rows", all_dead=True)
     case = next(c for c in CASES if c.name == "empty-rows")
     case = case if with_score else replace(case, score=None, params=_no_params)
     inputs = Inputs.of(case)
@@ -722,15 +661,13 @@ def _as_function(
 
 
 @pytest.mark.parametrize("name", GRADCHECK)
-def test_gradcheck(name: str, run: Callable[..., Any], request: pytest.FixtureRequest) -> None:
-    known_bugs(request, run, name)
+def test_gradcheck(name: str, run: Callable[..., Any]) -> None:
     fn, leaves = _as_function(run, tiny(name))
     assert torch.autograd.gradcheck(fn, leaves, fast_mode=True)
 
 
 @pytest.mark.parametrize("name", GRADGRADCHECK)
-def test_gradgradcheck(name: str, run: Callable[..., Any], request: pytest.FixtureRequest) -> None:
-    known_bugs(request, run, name)
+def test_gradgradcheck(name: str, run: Callable[..., Any]) -> None:
     fn, leaves = _as_function(run, tiny(name))
     assert torch.autograd.gradgradcheck(fn, leaves, fast_mode=True)
 
@@ -778,10 +715,7 @@ def _func_setup(
 
 
 @pytest.mark.parametrize("name", FUNC_CASES)
-def test_torch_func_grad_vjp_jvp(
-    name: str, run: Callable[..., Any], request: pytest.FixtureRequest
-) -> None:
-    known_bugs(request, run, name)
+def test_torch_func_grad_vjp_jvp(name: str, run: Callable[..., Any]) -> None:
     ours, ref, inputs, theta = _func_setup(name, run)
     q, w = inputs.q, inputs.dout
     loss = lambda f: lambda q, t: (f(q, t) * w).sum()  # noqa: E731
@@ -802,10 +736,7 @@ def test_torch_func_grad_vjp_jvp(
 
 
 @pytest.mark.parametrize("name", FUNC_CASES)
-def test_torch_func_jacobians_and_hessian(
-    name: str, run: Callable[..., Any], request: pytest.FixtureRequest
-) -> None:
-    known_bugs(request, run, name)
+def test_torch_func_jacobians_and_hessian(name: str, run: Callable[..., Any]) -> None:
     ours, ref, inputs, theta = _func_setup(name, run)
     q, w = inputs.q, inputs.dout
     of_theta = lambda f: lambda t: f(q, t)  # noqa: E731
@@ -825,12 +756,9 @@ def test_torch_func_jacobians_and_hessian(
 
 
 @pytest.mark.parametrize("name", FUNC_CASES)
-def test_torch_func_vmap(
-    name: str, run: Callable[..., Any], request: pytest.FixtureRequest
-) -> None:
+def test_torch_func_vmap(name: str, run: Callable[..., Any]) -> None:
     """vmap over the capture and over q (whose samples fold into the batch: a score_mod that
     reads b must still see each sample's own b)."""
-    known_bugs(request, run, name, folded=name == "alibi-per-batch-document")
     ours, ref, inputs, theta = _func_setup(name, run)
     q = inputs.q
     thetas = torch.stack([theta, theta * 0.5 + 0.1, -theta])
@@ -910,10 +838,7 @@ HALF_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("name", HALF_CASES)
-def test_16_bit_by_the_2x_rule(
-    name: str, dtype: torch.dtype, run: Callable[..., Any], request: pytest.FixtureRequest
-) -> None:
-    known_bugs(request, run, name)
+def test_16_bit_by_the_2x_rule(name: str, dtype: torch.dtype, run: Callable[..., Any]) -> None:
     assert_16_bit_rule(name, dtype, run)
 
 

@@ -159,6 +159,8 @@ class BlockTable:
         self, folded: int, rows: slice, cols: slice, device: torch.device
     ) -> torch.Tensor | None:
         """The tile's bool keep mask [B, H, r, c], or None when it keeps every score."""
+        if rows.stop <= rows.start or cols.stop <= cols.start:  # an empty tile: nothing to mask
+            return None
         kinds = self._kinds(rows, cols)
         if kinds == {FULL}:
             return None
@@ -172,6 +174,8 @@ class BlockTable:
         status = blocks.repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)
         status = status[:, :, r0 % bq : r0 % bq + keep.shape[2], c0 % bk : c0 % bk + keep.shape[3]]
         status = status.to(device)
+        if status.shape[0] not in (1, keep.shape[0]):  # vmap's samples folded: entry n is b = n mod Bm
+            status = status.repeat(keep.shape[0] // status.shape[0], 1, 1, 1)
         return (keep & (status != EMPTY)) | (status == FULL)
 
     def _exact_rows(

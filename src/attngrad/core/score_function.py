@@ -281,6 +281,8 @@ class ScoreFunction:
             return out.to(s.dtype)
 
         def tile(s: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:
+            if s.numel() == 0:  # a tile with no keys (or rows): nothing to evaluate
+                return s.clone()
             try:
                 return _over_tile(point, s, index, captured)  # type: ignore[no-any-return]
             except RuntimeError as err:
@@ -308,7 +310,7 @@ class ScoreFunction:
         """
         if keep_graph:
             with torch.enable_grad():
-                leaves = self._leaves(s5, rows, cols)
+                leaves = self._leaves(s5.clone(), rows, cols)  # s5 is overwritten next
             self._cache["graph"] = ((rows.start, rows.stop, cols.start, cols.stop), leaves)
             return s5.copy_(leaves[2].detach().view(s5.shape))
         f = self._tile_fn(self._index(s5, rows, cols))
