@@ -30,15 +30,16 @@ line up with the blocks:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
-from attngrad.core.score_function import MaskFunction, one_thread
+from attngrad.core.pointwise import Reads, TileIndex, check_arity, explain, one_thread, over_tile
 
-__all__ = ["EMPTY", "FULL", "MIXED", "PARTIAL", "BlockTable"]
+__all__ = ["EMPTY", "FULL", "MIXED", "PARTIAL", "BlockTable", "MaskFunction"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 MIXED = 3  # a block whose status differs between (b, h)
@@ -52,6 +53,74 @@ def _status(
     idx = indices.long().clamp(0, blocks_k - 1)
     src = listed.to(torch.uint8) * value  # unlisted entries add nothing under max
     status.scatter_reduce_(-1, idx, src, reduce="amax")
+
+
+@dataclass(frozen=True, eq=False)
+class MaskFunction:
+    """A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over tiles: True where a score is kept.
+
+    batch: B of the call (a folded batch entry b reads b mod batch); heads: Hq.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    batch: int
+    heads: int
+
+    @staticmethod
+    def of(fn: object, device: torch.device, batch: int, heads: int) -> MaskFunction:
+        """Check ``fn``: four arguments, a bool result, no capture that requires grad."""
+        check_arity(fn, "mask_mod", 4, "mask_mod(b, h, q_idx, kv_idx) -> bool")
+        assert callable(fn)
+        index = TileIndex.of(1, 1, 1, slice(0, 1), slice(0, 1), device)
+        reads = Reads(tuple(index.__dict__.values()), None)
+
+        def point(
+            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+        ) -> torch.Tensor:
+            reads.keep += [b, h, i, j]
+            reads.made.update(id(t) for t in (b, h, i, j))
+            with reads:
+                out: torch.Tensor = fn(b, h, i, j)
+            return out
+
+        try:
+            out = over_tile(point, None, index)
+        except RuntimeError as err:
+            raise explain(err, "mask_mod") from err
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            got = f"dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ArgumentTypeError(
+                f"mask_mod must return a bool tensor (True = keep the score), got {got}. "
+                "Return a comparison, e.g. `q_idx >= kv_idx`."
+            )
+        for t in reads.read.values():
+            if t.requires_grad:
+                raise ArgumentError(
+                    f"mask_mod reads a tensor that requires grad (shape {tuple(t.shape)}): a "
+                    "mask is not differentiable. Pass it detached (t.detach()), or put a "
+                    "learnable term into score_mod."
+                )
+        return MaskFunction(fn, batch, heads)
+
+    def folded(self, batch: int) -> MaskFunction:
+        return replace(self, batch=batch)
+
+    def keep(self, folded: int, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
+        """mask_mod over the tile: bool [B, H, r, c] (B the folded batch)."""
+        index = TileIndex.of(self.batch, folded, self.heads, rows, cols, device)
+        fn = self.fn
+
+        def point(
+            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+        ) -> torch.Tensor:
+            return fn(b, h, i, j)
+
+        with torch.no_grad():
+            try:
+                keep: torch.Tensor = over_tile(point, None, index)
+            except RuntimeError as err:
+                raise explain(err, "mask_mod") from err
+        return keep.expand(index.b.shape[0], index.h.shape[0], *keep.shape[2:])
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -174,7 +243,10 @@ class BlockTable:
         status = blocks.repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)
         status = status[:, :, r0 % bq : r0 % bq + keep.shape[2], c0 % bk : c0 % bk + keep.shape[3]]
         status = status.to(device)
-        if status.shape[0] not in (1, keep.shape[0]):  # vmap's samples folded: entry n is b = n mod Bm
+        if status.shape[0] not in (
+            1,
+            keep.shape[0],
+        ):  # vmap's samples folded: entry n is b = n mod Bm
             status = status.repeat(keep.shape[0] // status.shape[0], 1, 1, 1)
         return (keep & (status != EMPTY)) | (status == FULL)
 

@@ -1,4 +1,4 @@
-r"""FlexAttention's score and mask functions, evaluated tile by tile, with their derivatives.
+r"""FlexAttention's score function, evaluated tile by tile, with its derivatives.
 
 A ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes each scaled score
 S = scale * q k^T; a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` says which
@@ -10,7 +10,7 @@ the same), so control flow on tensor values is refused, as torch refuses it.
 The tensors a score function reads beyond its arguments -- a learnable ALiBi
 slope, a relative-position table, a bias computed earlier in the model -- are
 its *captures*.  `ScoreFunction.of` finds them by running the function once
-under a `torch.overrides.TorchFunctionMode` that sees every tensor each op
+under `attngrad.core.pointwise.Reads`, which sees every tensor each op
 reads: whatever the function did not make itself was captured.  They become
 inputs of the attention's autograd Function, so autograd and ``torch.func``
 route their gradients; every later evaluation substitutes the tensors the
@@ -33,164 +33,24 @@ gradients accumulate in float32 and are cast back once.
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch._C._functorch import (
-    _add_batch_dim,
-    _remove_batch_dim,
-    _vmap_decrement_nesting,
-    _vmap_increment_nesting,
-)
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.core.ops import compute_dtype
+from attngrad.core.pointwise import (
+    Reads,
+    TileIndex,
+    check_arity,
+    explain,
+    one_thread,
+    over_tile,
+)
 
-__all__ = ["MaskFunction", "ScoreFunction", "TileIndex", "one_thread"]
-
-_INDEX = torch.int32
-
-
-def _tensors(tree: object) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-class _Reads(TorchFunctionMode):
-    """While a score or mask function runs: record the tensors it reads that it did not
-    make (``record``), or swap the captured tensors for others (``swap``, by identity)."""
-
-    def __init__(self, made: Sequence[torch.Tensor], swap: dict[int, torch.Tensor] | None) -> None:
-        super().__init__()
-        self.made = {id(t) for t in made}
-        self.keep: list[torch.Tensor] = list(made)  # alive, so that no id is reused meanwhile
-        self.read: dict[int, torch.Tensor] = {}
-        self.swap = swap
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if self.swap is not None:
-            swap = self.swap
-            args, kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda t: swap.get(id(t), t), (args, kwargs)
-            )
-            return func(*args, **kwargs)
-        for t in _tensors((args, kwargs)):
-            if id(t) not in self.made and id(t) not in self.read:
-                self.read[id(t)] = t
-        out = func(*args, **kwargs)
-        made = _tensors(out)
-        self.keep += made
-        self.made.update(id(t) for t in made)
-        return out
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the block's ops on one thread: a sum then rounds the same for any thread count,
-    and small host-side ops do not wait on a busy machine's other threads."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@dataclass(frozen=True)
-class TileIndex:
-    """The indices of a tile of scores [B, H, r, c]: b (folded batch entries map to b mod
-    ``batch``), h (query heads), q_idx = rows, kv_idx = cols, as int32 on ``device``."""
-
-    b: torch.Tensor
-    h: torch.Tensor
-    i: torch.Tensor
-    j: torch.Tensor
-
-    @staticmethod
-    def of(
-        batch: int, folded: int, heads: int, rows: slice, cols: slice, device: torch.device
-    ) -> TileIndex:
-        def span(a: int, b: int) -> torch.Tensor:
-            return torch.arange(a, b, dtype=_INDEX, device=device)
-
-        return TileIndex(
-            span(0, folded) % batch, span(0, heads), span(rows.start, rows.stop),
-            span(cols.start, cols.stop),
-        )  # fmt: skip
-
-
-def _check_arity(fn: object, name: str, count: int, example: str) -> None:
-    if not callable(fn):
-        raise ArgumentTypeError(
-            f"{name} must be a function {example}, got {type(fn).__name__} {fn!r}."
-        )
-    try:
-        inspect.signature(fn).bind(*range(count))
-    except TypeError:
-        raise ArgumentTypeError(
-            f"{name} must take {count} positional arguments {example}, got {fn!r} with "
-            f"signature {inspect.signature(fn)}."
-        ) from None
-    except ValueError:  # a builtin without a signature: its call will say
-        pass
-
-
-def _over_tile(
-    point: Callable[..., Any],
-    s: torch.Tensor | None,
-    index: TileIndex,
-    extra: Sequence[torch.Tensor] = (),
-) -> Any:
-    """``point`` (one score, 0-d arguments) over a tile at once, as nested vmaps would run
-    it: over b, then h, q_idx and kv_idx (innermost), the score s: [B, H, r, c] (or None,
-    for a mask function) batched along each; ``extra`` passed whole.  The levels are
-    entered by hand: ``torch.vmap``'s argument handling costs more than a tile's ops."""
-    axes = [index.b, index.h, index.i, index.j]
-    levels: list[tuple[int, int]] = []
-    try:
-        for n, ax in enumerate(axes):
-            level = _vmap_increment_nesting(ax.shape[0], "error")
-            levels.append((level, ax.shape[0]))
-            if s is not None:
-                s = _add_batch_dim(s, 0, level)
-            axes[n] = _add_batch_dim(ax, 0, level)
-        out = point(*(() if s is None else (s,)), *axes, *extra)
-        while levels:
-            level, size = levels.pop()
-            if isinstance(out, torch.Tensor):
-                out = _remove_batch_dim(out, level, size, 0)
-            _vmap_decrement_nesting()
-        return out
-    finally:
-        for _ in levels:
-            _vmap_decrement_nesting()
-
-
-def _explain(err: RuntimeError, name: str) -> Exception:
-    """A clearer error for a function vmap cannot run (control flow on a tensor's value)."""
-    text = str(err)
-    if "data-dependent control flow" in text or "item()" in text or "Boolean value" in text:
-        return ArgumentError(
-            f"{name} uses a tensor's value in Python control flow (an if, while, bool() or "
-            f".item()); it runs over whole tiles of scores at once, as in torch's "
-            f"flex_attention. Write it with tensor ops: torch.where(cond, a, b) instead of "
-            f"`a if cond else b`. ({text.splitlines()[0]})"
-        )
-    return err
+__all__ = ["ScoreFunction"]
 
 
 @dataclass(frozen=True, eq=False)  # holds a function and tensors: compared by identity
@@ -215,12 +75,12 @@ class ScoreFunction:
     @staticmethod
     def of(fn: object, q: torch.Tensor, batch: int) -> ScoreFunction:
         """Check ``fn`` on q's device and dtype and find its captures; q: [B, Hq, Nq, d]."""
-        _check_arity(fn, "score_mod", 5, "score_mod(score, b, h, q_idx, kv_idx) -> score")
+        check_arity(fn, "score_mod", 5, "score_mod(score, b, h, q_idx, kv_idx) -> score")
         assert callable(fn)
         dtype = compute_dtype(q.dtype)
         score = torch.zeros(1, 1, 1, 1, dtype=dtype, device=q.device)
         index = TileIndex.of(1, 1, 1, slice(0, 1), slice(0, 1), q.device)
-        reads = _Reads((score, *index.__dict__.values()), None)
+        reads = Reads((score, *index.__dict__.values()), None)
 
         def point(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
                   j: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -232,9 +92,9 @@ class ScoreFunction:
             return out
 
         try:
-            _over_tile(point, score, index)
+            over_tile(point, score, index)
         except RuntimeError as err:
-            raise _explain(err, "score_mod") from err
+            raise explain(err, "score_mod") from err
         captured = tuple(reads.read.values())
         for t in captured:
             if t.device != q.device:
@@ -275,7 +135,7 @@ class ScoreFunction:
         def point(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
                   j: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:  # fmt: skip
             swap = {k: t for k, t, o in zip(keys, captured, originals, strict=True) if t is not o}
-            with _Reads((), swap) if swap else contextlib.nullcontext():
+            with Reads((), swap) if swap else contextlib.nullcontext():
                 out = fn(s, b, h, i, j)
             _check_score(out, s)
             return out.to(s.dtype)
@@ -284,9 +144,9 @@ class ScoreFunction:
             if s.numel() == 0:  # a tile with no keys (or rows): nothing to evaluate
                 return s.clone()
             try:
-                return _over_tile(point, s, index, captured)  # type: ignore[no-any-return]
+                return over_tile(point, s, index, captured)  # type: ignore[no-any-return]
             except RuntimeError as err:
-                raise _explain(err, "score_mod") from err
+                raise explain(err, "score_mod") from err
 
         return tile
 
@@ -460,71 +320,3 @@ def _check_score(out: object, s: torch.Tensor) -> None:
             f"its `score` argument (one score, 0-d), got {got}. Return e.g. "
             "`score + bias[h]`."
         )
-
-
-@dataclass(frozen=True, eq=False)
-class MaskFunction:
-    """A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over tiles: True where a score is kept.
-
-    batch: B of the call (a folded batch entry b reads b mod batch); heads: Hq.
-    """
-
-    fn: Callable[..., torch.Tensor]
-    batch: int
-    heads: int
-
-    @staticmethod
-    def of(fn: object, device: torch.device, batch: int, heads: int) -> MaskFunction:
-        """Check ``fn``: four arguments, a bool result, no capture that requires grad."""
-        _check_arity(fn, "mask_mod", 4, "mask_mod(b, h, q_idx, kv_idx) -> bool")
-        assert callable(fn)
-        index = TileIndex.of(1, 1, 1, slice(0, 1), slice(0, 1), device)
-        reads = _Reads(tuple(index.__dict__.values()), None)
-
-        def point(
-            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
-        ) -> torch.Tensor:
-            reads.keep += [b, h, i, j]
-            reads.made.update(id(t) for t in (b, h, i, j))
-            with reads:
-                out: torch.Tensor = fn(b, h, i, j)
-            return out
-
-        try:
-            out = _over_tile(point, None, index)
-        except RuntimeError as err:
-            raise _explain(err, "mask_mod") from err
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            got = f"dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ArgumentTypeError(
-                f"mask_mod must return a bool tensor (True = keep the score), got {got}. "
-                "Return a comparison, e.g. `q_idx >= kv_idx`."
-            )
-        for t in reads.read.values():
-            if t.requires_grad:
-                raise ArgumentError(
-                    f"mask_mod reads a tensor that requires grad (shape {tuple(t.shape)}): a "
-                    "mask is not differentiable. Pass it detached (t.detach()), or put a "
-                    "learnable term into score_mod."
-                )
-        return MaskFunction(fn, batch, heads)
-
-    def folded(self, batch: int) -> MaskFunction:
-        return replace(self, batch=batch)
-
-    def keep(self, folded: int, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
-        """mask_mod over the tile: bool [B, H, r, c] (B the folded batch)."""
-        index = TileIndex.of(self.batch, folded, self.heads, rows, cols, device)
-        fn = self.fn
-
-        def point(
-            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
-        ) -> torch.Tensor:
-            return fn(b, h, i, j)
-
-        with torch.no_grad():
-            try:
-                keep: torch.Tensor = _over_tile(point, None, index)
-            except RuntimeError as err:
-                raise _explain(err, "mask_mod") from err
-        return keep.expand(index.b.shape[0], index.h.shape[0], *keep.shape[2:])

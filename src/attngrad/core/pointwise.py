@@ -1,0 +1,173 @@
+"""A function of one score, run over a whole tile of scores: FlexAttention's calling convention.
+
+torch's ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``
+are written for one score, with 0-d int32 indices (h the query head).  `over_tile` runs
+one over a tile [B, H, r, c] at once, as nested ``torch.vmap`` would (torch's own eager
+route does the same): control flow on a tensor's value is refused there, as torch refuses
+it (`explain` says how to write it instead).  `Reads`, a
+`torch.overrides.TorchFunctionMode`, sees every tensor the function's ops read: it finds
+the tensors a function captures (whatever it read but did not make), or swaps them for
+others by identity.  `one_thread` runs a block on one thread: a sum then rounds the same
+for any thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._C._functorch import (
+    _add_batch_dim,
+    _remove_batch_dim,
+    _vmap_decrement_nesting,
+    _vmap_increment_nesting,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from attngrad.core.contract import ArgumentError, ArgumentTypeError
+
+__all__ = ["INDEX", "Reads", "TileIndex", "check_arity", "explain", "one_thread", "over_tile"]
+
+INDEX = torch.int32  # the indices' dtype, as torch passes them
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class Reads(TorchFunctionMode):
+    """While a score or mask function runs: record the tensors it reads that it did not
+    make (``record``), or swap the captured tensors for others (``swap``, by identity)."""
+
+    def __init__(self, made: Sequence[torch.Tensor], swap: dict[int, torch.Tensor] | None) -> None:
+        super().__init__()
+        self.made = {id(t) for t in made}
+        self.keep: list[torch.Tensor] = list(made)  # alive, so that no id is reused meanwhile
+        self.read: dict[int, torch.Tensor] = {}
+        self.swap = swap
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.swap is not None:
+            swap = self.swap
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: swap.get(id(t), t), (args, kwargs)
+            )
+            return func(*args, **kwargs)
+        for t in _tensors((args, kwargs)):
+            if id(t) not in self.made and id(t) not in self.read:
+                self.read[id(t)] = t
+        out = func(*args, **kwargs)
+        made = _tensors(out)
+        self.keep += made
+        self.made.update(id(t) for t in made)
+        return out
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block's ops on one thread: a sum then rounds the same for any thread count,
+    and small host-side ops do not wait on a busy machine's other threads."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class TileIndex:
+    """The indices of a tile of scores [B, H, r, c]: b (folded batch entries map to b mod
+    ``batch``), h (query heads), q_idx = rows, kv_idx = cols, as int32 on ``device``."""
+
+    b: torch.Tensor
+    h: torch.Tensor
+    i: torch.Tensor
+    j: torch.Tensor
+
+    @staticmethod
+    def of(
+        batch: int, folded: int, heads: int, rows: slice, cols: slice, device: torch.device
+    ) -> TileIndex:
+        def span(a: int, b: int) -> torch.Tensor:
+            return torch.arange(a, b, dtype=INDEX, device=device)
+
+        return TileIndex(
+            span(0, folded) % batch, span(0, heads), span(rows.start, rows.stop),
+            span(cols.start, cols.stop),
+        )  # fmt: skip
+
+
+def check_arity(fn: object, name: str, count: int, example: str) -> None:
+    if not callable(fn):
+        raise ArgumentTypeError(
+            f"{name} must be a function {example}, got {type(fn).__name__} {fn!r}."
+        )
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{name} must take {count} positional arguments {example}, got {fn!r} with "
+            f"signature {inspect.signature(fn)}."
+        ) from None
+    except ValueError:  # a builtin without a signature: its call will say
+        pass
+
+
+def over_tile(
+    point: Callable[..., Any],
+    s: torch.Tensor | None,
+    index: TileIndex,
+    extra: Sequence[torch.Tensor] = (),
+) -> Any:
+    """``point`` (one score, 0-d arguments) over a tile at once, as nested vmaps would run
+    it: over b, then h, q_idx and kv_idx (innermost), the score s: [B, H, r, c] (or None,
+    for a mask function) batched along each; ``extra`` passed whole.  The levels are
+    entered by hand: ``torch.vmap``'s argument handling costs more than a tile's ops."""
+    axes = [index.b, index.h, index.i, index.j]
+    levels: list[tuple[int, int]] = []
+    try:
+        for n, ax in enumerate(axes):
+            level = _vmap_increment_nesting(ax.shape[0], "error")
+            levels.append((level, ax.shape[0]))
+            if s is not None:
+                s = _add_batch_dim(s, 0, level)
+            axes[n] = _add_batch_dim(ax, 0, level)
+        out = point(*(() if s is None else (s,)), *axes, *extra)
+        while levels:
+            level, size = levels.pop()
+            if isinstance(out, torch.Tensor):
+                out = _remove_batch_dim(out, level, size, 0)
+            _vmap_decrement_nesting()
+        return out
+    finally:
+        for _ in levels:
+            _vmap_decrement_nesting()
+
+
+def explain(err: RuntimeError, name: str) -> Exception:
+    """A clearer error for a function vmap cannot run (control flow on a tensor's value)."""
+    text = str(err)
+    if "data-dependent control flow" in text or "item()" in text or "Boolean value" in text:
+        return ArgumentError(
+            f"{name} uses a tensor's value in Python control flow (an if, while, bool() or "
+            f".item()); it runs over whole tiles of scores at once, as in torch's "
+            f"flex_attention. Write it with tensor ops: torch.where(cond, a, b) instead of "
+            f"`a if cond else b`. ({text.splitlines()[0]})"
+        )
+    return err
