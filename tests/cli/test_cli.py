@@ -20,7 +20,7 @@ import attngrad
 from attngrad.cli import app as cli
 from attngrad.cli import check as check_command
 from attngrad.cli.args import measure_device, positive_float, positive_int
-from attngrad.verify.cases import Case, default_cases
+from attngrad.verify.cases import Case, default_cases, flex_cases
 from attngrad.verify.check import SLOW_GRADGRADCHECK, CaseResult
 from helpers import TENSOR_STRATEGIES
 
@@ -43,8 +43,9 @@ SMALL_GRID = [
 
 @pytest.fixture
 def small_grid(monkeypatch: pytest.MonkeyPatch) -> list[Case]:
-    """``check`` runs `SMALL_GRID` in place of the full grid."""
+    """``check`` runs `SMALL_GRID` in place of the full grid (and no flex case)."""
     monkeypatch.setattr(check_command, "default_cases", lambda: list(SMALL_GRID))
+    monkeypatch.setattr(check_command, "flex_cases", lambda: [])
     return SMALL_GRID
 
 
@@ -59,19 +60,22 @@ def test_the_small_grid_is_three_cases_of_the_full_one():
 # The full grid, end to end: ``attngrad check --strategy S --json PATH --csv PATH`` for every
 # strategy, each its own test so that the two workers of `pytest -n 2` share them.  triton
 # runs in Triton's interpreter, seconds a case (the other strategies take seconds for the
-# grid): it runs the grid a case a test, the tests together the whole grid.
+# grid): it runs the grid a case a test, the tests together the whole grid.  The flex cases
+# come last; a strategy whose kernels cannot run one (fused and triton: a score function)
+# reports it refused.
 FULL_GRID_RUNS = [
     *(pytest.param(s, None, id=s) for s in TENSOR_STRATEGIES),
-    *(pytest.param("triton", c, id=f"triton-{c.id}") for c in default_cases()),
+    *(pytest.param("triton", c, id=f"triton-{c.id}") for c in default_cases() + flex_cases()),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "one_case"), FULL_GRID_RUNS)
 def test_check_runs_the_full_grid_end_to_end(strategy, one_case, tmp_path, monkeypatch, capsys):
-    cases = default_cases() if one_case is None else [one_case]
+    cases = default_cases() + flex_cases() if one_case is None else [one_case]
     if one_case is not None:
         monkeypatch.setattr(check_command, "default_cases", lambda: list(cases))
+        monkeypatch.setattr(check_command, "flex_cases", lambda: [])
     path, csv_path = tmp_path / "check.json", tmp_path / "check.csv"
     argv = ["check", "--strategy", strategy, "--json", str(path), "--csv", str(csv_path)]
     assert cli.main(argv) == 0
@@ -80,9 +84,14 @@ def test_check_runs_the_full_grid_end_to_end(strategy, one_case, tmp_path, monke
     assert report["strategies"] == [strategy]
     got = [(r["strategy"], r["case"]) for r in report["results"]]
     assert got == [(strategy, c.id) for c in cases]
-    failed = [r for r in report["results"] if r["passed"] is not True]
+    ran = [r for r in report["results"] if r["refused"] is None]
+    failed = [r for r in ran if r["passed"] is not True]
     assert not failed, failed[:3]
-    for r in report["results"]:
+    refused = [r for r in report["results"] if r["refused"] is not None]
+    # only a flex case is refused, and only by a kernel that cannot call its score function
+    assert all("flex:" in r["case"] and r["passed"] is None for r in refused)
+    assert not refused or strategy in ("fused", "triton")
+    for r in ran:
         # float64 cases also ran gradcheck, the higher derivatives and (except on the
         # strategies whose gradgradcheck is slow) gradgradcheck; the others have no verdict
         float64 = r["dtype"] == "float64"
@@ -99,7 +108,8 @@ def test_check_runs_the_full_grid_end_to_end(strategy, one_case, tmp_path, monke
     assert len(rows) == len(cases)
     for c in cases:
         assert sum(c.id in row for row in rows) == 1, c.id
-    assert f"{strategy}: {len(cases)} passed, 0 failed" in lines
+    counts = f"{strategy}: {len(ran)} passed, 0 failed"
+    assert counts + (f", {len(refused)} refused" if refused else "") in lines
     assert f"wrote {csv_path}" in lines
     with csv_path.open(encoding="utf-8") as f:
         assert len(f.read().splitlines()) == 1 + len(cases)
@@ -109,6 +119,7 @@ def test_check_without_a_strategy_runs_every_strategy(monkeypatch, tmp_path):
     # one case: triton's interpreter takes seconds a case
     one_case = SMALL_GRID[:1]
     monkeypatch.setattr(check_command, "default_cases", lambda: list(one_case))
+    monkeypatch.setattr(check_command, "flex_cases", lambda: [])
     path = tmp_path / "check.json"
     assert cli.main(["check", "--no-gradcheck", "--json", str(path)]) == 0
     report = _read(path)
@@ -258,6 +269,7 @@ def test_module_entry_point_runs_the_check():
             "from attngrad.cli import check",
             "grid = check.default_cases()",
             f"check.default_cases = lambda: [c for c in grid if c.id in {ids}]",
+            "check.flex_cases = lambda: []",
             "sys.argv = ['attngrad', 'check', '--no-gradcheck', '--strategy', 'explicit']",
             "runpy.run_module('attngrad', run_name='__main__', alter_sys=True)",
         ]

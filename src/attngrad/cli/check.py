@@ -2,10 +2,13 @@
 [--no-gradcheck]``.
 
 The conformance grid (`attngrad.verify.check`): every strategy over dtypes, masks
-and layouts, each quantity judged against float64.  This module runs it and shows it:
-the table (`check_table`), the per-strategy counts (`check_summary`) and the CSV
-records (`check_records`).  Exit 1 on a failed case, 2 on a strategy that cannot run
-here.
+and layouts, then FlexAttention's score functions and BlockMasks (`flex_cases`),
+each quantity judged against float64.  This module runs it and shows it: the table
+(`check_table`), the per-strategy counts (`check_summary`) and the CSV records
+(`check_records`).  A case a strategy declines (a call its kernels cannot run:
+a score function on fused or triton) is shown refused, with the strategy's
+reason, and fails nothing.  Exit 1 on a failed case, 2 on a strategy that cannot
+run here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from attngrad.cli.args import add_strategy, chosen_strategies
 from attngrad.cli.table import columns, verdict, write_csv, write_json
 from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
-from attngrad.verify.cases import default_cases
+from attngrad.verify.cases import default_cases, flex_cases
 from attngrad.verify.check import CaseResult, expect_case, format_error, run_case
 from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE
 from attngrad.verify.rule import GRADIENTS
@@ -44,6 +47,8 @@ _DERIVATIVES = (
 
 def _failure(r: CaseResult) -> str:
     """What failed: the verifier's message, else each quantity over its bound."""
+    if r.refused is not None:
+        return f"refused: {r.refused}"
     if r.message:
         return r.message
     over = [
@@ -73,7 +78,7 @@ def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> s
     passes: how much of the allowance the case used) and the verdicts; on float64 cases
     also the relative errors of double backward (d2) and forward mode (jvp) and the
     gradgradcheck verdict; under a failing row, what failed and its bound."""
-    shown = [r for r in results if not (failures_only and r.passed)]
+    shown = [r for r in results if not (failures_only and not r.failed)]
     if not shown:
         return "no failing cases" if failures_only else "no cases"
     cells = [
@@ -82,7 +87,7 @@ def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> s
             r.case,
             *(format_error(r.errors.get(g)) for g in GRADIENTS),
             _worst_ratio(r),
-            "NaN" if r.nan else ("pass" if r.rule_passed else "FAIL"),
+            _rule_verdict(r),
             verdict(r.gradcheck_passed),
             format_error(r.second_order_error),
             format_error(r.jvp_error),
@@ -96,35 +101,51 @@ def check_table(results: Sequence[CaseResult], failures_only: bool = False) -> s
     out = [head]
     for r, line in zip(shown, lines, strict=True):
         out.append(line)
-        if not r.passed:
+        if r.failed:
             out.append(f"    {_failure(r)}")
     return "\n".join(out)
 
 
+def _rule_verdict(r: CaseResult) -> str:
+    if r.refused is not None:
+        return "refused"
+    return "NaN" if r.nan else ("pass" if r.rule_passed else "FAIL")
+
+
 def check_summary(results: Sequence[CaseResult]) -> str:
-    """Passed and failed counts per strategy, then in all."""
+    """Passed and failed counts per strategy, then in all; the refused ones with their
+    reasons, once each."""
     lines = []
     for strategy in dict.fromkeys(r.strategy for r in results):
         mine = [r for r in results if r.strategy == strategy]
-        failed = sum(not r.passed for r in mine)
-        lines.append(f"{strategy}: {len(mine) - failed} passed, {failed} failed")
-    failed = sum(not r.passed for r in results)
-    lines.append(f"{len(results) - failed} passed, {failed} failed ({_RULE})")
+        lines.append(f"{strategy}: {_counts(mine)}")
+        reasons = dict.fromkeys(r.refused for r in mine if r.refused is not None)
+        lines += [f"  refused: {reason}" for reason in reasons]
+    lines.append(f"{_counts(results)} ({_RULE})")
     if any(r.second_order_error is not None for r in results):
         lines.append(f"({_DERIVATIVES})")
     return "\n".join(lines)
 
 
+def _counts(results: Sequence[CaseResult]) -> str:
+    """ "N passed, M failed" (", K refused" where some were)."""
+    passed = sum(r.passed for r in results)
+    failed = sum(r.failed for r in results)
+    refused = len(results) - passed - failed
+    return f"{passed} passed, {failed} failed" + (f", {refused} refused" if refused else "")
+
+
 def check_records(results: Sequence[CaseResult]) -> list[dict[str, object]]:
     """CSV records: strategy, case, dtype, the verdicts, the worst ratio, ``error_<x>`` and
     ``ratio_<x>`` per quantity of `attngrad.verify.rule.GRADIENTS` (empty where the case has
-    none), the higher-derivative errors and the message."""
+    none), the higher-derivative errors, the refusal (empty where it ran) and the message;
+    ``passed`` is empty on a refused case."""
     return [
         {
             "strategy": r.strategy,
             "case": r.case,
             "dtype": r.dtype,
-            "passed": r.passed,
+            "passed": "" if r.refused is not None else r.passed,
             "rule_passed": r.rule_passed,
             "ratio": max(r.ratios.values(), default=""),
             **{f"error_{g}": r.errors.get(g, "") for g in GRADIENTS},
@@ -133,6 +154,7 @@ def check_records(results: Sequence[CaseResult]) -> list[dict[str, object]]:
             "second_order_error": r.second_order_error,
             "jvp_error": r.jvp_error,
             "gradgradcheck_passed": r.gradgradcheck_passed,
+            "refused": r.refused or "",
             "message": r.message,
         }
         for r in results
@@ -144,7 +166,7 @@ def run_check(args: argparse.Namespace) -> int:
     strategies = chosen_strategies("check", args.strategy, torch.device("cpu"), interpreted=True)
     if strategies is None:
         return 2
-    cases = default_cases()
+    cases = default_cases() + flex_cases()
     results: list[CaseResult] = []
     # what each case is judged against, computed at its first strategy and shared by the rest
     # (the loop stays strategy by strategy: gradcheck draws from the seeded global generator)
@@ -162,7 +184,7 @@ def run_check(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     print(check_table(results, failures_only=args.failures), file=out)
     print(check_summary(results), file=out)
-    failed = any(not r.passed for r in results)
+    failed = any(r.failed for r in results)
     if args.json:
         payload = {
             "torch": torch.__version__,
@@ -184,13 +206,17 @@ def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "check",
         help="conformance grid of every strategy against a float64 reference",
         description=(
-            "Run every strategy over a grid of dtypes, masks and layouts and compare the "
-            "output and every gradient with a float64 reference, element by element: at most "
+            "Run every strategy over a grid of dtypes, masks and layouts, and FlexAttention's "
+            "score functions and BlockMasks (ALiBi, soft cap, a relative-position table, "
+            "documents, sliding window, prefix-LM, rows that attend nothing), and compare the "
+            "output and every gradient (a score function's captured tensor's too) with a "
+            "float64 reference, element by element: at most "
             "2x the error of plain PyTorch in the same dtype plus a floor derived from the "
             "magnitudes that produce each quantity (attngrad.verify.rule); on float64 cases "
             "gradcheck, double backward and forward mode against autograd through the "
-            "reference (relative error at most 1e-9) and gradgradcheck.  Exit 1 on a failed "
-            "case, 2 when a strategy asked for cannot run here."
+            "reference (relative error at most 1e-9) and gradgradcheck.  A case a strategy "
+            "declines (a score function on a kernel that cannot call one) is shown refused and "
+            "fails nothing.  Exit 1 on a failed case, 2 when a strategy asked for cannot run here."
         ),
     )
     add_strategy(p, STRATEGIES, "check only this strategy (repeatable)")

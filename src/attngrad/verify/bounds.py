@@ -14,6 +14,11 @@ out, dq, dk, dv (dmask, dsinks) and lse, four bounds per element
 * K_x, the kept bound: what P and dS kept in the 16-bit dtype for the
   products cost.
 
+`flex_magnitudes` does the same for a FlexAttention call: its score function
+in the cap's place (its slope, curvature and roundings from
+`attngrad.verify.score_rounding`), its BlockMask in the mask's, and one
+more result, dtheta, the gradient of the tensor the score function reads.
+
 `attngrad.verify.rule` turns them into the rule's floor and kept bound.
 The words (magnitude, sensitivity, readback, kept, the P move, floor) are
 defined once in the glossary, docs/glossary.md.
@@ -21,11 +26,14 @@ defined once in the glossary, docs/glossary.md.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from attngrad.verify.flex_reference import block_keep
 from attngrad.verify.formula import (
     Band,
     Window,
@@ -38,8 +46,9 @@ from attngrad.verify.formula import (
     score_scale,
     with_sinks,
 )
+from attngrad.verify.score_rounding import ScoreAnalysis, analyse
 
-__all__ = ["LAMBDA", "Magnitudes", "magnitudes"]
+__all__ = ["LAMBDA", "Magnitudes", "flex_magnitudes", "magnitudes"]
 
 # lambda of the probabilistic bound of a sum of n rounded terms (Higham and Mary, SIAM J. Sci.
 # Comput. 41(5), 2019): |error| <= lambda sqrt(n) u max-term-scale, with probability at least
@@ -51,10 +60,12 @@ LAMBDA = 6.0
 class _Scores:
     """The forward pieces `magnitudes` bounds from, float64 [..., Hq, Nq, Nk] (p_sink: [..., Hq, Nq]).
 
-    x: the raw scores s q k^T; slope: d T / d X (1 without a softcap); keep:
-    the kept entries; p: the sink-normalised softmax; p_sink: the sink's share
-    of each row (0 without sinks); c_cap: the bound on T's perturbation from
-    the product and the cap, c_s: with the bias add, 0 where not kept.
+    x: the raw scores s q k^T; slope: d T / d X (1 without a softcap or score
+    function; signed); keep: the kept entries; p: the sink-normalised softmax;
+    p_sink: the sink's share of each row (0 without sinks); c_cap: the bound on
+    T's perturbation from the product and the cap (or score function), c_s:
+    with the bias add, 0 where not kept; bend: the bound on the slope's move,
+    per unit of the score error (0 where T = X).
     """
 
     x: torch.Tensor
@@ -64,6 +75,7 @@ class _Scores:
     p_sink: torch.Tensor
     c_cap: torch.Tensor
     c_s: torch.Tensor
+    bend: torch.Tensor
 
     @staticmethod
     def of(
@@ -90,7 +102,31 @@ class _Scores:
         c_s = c_cap
         if mask is not None and mask.dtype != torch.bool:
             c_s = c_s + torch.minimum(scores.abs(), t.abs() / score_error).masked_fill(~keep, 0.0)
-        return _Scores(x, slope, keep, p, p_sink, c_cap, c_s)
+        bend = torch.zeros_like(x)
+        if softcap is not None:  # the slope 1 - tanh^2 moves with T: by 2 |tanh| C_T / c
+            bend = 2 * torch.tanh(x / softcap).abs() * c_cap / softcap
+        return _Scores(x, slope, keep, p, p_sink, c_cap, c_s, bend)
+
+    @staticmethod
+    def flex(
+        q: torch.Tensor, ke: torch.Tensor, s: float, f: ScoreAnalysis | None, keep: torch.Tensor
+    ) -> _Scores:
+        """From float64 q [B, Hq, Nq, d], k per query head, a score function's analysis on
+        X = s q k^T (None: T = X) and the BlockMask's keep [B, Hq, Nq, Nk] (`flex_magnitudes`)."""
+        x = raw_scores(q, ke, s)
+        c_x = abs(s) * (q.abs() @ ke.abs().transpose(-2, -1))
+        if f is None:
+            t, slope, c_cap, bend = x, torch.ones_like(x), c_x, torch.zeros_like(x)
+        else:
+            t, slope = f.value, f.slope
+            c_cap = slope.abs() * c_x + f.rounding
+            bend = f.curvature * c_x + f.slope_rounding
+        keep = keep & (t != float("-inf"))
+        p = row_softmax(t.masked_fill(~keep, float("-inf")))
+        # where a score is dropped nothing of f reaches a result (and f may be anything there)
+        slope, c_cap, bend = (torch.where(keep, y, 0.0) for y in (slope, c_cap, bend))
+        none = torch.zeros_like(p[..., 0])
+        return _Scores(x, slope, keep, p, none, c_cap, c_cap, bend)
 
 
 class Magnitudes(NamedTuple):
@@ -133,7 +169,7 @@ def _magnitude_path(f: _Scores, a_dp: torch.Tensor) -> _Path:
     keys = f.p.sum(-1)  # 1 - p_sink, without its cancellation when the sink takes the row
     a_row = torch.where(keys > 0, a_dlt / keys.clamp(min=torch.finfo(keys.dtype).tiny), 0.0)
     a_ds = f.p * (a_dp + a_row.unsqueeze(-1))
-    return _Path(f.p, a_ds, f.slope * a_ds, f.p_sink * a_dlt)
+    return _Path(f.p, a_ds, f.slope.abs() * a_ds, f.p_sink * a_dlt)
 
 
 def _probability_move(
@@ -195,9 +231,7 @@ def _others(x: torch.Tensor) -> torch.Tensor:
     return before + after
 
 
-def _sensitivity_path(
-    f: _Scores, dp: torch.Tensor, softcap: float | None, score_error: float
-) -> _Path:
+def _sensitivity_path(f: _Scores, dp: torch.Tensor, score_error: float) -> _Path:
     """C: C_P, C_dS, C_dX and C_dsink from the score perturbation C_S (`magnitudes`)."""
     p, c_s = f.p, f.c_s
     c_p = _probability_move(p, f.p_sink, c_s, score_error)
@@ -206,10 +240,7 @@ def _sensitivity_path(
     # dropout removed, beside keys that underflow)
     c_ds = c_p * ((dp - delta).abs() + (p * dp.abs()).sum(-1, keepdim=True))
     c_ds = c_ds + p * (c_p * dp.abs()).sum(-1, keepdim=True)
-    c_dx = f.slope * c_ds
-    if softcap is not None:  # the slope 1 - tanh^2 moves with T: by 2 |tanh| C_T / c
-        bend = 2 * torch.tanh(f.x / softcap).abs() * f.c_cap / softcap
-        c_dx = c_dx + bend * (p * (dp - delta)).abs()
+    c_dx = f.slope.abs() * c_ds + f.bend * (p * (dp - delta)).abs()  # the slope moves too
     c_dsink = f.p_sink * ((p * c_s).sum(-1) * delta.squeeze(-1).abs() + (c_p * dp.abs()).sum(-1))
     return _Path(c_p, c_ds, c_dx, c_dsink)
 
@@ -318,12 +349,18 @@ def magnitudes(
     f = _Scores.of(q, ke, s, mask, band, softcap, sigma, score_error)
     w = dropped(torch.ones_like(f.p), dropout_mask, dropout_p)
     x = _Operands(q, k, ke, ve, do, w, abs(s), mask, sigma)
-    dp = w * (do @ ve.transpose(-2, -1))
-    a_dp = w * (do.abs() @ ve.abs().transpose(-2, -1))
-    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, softcap, score_error))
+    return _bounds(f, x, score_error)[0]
+
+
+def _bounds(f: _Scores, x: _Operands, score_error: float) -> tuple[Magnitudes, _Path, _Path]:
+    """`magnitudes` from the scores' pieces and the operands, and the two paths it took."""
+    dp = x.w * (x.do @ x.ve.transpose(-2, -1))
+    a_dp = x.w * (x.do.abs() @ x.ve.abs().transpose(-2, -1))
+    paths = (_magnitude_path(f, a_dp), _sensitivity_path(f, dp, score_error))
     a, c = (_results(path, x) for path in paths)
     kept = _kept(f, dp, a, x)
-    return Magnitudes(a, c, _readback(f, kept["out"], x), kept, (f.p * f.c_s).sum(-1))
+    moved = Magnitudes(a, c, _readback(f, kept["out"], x), kept, (f.p * f.c_s).sum(-1))
+    return moved, *paths
 
 
 @dataclass(frozen=True)
@@ -427,11 +464,9 @@ def _readback(f: _Scores, k_out: torch.Tensor, x: _Operands) -> dict[str, torch.
     (row, O element) behind it (`_rounded_terms`, over rows and elements).
     """
     o = (f.p * x.w) @ x.ve
-    moves = x.do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
-    squares = (moves**2).sum(-1, keepdim=True)
-    e = _smaller(moves.sum(-1, keepdim=True), squares)  # [..., Hq, Nq, 1]
+    e, squares = _delta_move(f, k_out, x)
     px = f.slope * f.p
-    pt = x.s * px.transpose(-2, -1)
+    pt = x.s * px.abs().transpose(-2, -1)
     q, k = x.q, x.k
     dk = _smaller(_group_sum(pt @ (e * q.abs()), k, q), _group_sum(pt**2 @ (squares * q**2), k, q))
     part = {
@@ -445,6 +480,15 @@ def _readback(f: _Scores, k_out: torch.Tensor, x: _Operands) -> dict[str, torch.
     if x.sinks is not None:
         part["dsinks"] = _sum_to_sinks(f.p_sink * e.squeeze(-1), x.sinks)
     return part
+
+
+def _delta_move(f: _Scores, k_out: torch.Tensor, x: _Operands) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, the sum of squares under its root): the bound on each row's move of Delta when O is
+    read back as stored, [..., Hq, Nq, 1] (`_readback`)."""
+    o = (f.p * x.w) @ x.ve
+    moves = x.do.abs() * (o.abs() + k_out)  # what each O element's move does to Delta
+    squares = (moves**2).sum(-1, keepdim=True)
+    return _smaller(moves.sum(-1, keepdim=True), squares), squares
 
 
 def _results(path: _Path, x: _Operands) -> dict[str, torch.Tensor]:
@@ -463,3 +507,112 @@ def _results(path: _Path, x: _Operands) -> dict[str, torch.Tensor]:
     if x.sinks is not None:
         part["dsinks"] = _sum_to_sinks(path.dsink, x.sinks)
     return part
+
+
+def flex_magnitudes(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dout: torch.Tensor,
+    score: Callable[[torch.Tensor | None], Callable[..., torch.Tensor]] | None = None,
+    theta: torch.Tensor | None = None,
+    block_mask: object = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    score_error: float = 2.0**-53,
+) -> tuple[Magnitudes, int]:
+    r"""`magnitudes` of a FlexAttention call, with dtheta; and the longest sum into dtheta.
+
+    query: [B, Hq, Nq, d], key, value: [B, Hkv, Nk, d|dv], dout like the output;
+    score: builds the score_mod from theta
+    (`attngrad.verify.flex_cases.FlexScenario.score`; None: none); block_mask:
+    torch's BlockMask (None: every score kept).  The int is the most scores
+    any one element of theta collects (0 without theta): the rule's n for dtheta.
+
+    The score function f takes the cap's place in `magnitudes`' bounds, from its
+    analysis on X = s q k^T (`attngrad.verify.score_rounding.analyse`): the slope
+    is f'(X) (|f'| where a magnitude is meant), the scores' perturbation
+
+        C_T = |f'| C_X + C_f          (C_X = s |q| |k|^T: the product, through f)
+
+    with C_f f's own roundings (per unit roundoff of the compute dtype; counted
+    here per unit of the score error e, which is larger, as the cap's
+    roundings are), and the slope's move in the cap's bend
+
+        |f''| C_X + C_f'              (C_f': the roundings' and autograd's on f')
+
+    The BlockMask's keep takes the band's and bool mask's place; there is no
+    float mask, sink or dropout.  With J = dT/dtheta [B, Hq, Nq, Nk, *theta]
+    and dS = P o (dP - Delta) the gradient of T, dtheta = sum over the scores
+    of dS J, so, summing over the scores:
+
+        A_dtheta = sum |J dS| + sqrt(n_S / n) sum |J| A_dS
+        C_dtheta = sum |J| C_dS + (|dJ/dX| C_X + C_J) |dS|
+        K_dtheta = RSS of J dS (dS kept in the dtype once)
+        R_dtheta = RSS over i, c of w_i dO_ic O_ic and over i, j of w_i P_ij dP_ij,
+                   w_i = sum_j J_ij P_ij
+
+    (C_J: J's roundings, from the same analysis.)  A, in units of the rule's
+    LAMBDA sqrt(n) u_c (n at least n_theta and n_S, `attngrad.verify.rule.terms`):
+    dtheta accumulates n_theta terms J dS (at most LAMBDA sqrt(n_theta) u_c sum |J dS|)
+    of which each dS is off by its own sums of at most n_S = max(d, dv, Nk) terms
+    (LAMBDA sqrt(n_S) u_c A_dS, as dq's A counts it).  R, from the roundings themselves
+    rather than through E (`_readback`): Delta_i = sum_c dO_ic O_ic moves by the
+    same delta_i for every key of row i, so dS by P delta_i and dtheta by w_i
+    delta_i exactly; O_ic as stored is off by eps_ic O_ic (its storage) plus
+    sum_j eta_ij P_ij v_jc (P kept in the dtype for P v), |eps|, |eta| <= u, so
+    delta_i = sum_c eps_ic dO_ic O_ic + sum_j eta_ij P_ij dP_ij and dtheta moves
+    by a sum of independent roundings: the worst case, or LAMBDA times its
+    root-sum-square (`_smaller`).
+    """
+    s = score_scale(query, scale)
+    q, k, v, do = (t.double() for t in (query, key, value, dout))
+    ke, ve = expand_kv(q, k, v, enable_gqa)
+    grid = (q.shape[0], q.shape[1], q.shape[2], k.shape[-2])
+    if block_mask is None:
+        keep = torch.ones(grid, dtype=torch.bool, device=q.device)
+    else:
+        keep = block_keep(block_mask, *grid).to(q.device)
+    c_x = abs(s) * (q.abs() @ ke.abs().transpose(-2, -1))
+    analysis = None if score is None else analyse(score, raw_scores(q, ke, s), theta)
+    f = _Scores.flex(q, ke, s, analysis, keep)
+    x = _Operands(q, k, ke, ve, do, torch.ones_like(f.p), abs(s), None, None)
+    moved, a_path, c_path = _bounds(f, x, score_error)
+    if analysis is None or analysis.jacobian is None:
+        return moved, 0
+    extra = analysis.jacobian.ndim - 4  # theta's dims
+
+    def per_score(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape, *(1,) * extra)
+
+    live = per_score(f.keep)
+    signed = torch.where(live, analysis.jacobian, 0.0)
+    j = signed.abs()
+    assert analysis.jacobian_slope is not None and analysis.jacobian_rounding is not None
+    j_move = analysis.jacobian_slope.abs() * per_score(c_x) + analysis.jacobian_rounding
+    j_move = torch.where(live, j_move, 0.0)
+    dp = do @ ve.transpose(-2, -1)
+    ds = f.p * (dp - (f.p * dp).sum(-1, keepdim=True))
+
+    def collect(jac: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return (jac * per_score(t)).sum(dim=(0, 1, 2, 3))
+
+    terms = int((j > 0).sum(dim=(0, 1, 2, 3)).max()) if j.numel() else 0
+    inner = max(q.shape[-1], ve.shape[-1], grid[-1])  # the sums that form each dS
+    longest = max(terms, inner)
+    moved.magnitude["dtheta"] = collect(j, ds.abs()) + math.sqrt(inner / longest) * collect(
+        j, a_path.ds
+    )
+    moved.sensitivity["dtheta"] = collect(j, c_path.ds) + collect(j_move, ds.abs())
+    # Delta's move is the same for every key of its row: dtheta moves by it times
+    # w = sum_j J P, and Delta by the roundings of O's storage and of P kept for P v
+    w = (signed * per_score(f.p)).sum(dim=3)  # [B, Hq, Nq, *theta]
+    o_terms, p_terms = do * (f.p @ ve), f.p * dp  # dO o O [.., Nq, dv], P o dP [.., Nq, Nk]
+    worst = o_terms.abs().sum(-1) + p_terms.abs().sum(-1)  # [B, Hq, Nq]
+    squares = (o_terms**2).sum(-1) + (p_terms**2).sum(-1)
+    moved.readback["dtheta"] = _smaller(
+        (per_score(worst) * w.abs()).sum(dim=(0, 1, 2)),
+        (per_score(squares) * w**2).sum(dim=(0, 1, 2)),
+    )
+    moved.kept["dtheta"] = _smaller(collect(j, ds.abs()), collect(j**2, ds**2))
+    return moved, terms

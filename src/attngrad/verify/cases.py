@@ -7,6 +7,12 @@ sinks and upstream gradient, the same numbers for every dtype.
 `outputs_and_grads` runs any SDPA-like function on them: out and every
 gradient (dq, dk, dv and, for a float mask, dmask, for sinks, dsinks).
 
+A flex case (``flex`` set: a scenario of `attngrad.verify.flex_cases`) is
+called with ``flex_attention``'s signature instead (`call_case`): its score
+function and BlockMask, and the tensor theta its score function reads and
+learns, drawn by `make_inputs` beside q, k, v (its gradient: "dtheta").
+`flex_cases` is its grid.
+
 A dropout case hands every call a generator seeded alike (`DROPOUT_SEED`),
 and the reference functions apply the keep mask attention draws from it
 (`dropout_mask`, `as_attention`), so all of them see one mask.
@@ -24,6 +30,7 @@ import torch
 
 from attngrad.core.contract import Shapes, dtype_name, pair
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
+from attngrad.verify.flex_cases import GRID, block_mask, draw_theta, scenario
 from attngrad.verify.formula import Window
 
 __all__ = [
@@ -34,11 +41,14 @@ __all__ = [
     "Case",
     "Inputs",
     "as_attention",
+    "call_case",
+    "call_flex",
     "call_sdpa",
     "call_with",
     "default_cases",
     "default_mask_shape",
     "dropout_mask",
+    "flex_cases",
     "input_tensor",
     "long_cases",
     "make_inputs",
@@ -71,7 +81,10 @@ class Case:
     them).  ``segments``: packed sequences as (query lengths, key lengths),
     e.g. ``((3, 2), (2, 4))`` for cu_seqlens_q = [0, 3, 5], cu_seqlens_k =
     [0, 2, 6].  ``dropout``: dropout_p, drawn from a generator seeded with
-    `DROPOUT_SEED`.
+    `DROPOUT_SEED`.  ``flex``: a scenario of `attngrad.verify.flex_cases`
+    (its name): the case calls ``flex_attention`` with its score function and
+    BlockMask, and nothing else (mask "none", SDPA's options only); the
+    tensor its score function reads is in `theta_dtype`.
     """
 
     shapes: Shapes
@@ -86,6 +99,30 @@ class Case:
     align: str = "top-left"
     segments: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     dropout: float = 0.0
+    flex: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.flex is not None:
+            scenario(self.flex)  # a name it knows
+            if len(self.shapes.lead) != 1:
+                raise ValueError(
+                    f"a flex case takes 4-d inputs [B, H, N, d], got lead {self.shapes.lead}"
+                )
+
+    @property
+    def theta_dtype(self) -> torch.dtype:
+        """The dtype of a flex case's theta: float32 beside bfloat16 q, k, v (a model's
+        parameters under mixed precision, whose gradient PyTorch then sums in float32),
+        else the case's dtype (float16: a table held in 16 bits, summed in 16 bits by the
+        plain run)."""
+        return torch.float32 if self.dtype == torch.bfloat16 else self.dtype
+
+    def input_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """The inputs whose dtype differs from ``dtype`` in a run in ``dtype``: theta
+        (`theta_dtype`) in a run in the case's own dtype; none otherwise (float64)."""
+        if self.flex is None or dtype != self.dtype or self.theta_dtype == dtype:
+            return {}
+        return {"theta": self.theta_dtype} if scenario(self.flex).theta is not None else {}
 
     @property
     def gqa(self) -> bool:
@@ -105,7 +142,8 @@ class Case:
         another's beginning: ``bottom-right``, ``cap1.5`` (softcap),
         ``sink:head``, ``seg10+7+16x20+0+27`` (the query and key segments'
         lengths), ``drop0.2`` (dropout_p); ``w8,2`` (window) and ``scale0.3``
-        come after it.
+        come after it.  A flex case ends in ``flex:<scenario>`` in the mask's place
+        (``[theta:float32]`` where its theta's dtype is not the case's).
         """
         sh = self.shapes
         batch = "x".join(map(str, sh.lead)) or "none"
@@ -118,6 +156,9 @@ class Case:
             *self._options(),
             self.mask + ("" if self.mask_shape is None else str(list(self.mask_shape))),
         ]
+        if self.flex is not None:  # in place of the mask: flex_attention has none
+            theta = self.input_dtypes(self.dtype).get("theta")
+            parts[-1] = f"flex:{self.flex}" + (f"[theta:{dtype_name(theta)}]" if theta else "")
         if self.window is not None:
             parts.append(f"w{self.window[0]},{self.window[1]}")
         if self.scale is not None:
@@ -144,7 +185,11 @@ class Case:
         Only what the case sets beyond SDPA's is_causal and enable_gqa; a
         dropout case gets a fresh ``generator`` seeded with `DROPOUT_SEED` at
         each access.  The sinks are an input (`make_inputs`), not a keyword here.
+        A flex case: ``enable_gqa`` and ``scale`` (flex_attention's), where set.
         """
+        if self.flex is not None:
+            flex: dict[str, object] = {"enable_gqa": True} if self.gqa else {}
+            return flex if self.scale is None else {**flex, "scale": self.scale}
         kw: dict[str, object] = {"is_causal": self.mask == "causal", "enable_gqa": self.gqa}
         if self.scale is not None:
             kw["scale"] = self.scale
@@ -235,6 +280,20 @@ def _feature_cases(square: Shapes, wide: Shapes) -> list[Case]:
     ]  # fmt: skip
 
 
+def flex_cases() -> list[Case]:
+    """FlexAttention's grid: each scenario of `attngrad.verify.flex_cases` in every dtype.
+
+    The masks and ALiBi run on a square layout whose 61 positions end in a
+    padded block; the score functions without a mask and prefix-LM on GQA with
+    Nq < Nk and dv != d (softcap's and the table's h is the query head).
+    """
+    square = Shapes((2,), 2, 2, 61, 61, 16, 16)
+    wide = Shapes((1,), 4, 2, 37, 53, 16, 24)
+    layouts = {"softcap": wide, "relative": wide, "prefix": wide}
+    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    return [Case(layouts.get(name, square), dtype, flex=name) for dtype in dtypes for name in GRID]
+
+
 def default_mask_shape(case: Case) -> tuple[int, ...]:
     """ "bool": shared across heads [*lead, 1, Nq, Nk]; "float": shared across the batch."""
     sh = case.shapes
@@ -244,7 +303,8 @@ def default_mask_shape(case: Case) -> tuple[int, ...]:
 
 
 def make_inputs(case: Case, seed: int = 0, dead_row: bool = True) -> Inputs:
-    """float64 q, k, v, mask, sinks and an upstream gradient dout for the case, from ``seed``.
+    """float64 q, k, v, mask, sinks and an upstream gradient dout for the case, from ``seed``
+    (and theta, for a flex case: `attngrad.verify.flex_cases.draw_theta`).
 
     Every dtype sees the same numbers (cast later).  A bool mask keeps about
     70% of the scores; a float mask is standard normal.  ``dead_row``: query
@@ -277,6 +337,8 @@ def make_inputs(case: Case, seed: int = 0, dead_row: bool = True) -> Inputs:
     sinks = {"none": None, "head": (sh.heads_q,), "token": (*sh.lead, sh.heads_q, sh.seq_q)}
     sink_shape = sinks[case.sinks]
     inputs["sinks"] = None if sink_shape is None else randn(*sink_shape) + math.log(sh.seq_k)
+    if case.flex is not None:
+        inputs["theta"] = draw_theta(case.flex, sh, gen)
     return inputs
 
 
@@ -287,35 +349,53 @@ def input_tensor(inputs: Inputs, name: str) -> torch.Tensor:
     return t
 
 
-def received(inputs: Inputs, dtype: torch.dtype) -> Inputs:
+def received(
+    inputs: Inputs, dtype: torch.dtype, dtypes: Mapping[str, torch.dtype] | None = None
+) -> Inputs:
     """The inputs as an implementation in ``dtype`` receives them, in float64: each floating
-    tensor rounded to ``dtype`` and back (a bool mask and None as they are).
+    tensor rounded to ``dtype`` (those named in ``dtypes`` to theirs, `Case.input_dtypes`)
+    and back (a bool mask and None as they are).
 
     What the float64 reference is taken on (`attngrad.verify.rule`), so it
     answers for the numbers the implementation was given ("received inputs"
     in the glossary, docs/glossary.md).  New tensors; the
     caller's are left alone.
     """
+    dtypes = dtypes or {}
     return {
-        name: t if t is None or not t.is_floating_point() else t.detach().to(dtype).double()
+        name: t
+        if t is None or not t.is_floating_point()
+        else t.detach().to(dtypes.get(name, dtype)).double()
         for name, t in inputs.items()
     }
 
 
 def make_leaves(
-    inputs: Inputs, dtype: torch.dtype = torch.float64, mask_grad: bool = True
+    inputs: Inputs,
+    dtype: torch.dtype = torch.float64,
+    mask_grad: bool = True,
+    theta_grad: bool = True,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fresh leaves in ``dtype`` of what attention is differentiated in: q, k, v, a float mask, sinks.
+    """Fresh leaves in ``dtype`` (those named in ``dtypes`` in theirs, `Case.input_dtypes`) of
+    what attention is differentiated in: q, k, v, a float mask, sinks, a flex case's theta.
 
-    ``mask_grad`` False leaves a float mask out (a function that gives no dmask).
+    ``mask_grad`` False leaves a float mask out (a function that gives no dmask),
+    ``theta_grad`` False theta (one that gives no dtheta).
     """
+    dtypes = dtypes or {}
     names = ["q", "k", "v"]
     mask = inputs["mask"]
     if mask_grad and mask is not None and mask.dtype != torch.bool:
         names.append("mask")
     if inputs.get("sinks") is not None:
         names.append("sinks")
-    return {n: input_tensor(inputs, n).detach().to(dtype).clone().requires_grad_() for n in names}
+    if theta_grad and inputs.get("theta") is not None:
+        names.append("theta")
+    return {
+        n: input_tensor(inputs, n).detach().to(dtypes.get(n, dtype)).clone().requires_grad_()
+        for n in names
+    }
 
 
 def call_sdpa(
@@ -330,17 +410,41 @@ def call_sdpa(
     return fn(x["q"], x["k"], x["v"], mask, **sinks, **case.kwargs)
 
 
+def call_flex(
+    fn: AttentionFn, case: Case, inputs: Inputs, x: Mapping[str, torch.Tensor], **options: object
+) -> torch.Tensor:
+    """``fn`` flex_attention-style on x's q, k, v: ``fn(q, k, v, score_mod=..., block_mask=...,
+    **case.kwargs, **options)``, the score function reading x's theta (else the inputs')."""
+    s = scenario(case.flex or "")
+    theta = x.get("theta", inputs.get("theta"))
+    score_mod = None if s.score is None else s.score(theta)
+    blocks = block_mask(s.name, case.shapes.seq_q, case.shapes.seq_k)
+    return fn(
+        x["q"], x["k"], x["v"], score_mod=score_mod, block_mask=blocks, **case.kwargs, **options
+    )
+
+
+def call_case(
+    fn: AttentionFn, case: Case, inputs: Inputs, x: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``fn`` on the case: flex_attention-style for a flex case (`call_flex`), else SDPA-style
+    (`call_sdpa`)."""
+    if case.flex is not None:
+        return call_flex(fn, case, inputs, x)
+    return call_sdpa(fn, case, inputs, x)
+
+
 def call_with(
     fn: AttentionFn, case: Case, inputs: Inputs, names: Sequence[str]
 ) -> Callable[..., torch.Tensor]:
-    """``fn`` SDPA-style (`call_sdpa`) as a function of the tensors ``names``, in that order.
+    """``fn`` on the case (`call_case`) as a function of the tensors ``names``, in that order.
 
     What ``gradcheck``, ``gradgradcheck`` and ``torch.func.jvp`` call: names
     are keys of `make_leaves`; the rest of the call comes from ``inputs``.
     """
 
     def call(*x: torch.Tensor) -> torch.Tensor:
-        return call_sdpa(fn, case, inputs, dict(zip(names, x, strict=True)))
+        return call_case(fn, case, inputs, dict(zip(names, x, strict=True)))
 
     return call
 
@@ -348,13 +452,13 @@ def call_with(
 def outputs_and_grads(
     fn: AttentionFn, case: Case, inputs: Inputs, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Run ``fn`` SDPA-style on fresh leaves cast to ``dtype``: out and every gradient.
+    """Run ``fn`` on the case (`call_case`) on fresh leaves cast to ``dtype``: out and every gradient.
 
-    A float mask and sinks are leaves too (their gradients are "dmask" and
-    "dsinks").  Results keep ``fn``'s dtype and are detached.
+    A float mask, sinks and theta are leaves too (their gradients are "dmask",
+    "dsinks" and "dtheta").  Results keep ``fn``'s dtype and are detached.
     """
-    leaves = make_leaves(inputs, dtype)
-    out = call_sdpa(fn, case, inputs, leaves)
+    leaves = make_leaves(inputs, dtype, dtypes=case.input_dtypes(dtype))
+    out = call_case(fn, case, inputs, leaves)
     grads = torch.autograd.grad(out, list(leaves.values()), input_tensor(inputs, "dout").to(dtype))
     return {"out": out.detach(), **{"d" + n: g for n, g in zip(leaves, grads, strict=True)}}
 

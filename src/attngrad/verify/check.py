@@ -20,6 +20,12 @@ mode, finite differences of the first-order backward, dout included) runs on
 float64 cases of at most ``GRADGRADCHECK_ELEMENTS`` input elements, unless
 gradcheck is off (and not on triton, whose interpreter makes it slow:
 ``SLOW_GRADGRADCHECK``).
+
+A flex case runs ``attngrad.flex_attention`` on the strategy.  A strategy
+that declines the case's call -- one whose kernels cannot run it: fused and
+triton cannot call a Python score function -- is not failed: its result is
+*refused*, with the strategy's own reason (its ``refuses``, `refusal`), and
+counts neither way.
 """
 
 from __future__ import annotations
@@ -29,13 +35,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from attngrad.api import attention
+from attngrad.api import attention, flex_attention
+from attngrad.call.flex import FlexCall
 from attngrad.core.contract import dtype_name
+from attngrad.strategies import REGISTRY
 from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
-    call_sdpa,
+    call_case,
+    call_flex,
     make_inputs,
     make_leaves,
     outputs_and_grads,
@@ -54,7 +63,9 @@ __all__ = [
     "SLOW_GRADGRADCHECK",
     "CaseResult",
     "expect_case",
+    "flex_strategy_fn",
     "format_error",
+    "refusal",
     "run_case",
     "strategy_fn",
 ]
@@ -69,7 +80,12 @@ SLOW_GRADGRADCHECK = frozenset({"triton"})
 
 @dataclass
 class CaseResult:
-    """Errors and verdicts of one strategy on one case (JSON-ready via `as_dict`)."""
+    """Errors and verdicts of one strategy on one case (JSON-ready via `as_dict`).
+
+    refused: why the strategy declines the case (`refusal`), None when it ran;
+    a refused result has passed False and failed False, and ``"passed": null``
+    in `as_dict`.
+    """
 
     strategy: str
     case: str
@@ -86,6 +102,7 @@ class CaseResult:
     second_order_error: float | None = None
     jvp_error: float | None = None
     gradgradcheck_passed: bool | None = None
+    refused: str | None = None
 
     @property
     def derivatives_passed(self) -> bool | None:
@@ -96,15 +113,21 @@ class CaseResult:
     @property
     def passed(self) -> bool:
         return (
-            self.rule_passed
+            self.refused is None
+            and self.rule_passed
             and not self.nan
             and self.gradcheck_passed is not False
             and self.derivatives_passed is not False
             and self.gradgradcheck_passed is not False
         )
 
+    @property
+    def failed(self) -> bool:
+        """Ran and did not pass (a refused case did not run)."""
+        return self.refused is None and not self.passed
+
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "passed": self.passed}
+        return {**asdict(self), "passed": None if self.refused is not None else self.passed}
 
 
 def strategy_fn(strategy: str, **options: object) -> AttentionFn:
@@ -116,11 +139,41 @@ def strategy_fn(strategy: str, **options: object) -> AttentionFn:
     return fn
 
 
+def flex_strategy_fn(strategy: str, **options: object) -> AttentionFn:
+    """`flex_attention` bound to one strategy and any of its keywords (``return_lse``)."""
+
+    def fn(*args: object, **kwargs: object) -> torch.Tensor:
+        return flex_attention(*args, strategy=strategy, **options, **kwargs)  # type: ignore[arg-type,no-any-return]
+
+    return fn
+
+
+def refusal(strategy: str, case: Case, inputs: Inputs) -> str | None:
+    """Why ``strategy`` declines the case's call, in its own words (its ``refuses``), or None.
+
+    Only a flex case is declined (by a strategy whose kernels cannot call its
+    score function or read its BlockMask); a name that is no strategy (an
+    external function) never is.
+    """
+    if case.flex is None or strategy not in REGISTRY:
+        return None
+
+    def build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> FlexCall:
+        return FlexCall.build(
+            q, k, v, kw.get("score_mod"), kw.get("block_mask"), kw.get("scale"),  # type: ignore[arg-type]
+            bool(kw.get("enable_gqa", False)), False, None, None, "auto",
+        )  # fmt: skip
+
+    leaves = {n: t.to(case.dtype) for n, t in make_leaves(inputs, case.dtype).items()}
+    call: FlexCall = call_flex(build, case, inputs, leaves)  # type: ignore[arg-type,assignment]
+    return REGISTRY[strategy].refuses(call.problem.mods)
+
+
 def _lse(lse: AttentionFn, case: Case, inputs: Inputs) -> torch.Tensor:
     """The lse ``lse`` (attention called with return_lse=True) gives on the case's inputs."""
-    leaves = make_leaves(inputs, case.dtype)
+    leaves = make_leaves(inputs, case.dtype, dtypes=case.input_dtypes(case.dtype))
     with torch.no_grad():
-        _, got = call_sdpa(lse, case, inputs, leaves)  # type: ignore[misc]
+        _, got = call_case(lse, case, inputs, leaves)  # type: ignore[misc]
     assert isinstance(got, torch.Tensor), "return_lse=True gives (out, lse)"
     return got
 
@@ -143,7 +196,8 @@ def run_case(
     lse: AttentionFn | None = None,
     expected: Expected | None = None,
 ) -> CaseResult:
-    """Judge one strategy (or any SDPA-like ``fn``) on one case.
+    """Judge one strategy (or any SDPA-like ``fn``; flex_attention-like for a flex case) on
+    one case.  A strategy that declines the case (`refusal`) comes back refused, unrun.
 
     A strategy's lse (``return_lse=True``) is judged too (`lse_floor`); with
     ``fn``, the lse of ``lse`` (an ``fn`` that returns (out, lse)) if given.
@@ -157,12 +211,17 @@ def run_case(
     """
     if gradgradcheck is None:
         gradgradcheck = gradcheck and strategy not in SLOW_GRADGRADCHECK
-    if fn is None:
-        fn, lse = strategy_fn(strategy), strategy_fn(strategy, return_lse=True)
     if expected is not None and expected.case != case:
         raise ValueError(f"expected is of case {expected.case.id}, not {case.id}")
     inputs = make_inputs(case, seed) if expected is None else expected.inputs
     result = CaseResult(strategy=strategy, case=case.id, dtype=dtype_name(case.dtype))
+    if fn is None:
+        bind = strategy_fn if case.flex is None else flex_strategy_fn
+        fn, lse = bind(strategy), bind(strategy, return_lse=True)
+        result.refused = refusal(strategy, case, inputs)
+    if result.refused is not None:
+        result.message = f"refused: {result.refused}"
+        return result
     try:
         got = outputs_and_grads(fn, case, inputs, case.dtype)
         if lse is not None:

@@ -6,11 +6,11 @@ compares two more derivatives with autograd through the float64 composite
 
 * ``second_order_error``: double backward.  With w = the case's dout and
   fixed random directions u (`directions`), g = grad(<O, w>, x,
-  create_graph=True) for x = (q, k, v[, mask][, sinks], w), then
+  create_graph=True) for x = (q, k, v[, mask][, sinks][, theta], w), then
   H = grad(sum_i <g_i, u_i>, x): a Hessian-vector product in q, k, v, the
-  mask and the sinks, and J u in w (`second_order`).
+  mask, the sinks and a flex case's theta, and J u in w (`second_order`).
 * ``jvp_error``: forward mode, ``torch.func.jvp`` of the output along the
-  tangents u of q, k, v and a float mask (`output_tangent`).
+  tangents u of q, k, v, a float mask, sinks and theta (`output_tangent`).
 
 Each is one number, the max abs error over every element of every result
 relative to the reference's largest magnitude, floored at 1
@@ -43,12 +43,12 @@ from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
-    call_sdpa,
+    call_case,
     call_with,
     input_tensor,
     make_leaves,
 )
-from attngrad.verify.rule import REFERENCE, abs_error, largest
+from attngrad.verify.rule import abs_error, largest, reference_fn
 
 __all__ = [
     "DERIVATIVES",
@@ -88,15 +88,15 @@ def second_order(
 ) -> dict[str, torch.Tensor]:
     """Double backward of ``fn`` in float64: H = grad(sum_i <g_i, u_i>, x), detached.
 
-    x = (q, k, v[, mask][, sinks], dout) as float64 leaves, g = grad(<O, dout>, x minus
-    dout, create_graph=True), u: `directions` (q, k, v[, mask][, sinks] shapes).  Keys "q",
+    x = (q, k, v[, mask][, sinks][, theta], dout) as float64 leaves, g = grad(<O, dout>, x minus
+    dout, create_graph=True), u: `directions` (q, k, v[, mask][, sinks][, theta] shapes).  Keys "q",
     "k", "v", ("mask"), ("sinks") and "dout": H's part for each (the Hessian-vector
     product H_dout u in q, k, v, mask, sinks; J u in dout), shaped like it.  A part autograd leaves
     unconnected is zero.
     """
     x = make_leaves(inputs)
     dout = input_tensor(inputs, "dout").detach().double().clone().requires_grad_()
-    out = call_sdpa(fn, case, inputs, x)
+    out = call_case(fn, case, inputs, x)
     g = torch.autograd.grad(out, list(x.values()), dout, create_graph=True)
     inner = sum((gi * u[n]).sum() for gi, n in zip(g, x, strict=True))
     wrt = [*x.values(), dout]
@@ -113,7 +113,7 @@ def output_tangent(
 ) -> torch.Tensor:
     """Forward mode of ``fn`` in float64: dO [*lead, Hq, Nq, dv] along tangents ``u``.
 
-    ``torch.func.jvp`` at (q, k, v[, mask][, sinks]) from ``inputs`` with tangents u
+    ``torch.func.jvp`` at (q, k, v[, mask][, sinks][, theta]) from ``inputs`` with tangents u
     (`directions`); a bool mask is held fixed.
     """
     x = make_leaves(inputs)
@@ -164,7 +164,7 @@ def derivative_errors(
     errors: dict[str, float] = {}
     messages: list[str] = []
     for name, run in runs.items():
-        ref = run(REFERENCE)
+        ref = run(reference_fn(case))
         try:
             errors[name] = relative_error(run(fn), ref)
         except Exception as exc:  # a derivative that cannot run fails the case, with its message

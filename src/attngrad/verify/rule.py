@@ -101,6 +101,23 @@ scores past 65504 in the dtype) is not finite where the reference is; it says
 nothing of the dtype's rounding then, and the rule drops its 2x term (kept +
 floor alone).
 
+FlexAttention
+-------------
+A flex case (`attngrad.verify.flex_cases`) is judged by the same rule against
+`attngrad.verify.flex_reference.reference_flex_attention`, with
+`plain_flex_attention` as its plain run, and one more quantity, ``dtheta``:
+the gradient of the tensor its score function reads.  Its floor is derived as
+above with the score function in the cap's place: its slope f' multiplies the
+paths from dS back to q and k, each score's perturbation is |f'| C_X plus the
+roundings inside f, and the slope moves by |f''| C_X plus f's and autograd's
+roundings on it -- all from a first-order error analysis of the function's own
+ops (`attngrad.verify.score_rounding`), not from any machine.  dtheta sums
+dS J over the scores (J = dT/dtheta), its n the most scores one element of
+theta collects (`attngrad.verify.bounds.flex_magnitudes`); it is stored in
+theta's own dtype (float32 beside bfloat16 q, k, v, as a model's parameters
+under mixed precision: `attngrad.verify.cases.Case.theta_dtype`), one
+rounding of that dtype's unit roundoff in the storage term.
+
 lse, where an implementation returns it (``got["lse"]`` of `judge_run`),
 answers to a floor of the compute dtype alone (`lse_floor`): attention
 returns it in the compute dtype whatever the inputs.
@@ -124,20 +141,30 @@ from dataclasses import dataclass
 import torch
 
 from attngrad.core.ops import compute_dtype
-from attngrad.verify.bounds import LAMBDA, magnitudes
+from attngrad.verify.bounds import LAMBDA, Magnitudes, flex_magnitudes, magnitudes
 from attngrad.verify.cases import (
+    AttentionFn,
     Case,
     Inputs,
     as_attention,
+    call_flex,
     default_mask_shape,
     input_tensor,
     outputs_and_grads,
     received,
     reference_keywords,
 )
+from attngrad.verify.flex_cases import block_mask, scenario
+from attngrad.verify.flex_reference import (
+    plain_flex_attention,
+    reference_flex_attention,
+    reference_flex_lse,
+)
 from attngrad.verify.reference import plain_attention, reference_attention, reference_lse
 
 __all__ = [
+    "FLEX_PLAIN",
+    "FLEX_REFERENCE",
     "GRADIENTS",
     "LAMBDA",
     "PLAIN",
@@ -156,6 +183,8 @@ __all__ = [
     "largest",
     "lse_floor",
     "operand_scale",
+    "plain_fn",
+    "reference_fn",
     "rounding_floor",
     "score_error",
     "terms",
@@ -164,7 +193,7 @@ __all__ = [
 
 # the quantities the rule judges (a case has those of its inputs; lse where the
 # implementation returns it, `lse_floor`)
-GRADIENTS = ("out", "dq", "dk", "dv", "dmask", "dsinks", "lse")
+GRADIENTS = ("out", "dq", "dk", "dv", "dmask", "dsinks", "dtheta", "lse")
 # single roundings of each score in the compute dtype besides its d-term product: the scale,
 # the bias add, the row-max shift and the change of base of exp (module docstring)
 SCORE_ROUNDINGS = 4
@@ -173,6 +202,20 @@ SCORE_ROUNDINGS = 4
 # reference and the plain computation in the case's dtype
 REFERENCE = as_attention(reference_attention)
 PLAIN = as_attention(plain_attention)
+# the same two for a flex case, called like `attngrad.flex_attention`
+FLEX_REFERENCE: AttentionFn = reference_flex_attention
+FLEX_PLAIN: AttentionFn = plain_flex_attention
+
+
+def reference_fn(case: Case) -> AttentionFn:
+    """The float64 reference the case is judged against: `FLEX_REFERENCE` for a flex case,
+    else `REFERENCE`."""
+    return REFERENCE if case.flex is None else FLEX_REFERENCE
+
+
+def plain_fn(case: Case) -> AttentionFn:
+    """The plain run of the case's 2x term: `FLEX_PLAIN` for a flex case, else `PLAIN`."""
+    return PLAIN if case.flex is None else FLEX_PLAIN
 
 
 @dataclass(frozen=True)
@@ -344,10 +387,10 @@ def expect(case: Case, inputs: Inputs) -> Expected:
     expensive half of the rule, computed once per case and inputs and shared
     by every implementation judged on them (`judge_run`).
     """
-    exact = received(inputs, case.dtype)
-    ref = outputs_and_grads(REFERENCE, case, exact, torch.float64)
+    exact = received(inputs, case.dtype, case.input_dtypes(case.dtype))
+    ref = outputs_and_grads(reference_fn(case), case, exact, torch.float64)
     ref["lse"] = _reference_lse(case, exact)
-    plain = outputs_and_grads(PLAIN, case, exact, case.dtype)
+    plain = outputs_and_grads(plain_fn(case), case, exact, case.dtype)
     floors, kept = case_bounds(case, exact, ref)
     return Expected(case, inputs, ref, plain, floors, kept)
 
@@ -385,6 +428,13 @@ def judge_outputs(
 
 def _reference_lse(case: Case, inputs: Inputs) -> torch.Tensor:
     """The float64 lse of the case's rows on ``inputs`` (dropout does not enter it)."""
+    if case.flex is not None:
+
+        def lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+            return reference_flex_lse(q, k, **kw)  # type: ignore[arg-type]
+
+        leaves = {n: input_tensor(inputs, n).detach() for n in ("q", "k", "v")}
+        return call_flex(lse, case, inputs, leaves)
     q, k = input_tensor(inputs, "q"), input_tensor(inputs, "k")
     kw = {n: x for n, x in case.kwargs.items() if n not in ("dropout_p", "generator")}
     sinks = {"sinks": inputs["sinks"]} if inputs.get("sinks") is not None else {}
@@ -419,7 +469,7 @@ def case_floors(
     float64 reference on them (None: computed here).
     """
     if ref is None:
-        ref = outputs_and_grads(REFERENCE, case, inputs, torch.float64)
+        ref = outputs_and_grads(reference_fn(case), case, inputs, torch.float64)
     return case_bounds(case, inputs, ref)[0]
 
 
@@ -442,18 +492,41 @@ def case_bounds(
     """
     q, k, v, dout = (input_tensor(inputs, n) for n in ("q", "k", "v", "dout"))
     d = case.shapes.head_dim
-    a, c, r, kept, moved = magnitudes(
-        q, k, v, dout, inputs["mask"], score_error=score_error(case.dtype, d),
-        sinks=inputs.get("sinks"), **reference_keywords(q, k, case.kwargs),  # type: ignore[arg-type]
-    )  # fmt: skip
-    n, operands = terms(case), operand_scale(case, inputs)
+    n = terms(case)
+    if case.flex is None:
+        a, c, r, kept, moved = magnitudes(
+            q, k, v, dout, inputs["mask"], score_error=score_error(case.dtype, d),
+            sinks=inputs.get("sinks"), **reference_keywords(q, k, case.kwargs),  # type: ignore[arg-type]
+        )  # fmt: skip
+    else:
+        (a, c, r, kept, moved), theta_terms = _flex_magnitudes(case, inputs)
+        n = max(n, theta_terms)
+    operands = operand_scale(case, inputs)
     floors = {
         name: rounding_floor(a[name], c[name], case.dtype, n, d, operands, ref[name], r[name])
         for name in a
     }
+    theta = case.input_dtypes(case.dtype).get("theta")
+    if theta is not None and "dtheta" in a:  # stored in theta's own dtype: u_theta |x_ref|
+        stored = unit_roundoff(theta) * ref["dtheta"].abs()
+        floors["dtheta"] = stored + rounding_floor(
+            a["dtheta"], c["dtheta"], case.dtype, n, d, operands,
+            torch.zeros_like(ref["dtheta"]), r["dtheta"],
+        )  # fmt: skip
     if "lse" in ref:
         floors["lse"] = lse_floor(moved, ref["lse"], case)
     return floors, {name: kept_bound(kept[name], case.dtype) for name in a}
+
+
+def _flex_magnitudes(case: Case, inputs: Inputs) -> tuple[Magnitudes, int]:
+    """`attngrad.verify.bounds.flex_magnitudes` of a flex case on ``inputs``."""
+    s = scenario(case.flex or "")
+    q, k, v, dout = (input_tensor(inputs, n) for n in ("q", "k", "v", "dout"))
+    return flex_magnitudes(
+        q, k, v, dout, s.score, inputs.get("theta"),
+        block_mask(s.name, case.shapes.seq_q, case.shapes.seq_k), case.scale, case.gqa,
+        score_error(case.dtype, case.shapes.head_dim),
+    )  # fmt: skip
 
 
 def operand_scale(case: Case, inputs: Inputs) -> float:

@@ -33,12 +33,25 @@ teaching implementation.  `verify` runs, in order:
 
 `Result.passed`: every case and check that ran passed (unsupported ones are
 left out; a function that supports nothing fails).
+
+``flex=True`` judges a function with FlexAttention's signature instead,
+``fn(query, key, value, score_mod=None, block_mask=None, scale=None,
+enable_gqa=False)`` (torch's ``flex_attention``, ``attngrad.flex_attention``, a
+user's kernel), on `attngrad.verify.cases.flex_cases` (score functions,
+captured tensors and BlockMasks, in every dtype).  Its probes
+(`FLEX_FEATURES`) take the dtypes forward only, then ask for ``backward``:
+a function whose backward is refused (torch's CPU flex_attention raises on
+inputs that require grad) is judged on its output alone, its cases marked
+"forward only", gradcheck not run, and "backward" reported unsupported.  A
+function that runs a score function but gives no gradient for the tensor
+it reads ("captured gradient") is judged without dtheta.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -53,24 +66,30 @@ from attngrad.verify.cases import (
     AttentionFn,
     Case,
     Inputs,
+    call_case,
     default_cases,
+    flex_cases,
     input_tensor,
     long_cases,
     make_inputs,
     make_leaves,
 )
+from attngrad.verify.flex_cases import scenario
 from attngrad.verify.rule import Expected, expect, judge_run
 
 __all__ = [
     "DETERMINISM_RUNS",
     "FEATURES",
+    "FLEX_FEATURES",
     "REFUSALS",
     "CaseReport",
     "Check",
     "Result",
     "case_features",
+    "flex_signature",
     "load",
     "quick_cases",
+    "quick_flex_cases",
     "sdpa_cases",
     "verify",
 ]
@@ -84,12 +103,21 @@ SHAPE_FEATURES = (
     "3-d inputs", "5-d inputs",
 )  # fmt: skip
 FEATURES = (*DTYPE_FEATURES, *SHAPE_FEATURES)
+# a FlexAttention-signature function's (``flex=True``): the dtypes are probed forward only
+FLEX_SHAPE_FEATURES = (
+    "backward", "score_mod", "captured gradient", "block_mask", "gqa", "nq!=nk", "dv!=d",
+)  # fmt: skip
+FLEX_FEATURES = (*DTYPE_FEATURES, *FLEX_SHAPE_FEATURES)
 # what a function raises to say "I don't do this" (on a probe only)
 REFUSALS: tuple[type[BaseException], ...] = (
     NotImplementedError, RuntimeError, ValueError, TypeError, AssertionError,
 )  # fmt: skip
 DETERMINISM_RUNS = 5
 _BASE = Shapes((1,), 2, 2, 5, 5, 4, 4)
+# a flex probe's: long enough for a BlockMask of two blocks in each direction
+_FLEX_BASE = Shapes((1,), 2, 2, 20, 20, 8, 8)
+# the simplest flex case of each feature (`_probe_case`): a scenario of attngrad.verify.flex_cases
+_FLEX_PROBES = {"score_mod": "softcap", "captured gradient": "relative", "block_mask": "sliding"}
 
 
 # ---------------------------------------------------------------------------- load
@@ -130,6 +158,17 @@ def load(spec: str) -> AttentionFn:
     return obj  # type: ignore[return-value]
 
 
+def flex_signature(fn: object) -> bool:
+    """Whether ``fn`` reads as FlexAttention-signature: it names a ``score_mod`` or
+    ``block_mask`` parameter (torch's flex_attention, attngrad's, a kernel written after
+    them).  False where the signature cannot be read."""
+    try:
+        params = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return "score_mod" in params or "block_mask" in params
+
+
 def _load_file(spec: str, path: str, forms: str) -> object:
     if not os.path.isfile(path):
         raise ImportError(f"{spec!r}: no file {path!r}; {forms}")
@@ -151,7 +190,8 @@ def sdpa_cases() -> list[Case]:
     return [
         c
         for c in default_cases()
-        if c.softcap is None
+        if c.flex is None
+        and c.softcap is None
         and c.sinks == "none"
         and c.align == "top-left"
         and c.segments is None
@@ -175,12 +215,29 @@ def quick_cases() -> list[Case]:
     return keep
 
 
+def quick_flex_cases() -> list[Case]:
+    """A small flex grid for tests: every scenario in float32, and those with a score function
+    in bfloat16 too."""
+    return [
+        c
+        for c in flex_cases()
+        if c.dtype == torch.float32 or (c.dtype == torch.bfloat16 and scenario(c.flex or "").score)
+    ]
+
+
 def case_features(case: Case) -> list[str]:
     """What a case exercises: its dtype, mask kind and layout (``dead rows``: a bool mask
-    with a query row that attends nothing; ``nk=1``: a single key)."""
+    with a query row that attends nothing; ``nk=1``: a single key); a flex case's score
+    function, captured tensor and BlockMask."""
     sh = case.shapes
     features = [dtype_name(case.dtype)]
-    if case.mask == "bool":
+    if case.flex is not None:
+        s = scenario(case.flex)
+        features += ["score_mod"] if s.score is not None else []
+        features += ["captured gradient"] if s.theta is not None else []
+        features += ["block_mask"] if s.mask is not None else []
+        features += ["dead rows"] if s.name == "empty-rows" else []
+    elif case.mask == "bool":
         features.append("bool mask")
         if sh.seq_q > 1:
             features.append("dead rows")
@@ -203,8 +260,19 @@ def case_features(case: Case) -> list[str]:
     return features
 
 
-def _probe_case(feature: str, dtype: torch.dtype) -> Case:
-    """The simplest case with ``feature`` and nothing else."""
+def _probe_case(feature: str, dtype: torch.dtype, flex: bool = False) -> Case:
+    """The simplest case with ``feature`` and nothing else (a flex_attention call with
+    ``flex``)."""
+    if flex:
+        shapes = {
+            "gqa": replace(_FLEX_BASE, heads_q=4),
+            "nq!=nk": replace(_FLEX_BASE, seq_k=28),
+            "dv!=d": replace(_FLEX_BASE, value_dim=12),
+        }
+        return Case(
+            shapes.get(feature, _FLEX_BASE), DTYPES.get(feature, dtype),
+            flex=_FLEX_PROBES.get(feature, "none"),
+        )  # fmt: skip
     if feature in DTYPES:
         return Case(_BASE, DTYPES[feature])
     masks = {"bool mask": "bool", "float mask": "float", "float mask gradient": "float"}
@@ -282,36 +350,60 @@ def _json_number(x: float) -> float | str:
 # ------------------------------------------------------------------------- running
 
 
-def _mask(
-    inputs: Inputs, leaves: Mapping[str, torch.Tensor], dtype: torch.dtype
-) -> torch.Tensor | None:
-    if "mask" in leaves:
-        return leaves["mask"]
-    mask = inputs["mask"]
-    if mask is None:
-        return None
-    return mask.clone() if mask.dtype == torch.bool else mask.to(dtype).clone()
+@dataclass(frozen=True)
+class _Takes:
+    """What the function gives beyond out, dq, dk, dv: dmask (``mask_grad``), dtheta
+    (``theta_grad``), any gradient at all (``backward``; False: judged forward only)."""
+
+    mask_grad: bool = True
+    theta_grad: bool = True
+    backward: bool = True
+
+    def leaves(self, case: Case, inputs: Inputs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """`make_leaves` of what it is differentiated in; forward only: the same tensors
+        without requires_grad (a kernel without backward may refuse inputs that require grad)."""
+        dtypes = case.input_dtypes(dtype)
+        leaves = make_leaves(inputs, dtype, self.mask_grad, self.theta_grad, dtypes)
+        return leaves if self.backward else {n: t.detach() for n, t in leaves.items()}
+
+
+def _fixed(
+    case: Case, inputs: Inputs, leaves: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The mask and a flex case's theta where they are not leaves: fresh copies in ``dtype``
+    (theta in its own, `attngrad.verify.cases.Case.input_dtypes`; a bool mask as it is)."""
+    fixed = {}
+    dtypes = case.input_dtypes(dtype)
+    for name in ("mask", "theta"):
+        t = inputs.get(name)
+        if t is not None and name not in leaves:
+            own = dtypes.get(name, dtype)
+            fixed[name] = t.clone() if t.dtype == torch.bool else t.to(own).clone()
+    return fixed
 
 
 class _Modified(Exception):
     """An input the function changed (value or ``_version``)."""
 
 
-def _run(fn: AttentionFn, case: Case, inputs: Inputs, mask_grad: bool) -> dict[str, torch.Tensor]:
-    """out and the gradients of q, k, v (and the mask) of ``fn`` on the case, in its dtype.
+def _run(fn: AttentionFn, case: Case, inputs: Inputs, takes: _Takes) -> dict[str, torch.Tensor]:
+    """out and the gradients of q, k, v (and the mask, theta) of ``fn`` on the case, in its
+    dtype (out alone when ``takes.backward`` is False).
 
     Raises `_Modified` naming each input whose value or ``_version`` changed.
     """
     dtype = case.dtype
-    leaves = make_leaves(inputs, dtype, mask_grad)
-    mask = _mask(inputs, leaves, dtype)
-    given = {**leaves, **({"mask": mask} if mask is not None else {})}
+    leaves = takes.leaves(case, inputs, dtype)
+    given = {**leaves, **_fixed(case, inputs, leaves, dtype)}
     before = {n: (t.detach().clone(), t._version) for n, t in given.items()}
-    out = fn(leaves["q"], leaves["k"], leaves["v"], mask, **case.kwargs)
+    with torch.set_grad_enabled(takes.backward):
+        out = call_case(fn, case, inputs, given)
     # before backward too: autograd refuses a backward whose saved inputs were modified
     changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
     if changed:
         raise _Modified(f"{', '.join(changed)} modified in place by the call")
+    if not takes.backward:
+        return {"out": out.detach()}
     dout = input_tensor(inputs, "dout").to(out.dtype)
     grads = torch.autograd.grad(out, list(leaves.values()), dout, allow_unused=True)
     changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
@@ -343,12 +435,17 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
-def _probe(fn: AttentionFn, feature: str, dtype: torch.dtype, seed: int) -> tuple[bool | None, str]:
-    """(True, "") supported; (None, why) refused; (False, why) crashed."""
-    case = _probe_case(feature, dtype)
+def _probe(
+    fn: AttentionFn, feature: str, dtype: torch.dtype, seed: int, flex: bool = False,
+    backward: bool = True,
+) -> tuple[bool | None, str]:  # fmt: skip
+    """(True, "") supported; (None, why) refused; (False, why) crashed.  ``backward`` False:
+    forward only."""
+    case = _probe_case(feature, dtype, flex)
     inputs = make_inputs(case, seed, dead_row=False)
+    takes = _Takes(feature == "float mask gradient", feature == "captured gradient", backward)
     try:
-        got = _run(fn, case, inputs, mask_grad=feature == "float mask gradient")
+        got = _run(fn, case, inputs, takes)
     except _Modified:
         return True, ""  # the no-modification check reports it
     except REFUSALS as e:
@@ -357,6 +454,8 @@ def _probe(fn: AttentionFn, feature: str, dtype: torch.dtype, seed: int) -> tupl
         return False, _error(e)
     if feature == "float mask gradient" and "dmask" not in got:
         return None, "no gradient for the float mask"
+    if feature == "captured gradient" and backward and "dtheta" not in got:
+        return None, "no gradient for the tensor the score function reads"
     return True, ""
 
 
@@ -364,17 +463,19 @@ def _grid_case(
     fn: AttentionFn,
     case: Case,
     seed: int,
-    mask_grad: bool,
+    takes: _Takes,
     modified: list[str],
     expected: Expected | None,
 ) -> CaseReport:
     features = case_features(case)
-    if case.mask == "float" and not mask_grad:
+    if case.mask == "float" and not takes.mask_grad:
         features.remove("float mask gradient")
+    if "captured gradient" in features and not (takes.theta_grad and takes.backward):
+        features.remove("captured gradient")
     report = CaseReport(case.id, features, False)
     inputs = make_inputs(case, seed) if expected is None else expected.inputs
     try:
-        got = _run(fn, case, inputs, mask_grad)
+        got = _run(fn, case, inputs, takes)
     except _Modified as e:
         modified.append(f"{case.id}: {e}")
         report.message = f"{_names(features)}: {e}"
@@ -395,8 +496,12 @@ def _grid_case(
     failed = [str(v) for v in verdicts if not v.passed]
     if failed:
         report.message = f"{_names(features)}: " + "; ".join(failed)
-    if case.mask == "float" and not mask_grad:
+    if case.mask == "float" and not takes.mask_grad:
         report.message = "; ".join(filter(None, [report.message, "dmask not judged"]))
+    if not takes.backward:
+        report.message = "; ".join(filter(None, [report.message, "forward only (no backward)"]))
+    elif case.flex is not None and scenario(case.flex).theta is not None and not takes.theta_grad:
+        report.message = "; ".join(filter(None, [report.message, "dtheta not judged"]))
     return report
 
 
@@ -414,12 +519,12 @@ class _SlowMode(Exception):
 _GRADCHECK_CALLS = 64
 
 
-def _gradcheck(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> str:
+def _gradcheck(fn: AttentionFn, case: Case, seed: int, takes: _Takes) -> str:
     """ "" when gradcheck (fast mode) passes on the float64 case, else what failed."""
     inputs = make_inputs(case, seed)
-    leaves = make_leaves(inputs, torch.float64, mask_grad)
+    leaves = takes.leaves(case, inputs, torch.float64)
     names = list(leaves)
-    fixed = _mask(inputs, leaves, torch.float64)
+    fixed = _fixed(case, inputs, leaves, torch.float64)
 
     calls = 0
 
@@ -428,8 +533,7 @@ def _gradcheck(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> str:
         calls += 1
         if calls > _GRADCHECK_CALLS:
             raise _SlowMode
-        x = dict(zip(names, a, strict=True))
-        return fn(x["q"], x["k"], x["v"], x.get("mask", fixed), **case.kwargs)
+        return call_case(fn, case, inputs, {**dict(zip(names, a, strict=True)), **fixed})
 
     try:
         torch.autograd.gradcheck(call, tuple(leaves.values()), fast_mode=True)
@@ -440,11 +544,12 @@ def _gradcheck(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> str:
     return ""
 
 
-def _determinism(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> Check:
-    name = f"determinism ({DETERMINISM_RUNS} forward+backward runs, bit for bit)"
+def _determinism(fn: AttentionFn, case: Case, seed: int, takes: _Takes) -> Check:
+    what = "forward+backward" if takes.backward else "forward"
+    name = f"determinism ({DETERMINISM_RUNS} {what} runs, bit for bit)"
     inputs = make_inputs(case, seed)
     try:
-        runs = [_run(fn, case, inputs, mask_grad) for _ in range(DETERMINISM_RUNS)]
+        runs = [_run(fn, case, inputs, takes) for _ in range(DETERMINISM_RUNS)]
     except Exception as e:  # reported, not raised: the grid names the case too
         return Check(name, False, f"{case.id}: raised {_error(e)}")
     differ = sorted({n for r in runs[1:] for n, t in r.items() if not _same_bits(t, runs[0][n])})
@@ -454,16 +559,15 @@ def _determinism(fn: AttentionFn, case: Case, seed: int, mask_grad: bool) -> Che
 
 
 def _no_grad_call(fn: AttentionFn, case: Case, seed: int) -> str:
-    """ "" when a call without grad leaves q, k, v and the mask alone, else which it changed."""
+    """ "" when a call without grad leaves q, k, v, the mask and theta alone, else which it
+    changed."""
     inputs = make_inputs(case, seed)
     given = {n: input_tensor(inputs, n).to(case.dtype).clone() for n in ("q", "k", "v")}
-    mask = _mask(inputs, {}, case.dtype)
-    if mask is not None:
-        given["mask"] = mask
+    given.update(_fixed(case, inputs, given, case.dtype))
     before = {n: (t.clone(), t._version) for n, t in given.items()}
     try:
         with torch.no_grad():
-            fn(given["q"], given["k"], given["v"], mask, **case.kwargs)
+            call_case(fn, case, inputs, given)
     except Exception as e:  # reported by the check
         return f"{case.id} without grad: raised {_error(e)}"
     changed = [n for n, (value, version) in before.items() if _changed(given[n], value, version)]
@@ -477,17 +581,22 @@ def verify(
     seed: int = 0,
     gradcheck: bool = True,
     expected: Callable[[Case], Expected] | None = None,
+    flex: bool = False,
 ) -> Result:
-    """Judge ``fn`` (SDPA's signature) as the module docstring says.
+    """Judge ``fn`` (SDPA's signature; FlexAttention's with ``flex``) as the module docstring
+    says.
 
-    cases: the grid (default `sdpa_cases`; `quick_cases` for a small one);
+    cases: the grid (default `sdpa_cases`, with ``flex`` `attngrad.verify.cases.flex_cases`;
+    `quick_cases`, `quick_flex_cases` for a small one);
     progress: called with a note after each probe, case and check
     (`steps` of them in all); expected: each case's expectation on ``seed``'s
     inputs (`attngrad.verify.check.expect_case`), a cache of which lets
     several functions judged on one grid share it (None: computed here).
     """
     step = progress or (lambda note: None)
-    cases = list(sdpa_cases() if cases is None else cases)
+    if cases is None:
+        cases = flex_cases() if flex else sdpa_cases()
+    cases = list(cases)
     checks: list[Check] = []
     unsupported: dict[str, str] = {}
     status: dict[str, bool | None] = {}
@@ -501,22 +610,30 @@ def verify(
             checks.append(Check(f"feature {feature}", ok, f"{word}: {why}"))
         step(f"probe {feature}")
 
-    for feature in DTYPE_FEATURES:
-        record(feature, *_probe(fn, feature, DTYPES[feature], seed))
+    for feature in DTYPE_FEATURES:  # a flex function's forward only: backward is a feature
+        record(feature, *_probe(fn, feature, DTYPES[feature], seed, flex, backward=not flex))
     base = next((DTYPES[f] for f in DTYPE_FEATURES if status[f]), None)
-    for feature in SHAPE_FEATURES:
+    for feature in FLEX_SHAPE_FEATURES if flex else SHAPE_FEATURES:
+        backward = status.get("backward", True) is True
         if base is None:
             record(feature, None, "no dtype runs")
         elif feature == "float mask gradient" and status["float mask"] is None:
             record(feature, None, "float masks are unsupported")
+        elif feature == "captured gradient" and status["score_mod"] is None:
+            record(feature, None, "score functions are unsupported")
+        elif feature == "captured gradient" and not backward:
+            record(feature, None, "no backward")
         else:
-            record(feature, *_probe(fn, feature, base, seed))
-    mask_grad = status["float mask gradient"] is not None
+            record(feature, *_probe(fn, feature, base, seed, flex, backward))
+    takes = _Takes(
+        status.get("float mask gradient") is not None,
+        status.get("captured gradient") is not None,
+        status.get("backward", True) is not None,
+    )
+    optional = ("float mask gradient", "captured gradient", "backward")
 
     def runs(case: Case) -> bool:
-        needed = [f for f in case_features(case) if f in status]
-        if case.mask == "float" and not mask_grad:
-            needed.remove("float mask gradient")
+        needed = [f for f in case_features(case) if f in status and f not in optional]
         return all(status[f] is not None for f in needed)
 
     reports: list[CaseReport] = []
@@ -524,7 +641,7 @@ def verify(
     for case in cases:
         if runs(case):
             shared = None if expected is None else expected(case)
-            reports.append(_grid_case(fn, case, seed, mask_grad, modified, shared))
+            reports.append(_grid_case(fn, case, seed, takes, modified, shared))
         else:
             features = case_features(case)
             off = [f for f in features if status.get(f, True) is None]
@@ -534,9 +651,12 @@ def verify(
         step(case.id)
 
     f64 = [c for c in cases if c.dtype == torch.float64 and runs(c)]
-    if gradcheck:
+    if gradcheck and not takes.backward:
+        checks.append(Check("gradcheck (float64, fast mode)", None, "no backward"))
+        step("gradcheck")
+    elif gradcheck:
         if f64:
-            failed = [m for c in f64 if (m := _gradcheck(fn, c, seed, mask_grad))]
+            failed = [m for c in f64 if (m := _gradcheck(fn, c, seed, takes))]
             checks.append(
                 Check(
                     f"gradcheck (float64, fast mode, {len(f64)} cases)",
@@ -556,15 +676,16 @@ def verify(
                 c.dtype == base,
                 c.shapes.heads_q != c.shapes.heads_kv,
                 c.shapes.seq_q != c.shapes.seq_k,
-                c.mask == "float",
+                c.mask == "float" or "captured gradient" in case_features(c),
                 c.shapes.seq_k,
             ),
         )
-        checks.append(_determinism(fn, target, seed, mask_grad))
+        checks.append(_determinism(fn, target, seed, takes))
         no_grad = _no_grad_call(fn, target, seed)
     else:
         checks.append(Check("determinism", None, "no case runs"))
-        no_grad = _no_grad_call(fn, Case(_BASE, base or torch.float32), seed)
+        fallback = _probe_case("float32", base or torch.float32, flex)
+        no_grad = _no_grad_call(fn, replace(fallback, dtype=base or torch.float32), seed)
     step("determinism")
     problems = [
         *modified[:3],
@@ -573,7 +694,7 @@ def verify(
     problems += filter(None, [no_grad])
     checks.append(
         Check(
-            "no input modified (q, k, v, mask: values and _version)",
+            f"no input modified (q, k, v, {'theta' if flex else 'mask'}: values and _version)",
             not problems,
             "; ".join(problems),
         )
@@ -582,7 +703,9 @@ def verify(
     return Result(reports, checks, unsupported)
 
 
-def steps(cases: Sequence[Case] | None = None, gradcheck: bool = True) -> int:
-    """How many times `verify` calls ``progress``."""
-    n = len(sdpa_cases() if cases is None else cases)
-    return len(FEATURES) + n + int(gradcheck) + 2
+def steps(cases: Sequence[Case] | None = None, gradcheck: bool = True, flex: bool = False) -> int:
+    """How many times `verify` calls ``progress`` (``flex``: on a FlexAttention-signature
+    function)."""
+    if cases is None:
+        cases = flex_cases() if flex else sdpa_cases()
+    return len(FLEX_FEATURES if flex else FEATURES) + len(cases) + int(gradcheck) + 2
