@@ -112,8 +112,10 @@ from torch.nn.attention.flex_attention import flex_attention as fa
 
 
 def run(q: torch.Tensor) -> torch.Tensor:
-    # with a score_mod: torch's eager forward and attngrad's run the same function
-    return flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).abs())
+    # with a score_mod: torch's eager forward and attngrad's run the same function; k and v
+    # are copies, not q again: torch's eager flex recompiles on aliased inputs after distinct
+    # ones, and its guard report then fails (a TypeError inside torch._dynamo)
+    return flex_attention(q, q.clone(), q.clone(), score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).abs())
 """
 
 
@@ -207,7 +209,7 @@ def test_unknown_strategy_is_refused_before_patching() -> None:
 @pytest.mark.filterwarnings("ignore:return_lse is deprecated")  # torch's; Doge still passes it
 def test_returns_lse_and_aux_as_torch_does() -> None:
     q = torch.randn(1, 2, 10, 4, dtype=torch.float64)
-    out, lse = KEPT["torch"](q, q, q, return_lse=True)
+    out, lse = KEPT["torch"](q, q.clone(), q.clone(), return_lse=True)  # no aliasing: see USER
     aux_request = torch_flex.AuxRequest(lse=True)
     with attngrad.patch_flex_attention("flash"):
         got, got_lse = torch_flex.flex_attention(q, q, q, return_lse=True)
