@@ -7,7 +7,8 @@ route does the same): control flow on a tensor's value is refused there, as torc
 it (`explain` says how to write it instead).  `Reads`, a
 `torch.overrides.TorchFunctionMode`, sees every tensor the function's ops read: it finds
 the tensors a function captures (whatever it read but did not make), or swaps them for
-others by identity.  `one_thread` runs a block on one thread: a sum then rounds the same
+others by identity; and whether every op acts on each score alone, in which case
+`broadcast_tile` runs the function once on broadcast indices instead, with the same result.  `one_thread` runs a block on one thread: a sum then rounds the same
 for any thread count.
 """
 
@@ -31,7 +32,17 @@ from torch.utils import _pytree as pytree
 
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
 
-__all__ = ["INDEX", "Reads", "TileIndex", "check_arity", "explain", "one_thread", "over_tile"]
+__all__ = [
+    "ELEMENTWISE",
+    "INDEX",
+    "Reads",
+    "TileIndex",
+    "broadcast_tile",
+    "check_arity",
+    "explain",
+    "one_thread",
+    "over_tile",
+]
 
 INDEX = torch.int32  # the indices' dtype, as torch passes them
 
@@ -40,9 +51,48 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+# Ops that act on each score alone, broadcasting their operands: a function made of these
+# (and `_full_index`) gives over a tile, called once on broadcast indices, what nested vmaps
+# give, without vmap's per-op cost or its copies of expanded index tensors.
+ELEMENTWISE = frozenset(
+    """__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__
+    __floordiv__ __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __neg__ __abs__ __and__
+    __rand__ __or__ __ror__ __xor__ __rxor__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__
+    __ge__ __lshift__ __rshift__ add sub subtract mul multiply div divide true_divide
+    floor_divide remainder fmod pow neg negative abs exp exp2 expm1 log log2 log10 log1p sqrt
+    rsqrt square reciprocal tanh sigmoid sin cos tan atan atan2 asin acos sinh cosh erf erfc
+    relu gelu silu softplus logsigmoid clamp clamp_min clamp_max clip minimum maximum fmin
+    fmax where logical_and logical_or logical_not logical_xor bitwise_and bitwise_or
+    bitwise_xor bitwise_not eq ne lt le gt ge sign sgn floor ceil round trunc frac to float
+    double half bfloat16 long int short bool type_as lerp hypot copysign nan_to_num isnan
+    isinf isfinite masked_fill zeros_like ones_like full_like""".split()  # noqa: SIM905
+)
+_PROPERTIES = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.device.__get__})  # type: ignore[attr-defined]
+
+
+def _full_index(base: object, index: object) -> bool:
+    """``base[index]`` reads one element per index: every position given, by tensors or ints."""
+    entries = index if isinstance(index, tuple) else (index,)
+    return (
+        isinstance(base, torch.Tensor)
+        and len(entries) == base.dim()
+        and any(isinstance(e, torch.Tensor) for e in entries)
+        and all(
+            (isinstance(e, torch.Tensor) and not e.is_floating_point() and e.dtype != torch.bool)
+            or (isinstance(e, int) and not isinstance(e, bool))
+            for e in entries
+        )
+    )
+
+
 class Reads(TorchFunctionMode):
     """While a score or mask function runs: record the tensors it reads that it did not
-    make (``record``), or swap the captured tensors for others (``swap``, by identity)."""
+    make and whether it is elementwise (``record``), or swap the captured tensors for others
+    (``swap``, by identity).
+
+    ``elementwise`` stays True while every op is one of `ELEMENTWISE`, reads a dtype or
+    device, or indexes a captured tensor at every position (``table[h, q_idx - kv_idx]``).
+    """
 
     def __init__(self, made: Sequence[torch.Tensor], swap: dict[int, torch.Tensor] | None) -> None:
         super().__init__()
@@ -50,6 +100,7 @@ class Reads(TorchFunctionMode):
         self.keep: list[torch.Tensor] = list(made)  # alive, so that no id is reused meanwhile
         self.read: dict[int, torch.Tensor] = {}
         self.swap = swap
+        self.elementwise = True
 
     def __torch_function__(
         self,
@@ -68,6 +119,11 @@ class Reads(TorchFunctionMode):
         for t in _tensors((args, kwargs)):
             if id(t) not in self.made and id(t) not in self.read:
                 self.read[id(t)] = t
+        if func is torch.Tensor.__getitem__:
+            captured = len(args) == 2 and id(args[0]) in self.read
+            self.elementwise &= captured and _full_index(*args)
+        elif func not in _PROPERTIES:
+            self.elementwise &= getattr(func, "__name__", "") in ELEMENTWISE
         out = func(*args, **kwargs)
         made = _tensors(out)
         self.keep += made
@@ -127,6 +183,17 @@ def check_arity(fn: object, name: str, count: int, example: str) -> None:
         ) from None
     except ValueError:  # a builtin without a signature: its call will say
         pass
+
+
+def broadcast_tile(
+    point: Callable[..., Any], s: torch.Tensor, index: TileIndex, extra: Sequence[torch.Tensor] = ()
+) -> Any:
+    """``point`` called once on the whole tile s: [B, H, r, c] with the indices shaped to
+    broadcast against it, [B, 1, 1, 1], [1, H, 1, 1], [1, 1, r, 1], [1, 1, 1, c]: what
+    `over_tile` gives for an elementwise function (`Reads.elementwise`)."""
+    b, h, i, j = index.b, index.h, index.i, index.j
+    axes = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
+    return point(s, *axes, *extra)
 
 
 def over_tile(

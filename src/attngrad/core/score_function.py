@@ -44,6 +44,7 @@ from attngrad.core.ops import compute_dtype
 from attngrad.core.pointwise import (
     Reads,
     TileIndex,
+    broadcast_tile,
     check_arity,
     explain,
     one_thread,
@@ -61,7 +62,9 @@ class ScoreFunction:
     closure (``captured_originals``, which the closure keeps alive anyway);
     captured: the tensors read in their place (the Function's inputs), same
     order; batch: B of the call (a folded batch entry b reads b mod batch);
-    heads: Hq.
+    heads: Hq; elementwise: every op of it acts on each score alone
+    (`attngrad.core.pointwise.Reads`), so a tile runs it once on broadcast indices
+    instead of under vmap.
     """
 
     fn: Callable[..., torch.Tensor]
@@ -70,6 +73,7 @@ class ScoreFunction:
     batch: int
     heads: int
     captured_originals: tuple[torch.Tensor, ...] = ()
+    elementwise: bool = False
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -103,7 +107,7 @@ class ScoreFunction:
                     f"query is on {q.device}; move the tensor to {q.device}."
                 )
         keys = tuple(id(t) for t in captured)
-        return ScoreFunction(fn, keys, captured, batch, q.shape[1], captured)
+        return ScoreFunction(fn, keys, captured, batch, q.shape[1], captured, reads.elementwise)
 
     def with_captured(self, captured: Sequence[torch.Tensor]) -> ScoreFunction:
         """The same function reading ``captured`` (saved, unwrapped or batched copies)."""
@@ -137,14 +141,19 @@ class ScoreFunction:
             swap = {k: t for k, t, o in zip(keys, captured, originals, strict=True) if t is not o}
             with Reads((), swap) if swap else contextlib.nullcontext():
                 out = fn(s, b, h, i, j)
+            if elementwise and isinstance(out, torch.Tensor):  # broadcast onto the tile
+                out = out.expand(s.shape)
             _check_score(out, s)
             return out.to(s.dtype)
+
+        elementwise = self.elementwise
+        run = broadcast_tile if elementwise else over_tile
 
         def tile(s: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:
             if s.numel() == 0:  # a tile with no keys (or rows): nothing to evaluate
                 return s.clone()
             try:
-                return over_tile(point, s, index, captured)  # type: ignore[no-any-return]
+                return run(point, s, index, captured)  # type: ignore[no-any-return]
             except RuntimeError as err:
                 raise explain(err, "score_mod") from err
 

@@ -1,0 +1,70 @@
+"""A score function of elementwise ops runs once on broadcast indices, with vmap's result.
+
+`attngrad.core.pointwise.Reads` classifies a score function while finding its captures:
+elementwise (every op one of `ELEMENTWISE`, or a captured tensor indexed at every
+position) or not.  An elementwise one must give, values and every derivative, what the
+nested vmaps give; anything else (chained indexing, a reduction, a matmul) must stay on
+vmap, where torch's per-score semantics hold by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from attngrad.core.score_function import ScoreFunction
+
+torch.manual_seed(0)
+B, H, N = 2, 4, 24
+TABLE = torch.randn(H, 2 * N - 1, dtype=torch.float64, requires_grad=True)
+SLOPES = torch.rand(H, dtype=torch.float64, requires_grad=True)
+BIAS = torch.randn(B, 1, N, N, dtype=torch.float64)
+GATE = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+
+ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
+    "alibi": lambda s, b, h, i, j: s - SLOPES[h] * (i - j).abs(),
+    "table": lambda s, b, h, i, j: s + TABLE[h, i - j + N - 1],
+    "softcap-gate": lambda s, b, h, i, j: torch.tanh(s / 3) * 3 * torch.sigmoid(GATE),
+    "full-index": lambda s, b, h, i, j: torch.where(i >= j, s + BIAS[b, 0, i, j], -1e4),
+}
+NOT_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
+    "chained-index": lambda s, b, h, i, j: s + BIAS[b][0][i][j],
+    "reduction": lambda s, b, h, i, j: s + SLOPES.sum() * 0 + SLOPES[h],
+    "matmul": lambda s, b, h, i, j: s + SLOPES @ SLOPES,
+}
+
+
+def _function(fn: Callable[..., torch.Tensor]) -> ScoreFunction:
+    return ScoreFunction.of(fn, torch.zeros(B, H, N, 8, dtype=torch.float64), B)
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_elementwise_functions_are_found(name: str) -> None:
+    assert _function(ELEMENTWISE[name]).elementwise
+
+
+@pytest.mark.parametrize("name", NOT_ELEMENTWISE)
+def test_other_functions_stay_on_vmap(name: str) -> None:
+    assert not _function(NOT_ELEMENTWISE[name]).elementwise
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_broadcast_gives_what_vmap_gives(name: str) -> None:
+    fast = _function(ELEMENTWISE[name])
+    slow = dataclasses.replace(fast, elementwise=False, _cache={})
+    rows, cols = slice(3, 17), slice(5, 24)
+    raw = torch.randn(B, H, 1, 14, 19, dtype=torch.float64)  # [B, Hkv, G, r, c]
+    ds = torch.randn(B, H, 14, 19, dtype=torch.float64)
+    direction = torch.randn_like(ds)
+    results = []
+    for f in (fast, slow):
+        values = f.values_(raw.clone(), rows, cols)
+        grads = [torch.zeros_like(t) for t in f.captured]
+        pulled = f.pullback_(raw.clone(), rows, cols, ds.clone(), grads)
+        pushed = f.push(raw, rows, cols, direction, [torch.ones_like(t) for t in f.captured])
+        results.append((values, pulled, pushed, *grads))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
