@@ -176,8 +176,10 @@ def second_order(
             t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
             if not direction.zero:
                 g_raw = direction.raw_tile(q_r, k, rows, keys)
-                keep_raw = slope is not None or mods.score is not None
-                g_tile = direction.finish_(g_raw.clone() if keep_raw else g_raw, rows, keys, g, raw)
+                # finish_ scales by a softcap's slope in place; a score function's push is
+                # out of place: G_raw itself is read again below
+                kept = g_raw.clone() if slope is not None else g_raw
+                g_tile = direction.finish_(kept, rows, keys, g, raw)
                 h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
                 if grad_v is not None or grad_do is not None:
                     d_hat = p * h
