@@ -295,3 +295,16 @@ def assert_scores_rebuilt_bit_for_bit(
     assert torch.equal(dq, (ds * k[:, :, pi] * scale).to(dtype))
     assert torch.equal(dk[:, :, pi], (ds * q * scale).to(dtype))
     assert (dv == 0).all()
+
+
+def autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The class names of every node of t's autograd graph (which strategy's backward ran)."""
+    seen, names, stack = set(), set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names

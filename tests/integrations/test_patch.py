@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attngrad
-from helpers import tiny_llama
+from helpers import autograd_nodes, tiny_llama
 
 ORIGINAL = F.scaled_dot_product_attention
 
@@ -30,18 +30,6 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
 
-def _autograd_nodes(t: torch.Tensor) -> set[str]:
-    seen, names, stack = set(), set(), [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(n for n, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("strategy", ["explicit", "recompute", "flash"])
 def test_module_runs_attngrad_inside_the_patch(strategy: str) -> None:
     model = CausalSelfAttention().double()
@@ -51,7 +39,7 @@ def test_module_runs_attngrad_inside_the_patch(strategy: str) -> None:
         assert F.scaled_dot_product_attention is not ORIGINAL
         got = model(x)
     assert F.scaled_dot_product_attention is ORIGINAL
-    nodes = _autograd_nodes(got)
+    nodes = autograd_nodes(got)
     assert f"{strategy.capitalize()}AttentionBackward" in nodes, nodes
     assert not any("ScaledDotProduct" in n for n in nodes), nodes
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
@@ -96,7 +84,7 @@ def test_as_a_decorator() -> None:
         return F.scaled_dot_product_attention(q, q, q)
 
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
-    assert "ExplicitAttentionBackward" in _autograd_nodes(run(q))
+    assert "ExplicitAttentionBackward" in autograd_nodes(run(q))
     assert F.scaled_dot_product_attention is ORIGINAL
 
 
@@ -120,6 +108,6 @@ def test_transformers_sdpa_path_runs_attngrad() -> None:
     expected = model(ids, attention_mask=mask).logits
     with attngrad.patch_sdpa("flash"):
         got = model(ids, attention_mask=mask).logits
-    assert "FlashAttentionBackward" in _autograd_nodes(got)
+    assert "FlashAttentionBackward" in autograd_nodes(got)
     live = mask.bool()
     torch.testing.assert_close(got[live], expected[live], rtol=1e-10, atol=1e-10)

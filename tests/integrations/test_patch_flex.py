@@ -75,24 +75,13 @@ from torch import nn
 from torch.nn.attention import flex_attention as torch_flex
 
 import attngrad
+from helpers import autograd_nodes
 
 # In a dict, not as a global: the patch rebinds every module global that is torch's function,
 # this test module's too (a global ``ORIGINAL = flex_attention`` would read the patched one inside).
 KEPT = {"torch": torch_flex.flex_attention}
 # torch's own flex on CPU runs eagerly, materialising the scores, and says so once
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-def _autograd_nodes(t: torch.Tensor) -> set[str]:
-    seen, names, stack = set(), set(), [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(n for n, _ in node.next_functions)
-    return names
 
 
 def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> str:
@@ -136,7 +125,7 @@ def test_module_attribute_runs_attngrad_inside(strategy: str) -> None:
         assert torch_flex.flex_attention is not KEPT["torch"]
         got = torch_flex.flex_attention(q, k, v, score_mod)
     assert torch_flex.flex_attention is KEPT["torch"]
-    assert f"{strategy.capitalize()}AttentionBackward" in _autograd_nodes(got)
+    assert f"{strategy.capitalize()}AttentionBackward" in autograd_nodes(got)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     dq, dbias = torch.autograd.grad(got.sum(), (q, bias))
     assert dq.isfinite().all() and dbias.abs().sum() > 0
@@ -155,7 +144,7 @@ def test_name_bound_at_import_is_rebound_and_restored(
         assert user.fa is torch_flex.flex_attention  # an alias too
         got = user.run(q)
     assert user.flex_attention is KEPT["torch"] and user.fa is KEPT["torch"]
-    assert "RecomputeAttentionBackward" in _autograd_nodes(got)
+    assert "RecomputeAttentionBackward" in autograd_nodes(got)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -182,9 +171,9 @@ def test_restored_when_the_block_raises_and_when_nested(
         assert user.flex_attention is outer is not KEPT["torch"]
         with attngrad.patch_flex_attention("explicit"):
             assert user.flex_attention is torch_flex.flex_attention is not outer
-            assert "ExplicitAttentionBackward" in _autograd_nodes(user.run(q))
+            assert "ExplicitAttentionBackward" in autograd_nodes(user.run(q))
         assert user.flex_attention is torch_flex.flex_attention is outer
-        assert "FlashAttentionBackward" in _autograd_nodes(user.run(q))
+        assert "FlashAttentionBackward" in autograd_nodes(user.run(q))
     assert torch_flex.flex_attention is KEPT["torch"] and user.flex_attention is KEPT["torch"]
 
 
@@ -194,9 +183,9 @@ def test_as_a_decorator() -> None:
         return torch_flex.flex_attention(q, q, q)
 
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
-    assert "ExplicitAttentionBackward" in _autograd_nodes(run(q))
+    assert "ExplicitAttentionBackward" in autograd_nodes(run(q))
     assert torch_flex.flex_attention is KEPT["torch"]
-    assert "ExplicitAttentionBackward" in _autograd_nodes(run(q))  # each call patches anew
+    assert "ExplicitAttentionBackward" in autograd_nodes(run(q))  # each call patches anew
     assert torch_flex.flex_attention is KEPT["torch"]
 
 
@@ -224,8 +213,8 @@ transformers = pytest.importorskip("transformers")
 
 import transformers.integrations.flex_attention as hf_flex  # noqa: E402
 import transformers.masking_utils as masking_utils  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+import hf_eager  # noqa: E402
 
 KEPT["hf"] = hf_flex.compile_friendly_flex_attention
 
@@ -245,7 +234,7 @@ def test_transformers_wrapper_is_patched_and_restored(
         assert hf_flex.compile_friendly_flex_attention is not KEPT["hf"]
         assert doge.compile_friendly_flex_attention is hf_flex.compile_friendly_flex_attention
         out, lse = doge.compile_friendly_flex_attention(q, q, q, training=True, return_lse=True)
-    assert "RecomputeAttentionBackward" in _autograd_nodes(out) and lse.shape == (1, 2, 8)
+    assert "RecomputeAttentionBackward" in autograd_nodes(out) and lse.shape == (1, 2, 8)
     assert hf_flex.WrappedFlexAttention._compiled_flex_attention is compiled_before  # untouched
     assert hf_flex.flex_attention is KEPT["torch"]
     assert hf_flex.compile_friendly_flex_attention is KEPT["hf"]
@@ -264,41 +253,8 @@ def eager_block_masks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(masking_utils, "create_block_mask", create_block_mask)
 
 
-def _eager64(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager attention (Gemma 2's: softcap, then mask) with the softmax in q's dtype.
-
-    query [B, Hq, N, d], key/value [B, Hkv, N, d]; returns [B, N, Hq, d] and P [B, Hq, N, N].
-    """
-    assert dropout == 0.0 and attention_mask is not None
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    s = query @ key.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    p = torch.softmax(s.masked_fill(~attention_mask, -math.inf), dim=-1).nan_to_num(0.0)
-    return (p @ value).transpose(1, 2).contiguous(), p
-
-
-def _bool_mask(*args: object, **kwargs: object) -> torch.Tensor | None:
-    """sdpa's mask builder, told always to build the mask (a bool [B, 1, Nq, Nk])."""
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)  # type: ignore[arg-type]
-
-
 EAGER64 = "flexref-eager64"
-AttentionInterface.register(EAGER64, _eager64)
-AttentionMaskInterface.register(EAGER64, _bool_mask)
+hf_eager.register(EAGER64)
 
 VOCAB = 128
 SEQ = 24
@@ -398,7 +354,7 @@ def train_step(model: nn.Module, impl: str, inputs: dict[str, object]) -> Step:
     with attngrad.patch_flex_attention() if flex else contextlib.nullcontext():
         loss = model(**inputs).loss
     if flex:
-        nodes = _autograd_nodes(loss)
+        nodes = autograd_nodes(loss)
         assert "ExplicitAttentionBackward" in nodes, nodes  # "auto" at 24 x 24 scores
         assert not any("Flex" in n or "ScaledDotProduct" in n for n in nodes), nodes
     loss.backward()

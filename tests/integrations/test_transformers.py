@@ -70,9 +70,10 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from transformers import AttentionInterface  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 import attngrad  # noqa: E402
+import hf_eager  # noqa: E402
 from attngrad.integrations.transformers import (  # noqa: E402
     RESERVED_NAMES,
     attention_forward,
@@ -94,39 +95,7 @@ TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # -- implementations ---------------------------------------------------------------
 
 
-def _eager64(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager attention (Gemma 2's: softcap, then mask) with the softmax in q's dtype."""
-    assert dropout == 0.0
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    s = query @ key.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    assert attention_mask is not None, "eager64's mask builder always builds the mask"
-    s = s.masked_fill(~attention_mask, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that attends nothing: 0, as SDPA
-    return (p @ value).transpose(1, 2).contiguous(), p
-
-
-def _always_mask(*args: object, **kwargs: object) -> torch.Tensor | None:
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)  # type: ignore[arg-type]
-
-
-AttentionInterface.register("eager64", _eager64)
-AttentionMaskInterface.register("eager64", _always_mask)
+hf_eager.register("eager64")
 
 NAME = register()  # "attngrad", strategy "auto"
 # a name may not contain "flash" (transformers' flash checks would take it)
@@ -773,7 +742,7 @@ def test_register_refuses_names(name: object, match: str) -> None:
 
 
 def test_register_refuses_names_others_hold_and_unknown_strategies() -> None:
-    AttentionInterface.register("someone-elses", _eager64)
+    AttentionInterface.register("someone-elses", hf_eager.eager64_attention)
     with pytest.raises(ValueError, match="already registered") as info:
         register("someone-elses")
     assert "'someone-elses'" in str(info.value)
