@@ -859,25 +859,16 @@ def assert_16_bit_rule(name: str, dtype: torch.dtype, run: Callable[..., Any]) -
         q, k, v, case.score_mod(params), keep, case.scale, softmax_dtype=torch.float32
     )
     names = ["dq", "dk", "dv", *(f"d{n}" for n in params)]
-    plain = dict(
-        zip(
-            names,
-            torch.autograd.grad(out, [q, k, v, *params.values()], rounded.dout.to(dtype)),
-            strict=True,
-        )
-    )
-    plain["out"] = out
 
+    def outputs(out: torch.Tensor, leaves: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """out and its gradients, by name, for the rounded dout."""
+        grads = torch.autograd.grad(out, leaves, rounded.dout.to(dtype))
+        return {**dict(zip(names, grads, strict=True)), "out": out}
+
+    plain = outputs(out, [q, k, v, *params.values()])
     (q, k, v), params = inputs.leaves(dtype)
     out = run(q, k, v, case.score_mod(params), block_mask, case.scale, case.gqa)
-    got = dict(
-        zip(
-            names,
-            torch.autograd.grad(out, [q, k, v, *params.values()], rounded.dout.to(dtype)),
-            strict=True,
-        )
-    )
-    got["out"] = out
+    got = outputs(out, [q, k, v, *params.values()])
 
     u, u32 = torch.finfo(dtype).eps / 2, torch.finfo(torch.float32).eps / 2
     n = max(case.sizes.nq, case.sizes.nk, case.sizes.d) * case.sizes.b * case.sizes.hq
