@@ -169,17 +169,17 @@ class ScoreFunction:
         return s5.reshape(b, hkv * g, r, c)
 
     def values_(
-        self, s5: torch.Tensor, rows: slice, cols: slice, keep_graph: bool = False
+        self, s5: torch.Tensor, rows: slice, cols: slice, raw: torch.Tensor | None = None
     ) -> torch.Tensor:
         """S' = score_mod(S) on the tile s5: [B, Hkv, G, r, c] raw scores, in place.
 
-        ``keep_graph``: evaluate it differentiably and keep its graph for the
-        `pullback_` of the same tile that follows (a backward pass's), which then
-        does not evaluate it again.
+        ``raw``: a copy of s5's scores, left as it is until the `pullback_` of the same
+        tile that follows (a backward pass's): the function is evaluated differentiably
+        on it and its graph kept, so that the pullback does not evaluate it again.
         """
-        if keep_graph:
+        if raw is not None:
             with torch.enable_grad():
-                leaves = self._leaves(s5.clone(), rows, cols)  # s5 is overwritten next
+                leaves = self._leaves(raw, rows, cols)
             self._cache["graph"] = ((rows.start, rows.stop, cols.start, cols.stop), leaves)
             return s5.copy_(leaves[2].detach().view(s5.shape))
         f = self._tile_fn(self._index(s5, rows, cols))

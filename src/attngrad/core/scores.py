@@ -183,10 +183,6 @@ class ScoreMods:
         """Whether a BlockMask leaves every score of the tile masked (the tile is skipped)."""
         return self.blocks is not None and self.blocks.skips(rows, cols)
 
-    def band_covers(self, rows: slice, cols: slice) -> bool:
-        """True when every (i, j) of the tile lies inside the band (no band mask needed)."""
-        return self.band is None or self.band.covers(rows, cols)
-
     # -- applying ----------------------------------------------------------
 
     def apply_(
@@ -216,7 +212,7 @@ class ScoreMods:
             if raw is not None:
                 raw.copy_(s)
             r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
-            self.score.values_(s, r, c, keep_graph=raw is not None)
+            self.score.values_(s, r, c, raw)
         if self.bias is not None:
             s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
         if self.keep is not None:  # as a -inf bias: a broadcast masked_fill is ~5x slower
