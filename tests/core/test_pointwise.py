@@ -5,6 +5,11 @@ elementwise (every op one of `ELEMENTWISE`, or a captured tensor indexed at ever
 position) or not.  An elementwise one must give, values and every derivative, what the
 nested vmaps give; anything else (chained indexing, a reduction, a matmul) must stay on
 vmap, where torch's per-score semantics hold by construction.
+
+It also finds the relative ones, ``score + x(b, h, q_idx - kv_idx)``, which a tile
+evaluates at its distances only: every derivative must be what evaluating them score by
+score gives, and a function that reads q_idx or kv_idx any other way, or the score other
+than once and added, must not be taken for one.
 """
 
 from __future__ import annotations
@@ -30,6 +35,31 @@ ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "softcap-gate": lambda s, b, h, i, j: torch.tanh(s / 3) * 3 * torch.sigmoid(GATE),
     "full-index": lambda s, b, h, i, j: torch.where(i >= j, s + BIAS[b, 0, i, j], -1e4),
 }
+BUCKETS = torch.randn(H, 8, dtype=torch.float64, requires_grad=True)
+
+
+def _bucket(d: torch.Tensor) -> torch.Tensor:
+    """A T5-style bucket of a distance: exact below 4, logarithmic up to 7."""
+    far = 4 + (torch.log(d.abs().clamp(min=1).double() / 4) / 2).long()
+    return torch.where(d.abs() < 4, d.abs().long(), far.clamp(max=7))
+
+
+RELATIVE: dict[str, Callable[..., torch.Tensor]] = {
+    "alibi": ELEMENTWISE["alibi"],
+    "table": ELEMENTWISE["table"],
+    "buckets": lambda s, b, h, i, j: s + BUCKETS[h, _bucket(i - j)],
+    "per-batch": lambda s, b, h, i, j: s + (b + 1) * SLOPES[h] * torch.sub(j, i),
+    "scalar-first": lambda s, b, h, i, j: GATE * (i - j) + s - 2.0,
+}
+NOT_RELATIVE: dict[str, Callable[..., torch.Tensor]] = {
+    "score-subtracted": lambda s, b, h, i, j: TABLE[h, i - j + N - 1] - s,
+    "reads-q_idx": lambda s, b, h, i, j: s + SLOPES[h] * i,
+    "distance-and-q_idx": lambda s, b, h, i, j: s + SLOPES[h] * (i - j) * (i > 3),
+    "score-twice": lambda s, b, h, i, j: s + s * SLOPES[h],
+    "scaled-score": lambda s, b, h, i, j: torch.add(TABLE[h, i - j + N - 1], s, alpha=2),
+    "full-index": ELEMENTWISE["full-index"],
+    "chained-index": lambda s, b, h, i, j: s + TABLE[h][i - j + N - 1],
+}
 NOT_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "chained-index": lambda s, b, h, i, j: s + BIAS[b][0][i][j],
     "reduction": lambda s, b, h, i, j: s + SLOPES.sum() * 0 + SLOPES[h],
@@ -54,7 +84,7 @@ def test_other_functions_stay_on_vmap(name: str) -> None:
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_broadcast_gives_what_vmap_gives(name: str) -> None:
     fast = _function(ELEMENTWISE[name])
-    slow = dataclasses.replace(fast, elementwise=False, _cache={})
+    slow = dataclasses.replace(fast, elementwise=False, relative=False, _cache={})
     rows, cols = slice(3, 17), slice(5, 24)
     raw = torch.randn(B, H, 1, 14, 19, dtype=torch.float64)  # [B, Hkv, G, r, c]
     ds = torch.randn(B, H, 14, 19, dtype=torch.float64)
@@ -66,5 +96,38 @@ def test_broadcast_gives_what_vmap_gives(name: str) -> None:
         pulled = f.pullback_(raw.clone(), rows, cols, ds.clone(), grads)
         pushed = f.push(raw, rows, cols, direction, [torch.ones_like(t) for t in f.captured])
         results.append((values, pulled, pushed, *grads))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", RELATIVE)
+def test_relative_functions_are_found(name: str) -> None:
+    assert _function(RELATIVE[name]).relative
+
+
+@pytest.mark.parametrize("name", NOT_RELATIVE)
+def test_other_functions_are_not_taken_for_relative(name: str) -> None:
+    assert not _function(NOT_RELATIVE[name]).relative
+
+
+@pytest.mark.parametrize("name", RELATIVE)
+def test_relative_gives_what_score_by_score_gives(name: str) -> None:
+    """Values, pullback, push and the second-order step, with every capture's gradient."""
+    fast = _function(RELATIVE[name])
+    slow = dataclasses.replace(fast, relative=False, _cache={})
+    rows, cols = slice(3, 17), slice(5, 24)
+    raw = torch.randn(B, 2, 2, 14, 19, dtype=torch.float64)  # [B, Hkv, G, r, c]
+    ds, s_hat, s_dot = (torch.randn(B, 2, 28, 19, dtype=torch.float64) for _ in range(3))
+    results = []
+    for f in (fast, slow):
+        dots = [torch.ones_like(t) if t.is_floating_point() else None for t in f.captured]
+        values = f.values_(raw.clone(), rows, cols)
+        pulled_grads = [torch.zeros_like(t) for t in f.captured]
+        pulled = f.pullback_(raw.clone(), rows, cols, ds.clone(), pulled_grads)
+        pushed = f.push(raw, rows, cols, s_dot, dots)
+        second_grads = [torch.zeros_like(t) for t in f.captured]
+        second = f.second(raw, rows, cols, ds, s_hat, s_dot, dots, second_grads)
+        results.append((values, pulled, pushed, second, *pulled_grads, *second_grads))
+    assert len(results[0]) > 4  # every function here reads a capture
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -67,6 +67,9 @@ ELEMENTWISE = frozenset(
     double half bfloat16 long int short bool type_as lerp hypot copysign nan_to_num isnan
     isinf isfinite masked_fill zeros_like ones_like full_like""".split()  # noqa: SIM905
 )
+_ADD = frozenset({"add", "__add__", "__radd__"})
+_SUBTRACT = frozenset({"sub", "__sub__", "subtract"})
+_RELATIVE = frozenset("sbhd")  # the score, b, h and q_idx - kv_idx
 _PROPERTIES = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.device.__get__})  # type: ignore[attr-defined]
 
 
@@ -92,6 +95,11 @@ class Reads(TorchFunctionMode):
 
     ``elementwise`` stays True while every op is one of `ELEMENTWISE`, reads a dtype or
     device, or indexes a captured tensor at every position (``table[h, q_idx - kv_idx]``).
+
+    Given the arguments' names (``name``: "s", "b", "h", "i", "j"), it also follows which
+    of them each tensor was computed from, with ``q_idx - kv_idx`` (either order) counted
+    as one argument "d", and which tensors are the score plus a term not computed from it:
+    `relative` says whether a result is ``score + x(b, h, q_idx - kv_idx)``.
     """
 
     def __init__(self, made: Sequence[torch.Tensor], swap: dict[int, torch.Tensor] | None) -> None:
@@ -101,6 +109,52 @@ class Reads(TorchFunctionMode):
         self.read: dict[int, torch.Tensor] = {}
         self.swap = swap
         self.elementwise = True
+        self.sources: dict[int, frozenset[str]] = {}  # what each tensor was computed from
+        self.plus_score: set[int] = set()  # tensors that are the score plus a term
+        self.arguments: dict[int, str] = {}
+
+    def name(self, **arguments: torch.Tensor) -> None:
+        """Follow these arguments through the ops (see the class docstring)."""
+        for label, t in arguments.items():
+            self.sources[id(t)] = frozenset(label)
+            self.arguments[id(t)] = label
+        if "s" in arguments:
+            self.plus_score.add(id(arguments["s"]))
+
+    def relative(self, out: torch.Tensor) -> bool:
+        """Whether ``out`` is the score plus a term of (b, h, q_idx - kv_idx) only, made of
+        elementwise ops (so a tile adds a Toeplitz matrix: `attngrad.core.toeplitz`)."""
+        return (
+            self.elementwise
+            and id(out) in self.plus_score
+            and self.sources.get(id(out), frozenset()) <= _RELATIVE
+        )
+
+    def _follow(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[frozenset[str], bool]:
+        """(what an op's result was computed from, whether it is the score plus a term)."""
+        sources = frozenset().union(*(self._sources(t) for t in _tensors((args, kwargs))))
+        if len(args) != 2 or name not in _ADD | _SUBTRACT:
+            return sources, False
+        first, second = args
+        if name in _SUBTRACT and {self._argument(first), self._argument(second)} == {"i", "j"}:
+            return frozenset("d"), False
+        pairs = [(first, second)]
+        if name in _ADD and "alpha" not in kwargs:
+            pairs.append((second, first))
+        plus = any(
+            isinstance(a, torch.Tensor) and id(a) in self.plus_score and "s" not in self._sources(x)
+            for a, x in pairs
+        )
+        return sources, plus
+
+    def _sources(self, t: object) -> frozenset[str]:
+        return self.sources.get(id(t), frozenset()) if isinstance(t, torch.Tensor) else frozenset()
+
+    def _argument(self, t: object) -> str | None:
+        """The name of an argument the function was given, if ``t`` is one."""
+        return self.arguments.get(id(t)) if isinstance(t, torch.Tensor) else None
 
     def __torch_function__(
         self,
@@ -124,10 +178,15 @@ class Reads(TorchFunctionMode):
             self.elementwise &= captured and _full_index(*args)
         elif func not in _PROPERTIES:
             self.elementwise &= getattr(func, "__name__", "") in ELEMENTWISE
+        sources, plus = self._follow(getattr(func, "__name__", ""), args, kwargs)
         out = func(*args, **kwargs)
         made = _tensors(out)
         self.keep += made
-        self.made.update(id(t) for t in made)
+        for t in made:
+            self.made.add(id(t))
+            if id(t) not in self.arguments:  # an op returning its argument leaves it as it is
+                self.sources[id(t)] = sources
+                (self.plus_score.add if plus else self.plus_score.discard)(id(t))
         return out
 
 

@@ -50,8 +50,11 @@ from attngrad.core.pointwise import (
     one_thread,
     over_tile,
 )
+from attngrad.core.toeplitz import diagonal_sums, toeplitz
 
 __all__ = ["ScoreFunction"]
+
+_KEY = slice(0, 1)  # a relative function's term is evaluated at q_idx = i - j, kv_idx = 0
 
 
 @dataclass(frozen=True, eq=False)  # holds a function and tensors: compared by identity
@@ -64,7 +67,8 @@ class ScoreFunction:
     order; batch: B of the call (a folded batch entry b reads b mod batch);
     heads: Hq; elementwise: every op of it acts on each score alone
     (`attngrad.core.pointwise.Reads`), so a tile runs it once on broadcast indices
-    instead of under vmap.
+    instead of under vmap; relative: it is ``score + x(b, h, q_idx - kv_idx)``, so a tile
+    evaluates x at its r + c - 1 distances only (`attngrad.core.toeplitz`).
     """
 
     fn: Callable[..., torch.Tensor]
@@ -74,6 +78,7 @@ class ScoreFunction:
     heads: int
     captured_originals: tuple[torch.Tensor, ...] = ()
     elementwise: bool = False
+    relative: bool = False
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -90,10 +95,14 @@ class ScoreFunction:
                   j: torch.Tensor) -> torch.Tensor:  # fmt: skip
             reads.keep += [s, b, h, i, j]
             reads.made.update(id(t) for t in (s, b, h, i, j))
+            reads.name(s=s, b=b, h=h, i=i, j=j)
             with reads:
                 out: torch.Tensor = fn(s, b, h, i, j)
             _check_score(out, s)
+            relative.append(reads.relative(out))
             return out
+
+        relative: list[bool] = []
 
         try:
             over_tile(point, score, index)
@@ -107,7 +116,9 @@ class ScoreFunction:
                     f"query is on {q.device}; move the tensor to {q.device}."
                 )
         keys = tuple(id(t) for t in captured)
-        return ScoreFunction(fn, keys, captured, batch, q.shape[1], captured, reads.elementwise)
+        return ScoreFunction(
+            fn, keys, captured, batch, q.shape[1], captured, reads.elementwise, relative[0]
+        )
 
     def with_captured(self, captured: Sequence[torch.Tensor]) -> ScoreFunction:
         """The same function reading ``captured`` (saved, unwrapped or batched copies)."""
@@ -168,6 +179,25 @@ class ScoreFunction:
         b, hkv, g, r, c = s5.shape
         return s5.reshape(b, hkv * g, r, c)
 
+    def _distances(
+        self, s5: torch.Tensor, rows: slice, cols: slice
+    ) -> tuple[torch.Tensor, slice] | None:
+        """For a relative function: zero scores [B, Hkv, G, r + c - 1, 1] at the distances
+        i - j of the tile s5 [B, Hkv, G, r, c], ascending, and those distances as a
+        q_idx slice (with kv_idx 0); None for an empty tile."""
+        b, hkv, g, r, c = s5.shape
+        if r == 0 or c == 0:
+            return None
+        low = rows.start - (cols.stop - 1)
+        return s5.new_zeros(b, hkv, g, r + c - 1, 1), slice(low, rows.stop - cols.start)
+
+    @property
+    def _pointwise(self) -> ScoreFunction:
+        """This function evaluated score by score: a relative one's term at its distances."""
+        if "pointwise" not in self._cache:
+            self._cache["pointwise"] = replace(self, relative=False, _cache={})
+        return self._cache["pointwise"]  # type: ignore[no-any-return]
+
     def values_(
         self, s5: torch.Tensor, rows: slice, cols: slice, raw: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -177,6 +207,15 @@ class ScoreFunction:
         tile that follows (a backward pass's): the function is evaluated differentiably
         on it and its graph kept, so that the pullback does not evaluate it again.
         """
+        if self.relative:
+            at = self._distances(s5, rows, cols)
+            if at is not None:
+                z, d = at
+                with torch.no_grad():
+                    x = self._tile_fn(self._index(z, d, _KEY))(self._flat(z), *self._read(z.dtype))
+                b, hkv, g, r, c = s5.shape
+                s5 += toeplitz(x.view(b, hkv, g, -1), r, c)
+            return s5
         if raw is not None:
             with torch.enable_grad():
                 leaves = self._leaves(raw, rows, cols)
@@ -215,6 +254,14 @@ class ScoreFunction:
         dtype), None where no gradient is wanted.
         """
         wanted = [n for n, d in enumerate(dcaptured) if d is not None]
+        if self.relative:  # df/dS = 1; dtheta through the term, from dS' summed by distance
+            at = self._distances(raw, rows, cols)
+            if wanted and at is not None:
+                z, d = at
+                with one_thread():
+                    dx = diagonal_sums(ds.reshape(raw.shape))
+                self._pointwise.pullback_(z, d, _KEY, dx.view(z.shape), dcaptured)
+            return ds
         kept = self._cache.pop("graph", None)
         with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
             if kept is not None and kept[0] == (rows.start, rows.stop, cols.start, cols.stop):
@@ -249,6 +296,15 @@ class ScoreFunction:
         mode cannot nest).
         """
         moving = [n for n, d in enumerate(captured_dot) if d is not None and self.grads_wanted[n]]
+        b, hkv, gq, r, c = raw.shape
+        if self.relative:  # s_dot plus the term's tangent, at its distances
+            out = s_dot.reshape(b, hkv, gq * r, c)
+            at = self._distances(raw, rows, cols)
+            if moving and at is not None:
+                z, d = at
+                x_dot = self._pointwise.push(z, d, _KEY, torch.zeros_like(z), captured_dot)
+                out = out + toeplitz(x_dot.view(b, hkv, gq, -1), r, c).reshape(out.shape)
+            return out
         with torch.enable_grad():
             x, theta, y = self._leaves(raw, rows, cols)
             w = torch.ones_like(y, requires_grad=bool(moving))
@@ -265,7 +321,6 @@ class ScoreFunction:
                     inner = inner + (g * dot.to(g.dtype)).sum()
                 (along,) = torch.autograd.grad(inner, w, allow_unused=True, materialize_grads=True)
                 out = out + along
-        b, hkv, gq, r, c = raw.shape
         return out.reshape(b, hkv, gq * r, c)
 
     def second(
@@ -290,6 +345,20 @@ class ScoreFunction:
         if s_hat is None and not direction:
             return None
         wanted = [n for n, d in enumerate(dcaptured) if d is not None]
+        b, hkv, gq, r, c = raw.shape
+        if self.relative:  # J_S = 1 and no second derivative in S: only theta's part
+            at = self._distances(raw, rows, cols)
+            moving = any(d is not None for d in captured_dot)
+            if wanted and at is not None and (s_hat is not None or moving):
+                z, d = at
+                with one_thread():
+                    sums = [
+                        None if t is None else diagonal_sums(t.reshape(raw.shape)).view(z.shape)
+                        for t in (ds, s_hat)
+                    ]
+                assert sums[0] is not None
+                self._pointwise.second(z, d, _KEY, sums[0], sums[1], None, captured_dot, dcaptured)
+            return None if s_hat is None else s_hat.reshape(b, hkv, gq * r, c)
         with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
             x, theta, y = self._leaves(raw, rows, cols)
             total = y.new_zeros(())
@@ -313,7 +382,6 @@ class ScoreFunction:
             acc = dcaptured[n]
             assert acc is not None
             acc += g
-        b, hkv, gq, r, c = raw.shape
         return grads[0].reshape(b, hkv, gq * r, c)
 
 
