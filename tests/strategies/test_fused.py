@@ -107,7 +107,7 @@ def test_dropout_mask_is_the_hash_bit_for_bit(p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_every_engine_of_the_tile_products(engine, dtype, monkeypatch):
     library = build.load()
-    monkeypatch.setattr(build, "_loaded", build.Library(library.path, engine, library.rates))
+    monkeypatch.setattr(build, "_loaded", build.Library(library.path, engine, library.rates, library.peak))
     c = case((1,), 4, 2, 97, 130, 40, 24, "float", dtype=dtype, window=(None, 3))
     inputs = make_inputs(c)
     for tiles in ((None, None), (7, 5)):
@@ -148,6 +148,16 @@ def test_build_command_prints_where_the_library_went(capsys):
     assert os.path.exists(report["library"])
     assert report["engine"] in build.ENGINES
     assert set(report["rates_gflops"]) <= set(build.ENGINES)
+    assert report["fma_peak_gflops"] > 0
+
+
+def test_the_fma_peak_bounds_the_tile_products():
+    """The peak is a limit: no engine's products run faster on one thread (15% for the noise
+    between two measurements), and a probe that counted wrong would break that."""
+    library = build.load()
+    fresh = build.fma_peak(seconds=0.02)
+    assert 0.5 * library.peak < fresh < 2 * library.peak
+    assert max(library.rates.values()) <= 1.15 * max(library.peak, fresh)
 
 
 def test_auto_takes_fused_on_cpu_from_its_threshold():

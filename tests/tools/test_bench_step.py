@@ -22,7 +22,10 @@ CSV_COLUMNS = [
     "batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "pass", "contender",
     "auto", "repeats", "median_ms", "min_ms", "max_ms", "gflops", "gemm_fraction",
 ]  # fmt: skip
-MACHINE_COLUMNS = ["machine", "threads", "gemm_dtype", "gemm_size", "gemm_gflops", "tile_gflops"]
+MACHINE_COLUMNS = [
+    "machine", "threads", "gemm_dtype", "gemm_size", "gemm_gflops", "tile_gflops",
+    "fma_peak_gflops", "capability",
+]  # fmt: skip
 
 
 def _run(argv: list[str]) -> int:

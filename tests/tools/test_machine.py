@@ -50,6 +50,8 @@ def test_line_and_columns_say_the_same() -> None:
         "gemm_size": 512,
         "gemm_gflops": "1.25",
         "tile_gflops": "",
+        "fma_peak_gflops": "",
+        "capability": machine.capability,
     }
 
 
@@ -65,3 +67,11 @@ def test_probe_measures_the_tile_products_on_cpu() -> None:
     machine = probe(torch.float32, budget=0.005)
     assert machine.tile_gflops is not None and machine.tile_gflops > 0
     assert probe(torch.float64, budget=0.005).tile_gflops is None
+
+
+def test_probe_measures_the_fma_peak_and_rates_are_fractions_of_it() -> None:
+    machine = probe(torch.float32, budget=0.005)
+    assert machine.fma_gflops is not None and machine.fma_gflops > 0
+    assert "float32 FMA peak" in machine.line() and machine.capability in machine.line()
+    assert machine.of_peak(machine.fma_gflops / 4) == "25.0%"
+    assert Machine("AMD EPYC", 2, "float32", 512, 120.0).of_peak(10.0) == "-"

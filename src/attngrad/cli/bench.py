@@ -96,8 +96,10 @@ def bench_table(rows: Sequence[BenchRow], machine: Machine) -> str:
         return machine.line() + "\n(no measurements)"
     first = rows[0]
     baselines = list(first.ratios)
-    # of ceiling: of the tile products' rate (`Machine.ceiling_gflops`), where it was measured
+    # of ceiling: of the tile products' rate (`Machine.ceiling_gflops`); of peak: of the FMA
+    # peak (`Machine.fma_gflops`), where they were measured
     ceiling = [] if machine.tile_gflops is None else ["of ceiling"]
+    peak = [] if machine.fma_gflops is None else ["of peak"]
     cells = [
         [
             r.pass_,
@@ -107,11 +109,14 @@ def bench_table(rows: Sequence[BenchRow], machine: Machine) -> str:
             f"{r.gflops:.1f}",
             f"{r.gemm_fraction:.1%}" + ("*" if r.gemm_fraction > 1 else " "),
             *(f"{r.gflops / machine.ceiling_gflops:.1%}" for _ in ceiling),
+            *(machine.of_peak(r.gflops) for _ in peak),
             *(f"{r.ratios[b]:.2f}" for b in baselines),
         ]
         for r in rows
     ]
-    header = ["pass", "contender", "median ms", "min–max ms", "GFLOP/s", "of GEMM ", *ceiling]
+    header = [
+        "pass", "contender", "median ms", "min–max ms", "GFLOP/s", "of GEMM ", *ceiling, *peak
+    ]  # fmt: skip
     head, lines = columns([*header, *(f"vs {b}" for b in baselines)], cells, left=2)
     out = [
         machine.line(),

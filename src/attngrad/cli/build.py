@@ -36,12 +36,18 @@ def run_build(args: argparse.Namespace) -> int:
     rates = ", ".join(f"{name} {rate:.1f}" for name, rate in library.rates.items())
     print(f"tile products: {library.engine} (the fastest small attention call)", file=out)
     print(f"their rates, GFLOP/s on one thread, the slowest tile shape: {rates}", file=out)
+    print(
+        f"float32 FMA peak of one core ({build.capability()}): {library.peak:.1f} GFLOP/s; "
+        f"the fastest engine reaches {max(library.rates.values()) / library.peak:.0%} of it",
+        file=out,
+    )
     if args.json:
         report = {
             "library": str(library.path),
             "capability": build.capability(),
             "engine": library.engine,
             "rates_gflops": library.rates,
+            "fma_peak_gflops": library.peak,
         }
         write_json(report, args.json, out)
     return 0

@@ -1,4 +1,4 @@
-"""The machine a figure was measured on: processor, threads and matmul rate.
+"""The machine a figure was measured on: processor, threads, matmul rate and FMA peak.
 
 Every command and benchmark that prints a figure prints `Machine.line` above it and
 adds `Machine.columns` to each CSV row, so a number never travels without the machine
@@ -18,7 +18,15 @@ import torch
 from attngrad.core.contract import dtype_name
 from attngrad.core.host import processor_name
 
-__all__ = ["MAX_GEMM_SIZE", "Machine", "gemm_rate", "probe", "processor_name", "tile_rate"]
+__all__ = [
+    "MAX_GEMM_SIZE",
+    "Machine",
+    "fma_rate",
+    "gemm_rate",
+    "probe",
+    "processor_name",
+    "tile_rate",
+]
 
 # Growth stops here: on a GPU even 8192³ takes milliseconds, and the rate has long
 # stopped rising with the size.
@@ -31,7 +39,8 @@ _ALIGN = 64  # sizes stay multiples of a BLAS-friendly block
 class Machine:
     """Where figures were measured: ``processor`` (CPU model or GPU name), intra-op
     ``threads`` (`torch.get_num_threads`) and the ``gemm_size``² GEMM rate in
-    ``gemm_dtype``, GFLOP/s."""
+    ``gemm_dtype``, GFLOP/s; on CPU, the tile products' rate and the float32 FMA peak
+    (`fma_rate`), both times the threads, where fused's kernels are built."""
 
     processor: str
     threads: int
@@ -39,6 +48,11 @@ class Machine:
     gemm_size: int
     gemm_gflops: float
     tile_gflops: float | None = None
+    fma_gflops: float | None = None
+
+    def of_peak(self, gflops: float) -> str:
+        """A rate as a fraction of the FMA peak, e.g. ``"71.8%"`` (``"-"`` where unmeasured)."""
+        return "-" if not self.fma_gflops else f"{gflops / self.fma_gflops:.1%}"
 
     @property
     def ceiling_gflops(self) -> float:
@@ -53,10 +67,20 @@ class Machine:
             if self.tile_gflops is None
             else f", tile products {self.tile_gflops:.1f} GFLOP/s ({self.threads} x one thread's)"
         )
+        peak = (
+            ""
+            if self.fma_gflops is None
+            else f", float32 FMA peak {self.fma_gflops:.1f} GFLOP/s ({self.capability})"
+        )
         return (
             f"machine: {self.processor}, {self.threads} threads, {self.gemm_dtype} GEMM "
-            f"{self.gemm_size}² {self.gemm_gflops:.1f} GFLOP/s{tiles}"
+            f"{self.gemm_size}² {self.gemm_gflops:.1f} GFLOP/s{tiles}{peak}"
         )
+
+    @property
+    def capability(self) -> str:
+        """The vector width ATen runs at here (``ATEN_CPU_CAPABILITY`` lowers it)."""
+        return str(torch.backends.cpu.get_cpu_capability())
 
     def columns(self) -> dict[str, object]:
         """The same facts as CSV columns, appended to every row."""
@@ -67,6 +91,8 @@ class Machine:
             "gemm_size": self.gemm_size,
             "gemm_gflops": f"{self.gemm_gflops:.6g}",
             "tile_gflops": "" if self.tile_gflops is None else f"{self.tile_gflops:.6g}",
+            "fma_peak_gflops": "" if self.fma_gflops is None else f"{self.fma_gflops:.6g}",
+            "capability": self.capability,
         }
 
 
@@ -139,6 +165,7 @@ def probe(
         gemm_size=size,
         gemm_gflops=gflops,
         tile_gflops=tile_rate() if cpu and dtype != torch.float64 else None,
+        fma_gflops=fma_rate() if cpu else None,
     )
 
 
@@ -159,3 +186,17 @@ def tile_rate() -> float | None:
     if not library.rates:
         return None
     return max(library.rates.values()) * torch.get_num_threads()
+
+
+def fma_rate() -> float | None:
+    """The CPU's float32 FMA peak, GFLOP/s: one core's (independent vector FMAs in
+    registers, at the vector width ATen runs at; `attngrad.strategies.fused.build.fma_peak`)
+    times the threads; None where fused's kernels cannot be built.  No kernel can run
+    faster: every attention rate is judged as a fraction of it."""
+    from attngrad.strategies.fused import build
+
+    try:
+        library = build.load()
+    except build.BuildError:
+        return None
+    return library.peak * torch.get_num_threads()

@@ -11,7 +11,7 @@ only the first call on a machine needs a compiler.  ``attngrad build`` builds
 ahead of time.
 
 The library registers the ops ``attngrad_fused::forward``, ``::backward`` and
-``::product_rate`` with ``TORCH_LIBRARY``; `load` adds their fake (meta)
+``::product_rate`` and ``::fma_peak`` with ``TORCH_LIBRARY``; `load` adds their fake (meta)
 kernels, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
 settles the engine of the tile products (`Library.engine`): each engine of
 ``csrc/products.h`` is timed on the tiles' shapes and on a small attention
@@ -48,6 +48,7 @@ __all__ = [
     "BuildError",
     "Library",
     "capability",
+    "fma_peak",
     "library_dir",
     "load",
     "product_rate",
@@ -58,7 +59,7 @@ __all__ = [
 NAME = "attngrad_fused"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("fused.cpp",)
-HEADERS = ("products.h", "tile.h")
+HEADERS = ("peak.h", "products.h", "tile.h")
 ENGINES = ("brgemm", "micro", "aten")  # the order of csrc/products.h's Engine
 
 # The vector width at::vec compiles for: ATen's own names and the flags that enable them.
@@ -78,12 +79,15 @@ class Library:
 
     rates: GFLOP/s of each engine on one thread over `tile_shapes` (the
     slowest shape's): what the products alone reach.  The engine itself was
-    chosen by a small attention call's time (`_engine`).
+    chosen by a small attention call's time (`_engine`).  peak: one core's
+    float32 FMA peak at the vector width the library was built for, GFLOP/s
+    (`fma_peak`): the limit every rate is a fraction of.
     """
 
     path: Path
     engine: str
     rates: dict[str, float]
+    peak: float
 
     @property
     def engine_id(self) -> int:
@@ -249,11 +253,11 @@ def load(quiet: bool = False) -> Library:
                 _compile(directory, quiet)
             _load_library(path)
             _register_fakes()
-            engine, rates = _engine(directory)
+            engine, rates, peak = _engine(directory)
         except BuildError as e:
             _failure = e
             raise
-        _loaded = Library(path, engine, rates)
+        _loaded = Library(path, engine, rates, peak)
         return _loaded
 
 
@@ -305,6 +309,17 @@ def product_rate(engine: str, shape: tuple[int, int, int], flops: float = 4e7) -
     return float(max(rates))
 
 
+def fma_peak(seconds: float = 0.05) -> float:
+    """One core's float32 FMA peak, GFLOP/s: independent vector FMAs in registers
+    (``csrc/peak.h``) at the vector width the library was built for, on this thread,
+    best of three runs of about ``seconds`` each."""
+    probe = torch.ops.attngrad_fused.fma_peak
+    start = time.perf_counter()
+    first = float(probe(10**6))
+    reps = max(10**6, int(10**6 * seconds / max(time.perf_counter() - start, 1e-6)))
+    return max(first, *(float(probe(reps)) for _ in range(3)))
+
+
 def _attention_seconds(engine: str) -> float:
     """Seconds of one forward and backward of the ops through ``engine`` (best of three):
     B=1, H=4, N=1024, d=64, float32, the default tiles, on the threads there are."""
@@ -341,9 +356,9 @@ def _measure(directory: Path) -> tuple[dict[str, float], dict[str, float]]:
     return rates, seconds
 
 
-def _engine(directory: Path) -> tuple[str, dict[str, float]]:
-    """The engine of the tile products and each engine's product rate, measured once per
-    library and kept beside it as JSON.
+def _engine(directory: Path) -> tuple[str, dict[str, float], float]:
+    """The engine of the tile products, each engine's product rate and the FMA peak
+    (`fma_peak`), measured once per library and kept beside it as JSON.
 
     The rates (`product_rate` over `tile_shapes`) are what the products alone reach; the
     engine is the one whose attention (forward and backward of a small call) is fastest,
@@ -354,21 +369,25 @@ def _engine(directory: Path) -> tuple[str, dict[str, float]]:
     try:
         measured = json.loads(record.read_text())
         rates, seconds = measured["rates"], measured["attention_seconds"]
+        peak = float(measured["fma_peak"])
         kept = bool(seconds) and set(seconds) <= set(ENGINES)
     except (OSError, ValueError, KeyError, TypeError):
         kept = False
     if not kept:
         rates, seconds = _measure(directory)
+        peak = fma_peak()
         partial = record.with_suffix(f".{os.getpid()}.tmp")
         with contextlib.suppress(OSError):  # a read-only cache measures again next time
-            partial.write_text(json.dumps({"rates": rates, "attention_seconds": seconds}))
+            partial.write_text(
+                json.dumps({"rates": rates, "attention_seconds": seconds, "fma_peak": peak})
+            )
             os.replace(partial, record)
     chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or min(seconds, key=seconds.__getitem__)
     if chosen not in ENGINES:
         raise BuildError(
             f"ATTNGRAD_FUSED_ENGINE={chosen!r} is not an engine; use one of {', '.join(ENGINES)}."
         )
-    return chosen, rates
+    return chosen, rates, peak
 
 
 def _register_fakes() -> None:

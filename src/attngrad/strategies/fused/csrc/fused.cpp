@@ -24,6 +24,7 @@
 #include <chrono>
 #include <vector>
 
+#include "peak.h"
 #include "products.h"
 #include "tile.h"
 
@@ -561,6 +562,7 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "float scale, float cap, int threshold, float keep_scale, int block_q, int block_k, "
       "int engine, bool need_ds) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("product_rate(int engine, int m, int n, int k, int reps) -> float", &product_rate);
+  m.def("fma_peak(int reps) -> float", &fma_peak);
 }
 
 TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {
