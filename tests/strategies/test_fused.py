@@ -107,7 +107,9 @@ def test_dropout_mask_is_the_hash_bit_for_bit(p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_every_engine_of_the_tile_products(engine, dtype, monkeypatch):
     library = build.load()
-    monkeypatch.setattr(build, "_loaded", build.Library(library.path, engine, library.rates, library.peak))
+    monkeypatch.setattr(
+        build, "_loaded", build.Library(library.path, engine, library.rates, library.peak)
+    )
     c = case((1,), 4, 2, 97, 130, 40, 24, "float", dtype=dtype, window=(None, 3))
     inputs = make_inputs(c)
     for tiles in ((None, None), (7, 5)):
