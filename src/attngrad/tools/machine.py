@@ -189,14 +189,15 @@ def tile_rate() -> float | None:
 
 
 def fma_rate() -> float | None:
-    """The CPU's float32 FMA peak, GFLOP/s: one core's (independent vector FMAs in
-    registers, at the vector width ATen runs at; `attngrad.strategies.fused.build.fma_peak`)
-    times the threads; None where fused's kernels cannot be built.  No kernel can run
-    faster: every attention rate is judged as a fraction of it."""
+    """The CPU's float32 FMA peak, GFLOP/s: independent vector FMAs in registers, at the
+    vector width ATen runs at, on every intra-op thread at once, summed
+    (`attngrad.strategies.fused.build.fma_peak`); None where fused's kernels cannot be
+    built.  No kernel on these threads can run faster: every attention rate is judged as a
+    fraction of it."""
     from attngrad.strategies.fused import build
 
     try:
-        library = build.load()
+        build.load()
     except build.BuildError:
         return None
-    return library.peak * torch.get_num_threads()
+    return build.fma_peak(threads=True)

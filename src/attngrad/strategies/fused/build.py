@@ -309,15 +309,16 @@ def product_rate(engine: str, shape: tuple[int, int, int], flops: float = 4e7) -
     return float(max(rates))
 
 
-def fma_peak(seconds: float = 0.05) -> float:
-    """One core's float32 FMA peak, GFLOP/s: independent vector FMAs in registers
-    (``csrc/peak.h``) at the vector width the library was built for, on this thread,
-    best of three runs of about ``seconds`` each."""
+def fma_peak(seconds: float = 0.05, threads: bool = False) -> float:
+    """The float32 FMA peak, GFLOP/s: independent vector FMAs in registers (``csrc/peak.h``)
+    at the vector width the library was built for, best of three runs of about ``seconds``
+    each; of one core (on this thread), or with ``threads`` of the intra-op threads all
+    probing at once (their sum: the clock every core keeps under load)."""
     probe = torch.ops.attngrad_fused.fma_peak
     start = time.perf_counter()
-    first = float(probe(10**6))
+    probe(10**6, False)  # a first run sizes the others
     reps = max(10**6, int(10**6 * seconds / max(time.perf_counter() - start, 1e-6)))
-    return max(first, *(float(probe(reps)) for _ in range(3)))
+    return max(float(probe(reps, threads)) for _ in range(3))
 
 
 def _attention_seconds(engine: str) -> float:

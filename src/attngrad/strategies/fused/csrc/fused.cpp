@@ -145,31 +145,21 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
           std::fill(shift, shift + r, T(0));
           std::fill(w.acc.begin(), w.acc.end(), T(0));
           for (int64_t kb = first; kb < stop; ++kb) {
-            const int64_t j0 = kb * bk, c = std::min(bk, nk - j0);
+            int64_t a, e;
+            pb.tile_columns(i0, i0 + r, kb * bk, std::min(bk, nk - kb * bk), a, e);
+            if (a == e) continue;
+            const int64_t j0 = kb * bk + a, c = e - a;
             T* S = w.s.data();
-            product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk, bk, S, bk, false);
+            product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk + a, bk, S, bk, false);
             mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr));
             for (int64_t ii = 0; ii < r; ++ii) {
               T* srow = S + ii * bk;
-              Vec vmax(neg_inf);
-              int64_t j = 0;
-              for (; j + W <= c; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(srow + j));
-              T mx = lanes_max(vmax);
-              for (; j < c; ++j) mx = std::max(mx, srow[j]);
-              const T m_new = std::max(m[ii], mx);
+              const T m_new = std::max(m[ii], row_max(srow, c));
               // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
               const T sh = m_new == neg_inf ? T(0) : m_new;
-              const Vec vsh(sh), log2e(static_cast<T>(kLog2e));
-              Vec vsum(T(0));
-              for (j = 0; j < c; j += W) {
-                int64_t n = std::min(W, c - j);
-                Vec p = ((Vec::loadu(srow + j, n) - vsh) * log2e).exp2();
-                p.store(srow + j, n);
-                if (n < W) p = Vec::set(Vec(T(0)), p, n);
-                vsum = vsum + p;
-              }
-              const T alpha = std::exp2((m[ii] - sh) * static_cast<T>(kLog2e));
-              l[ii] = l[ii] * alpha + lanes_sum(vsum);
+              const T sum = exp_row_(srow, c, sh);
+              const T alpha = std::exp(m[ii] - sh);
+              l[ii] = l[ii] * alpha + sum;
               T* acc = w.acc.data() + ii * dv;
               if (alpha != T(1))  // the running max moved: rescale what the row has summed
                 for (int64_t x = 0; x < dv; ++x) acc[x] *= alpha;
@@ -313,17 +303,22 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
     for (int64_t rb = 0; rb < pb.row_blocks(); ++rb) {
       if (kb < spans.first[rb] || kb >= spans.stop[rb]) continue;
       const int64_t i0 = rb * bq, r = std::min(bq, pb.Nq - i0);
+      int64_t a, e;  // forward's columns of this tile (`Problem::tile_columns`)
+      pb.tile_columns(i0, i0 + r, j0, c, a, e);
+      if (a == e) continue;
+      const int64_t ja = j0 + a, ca = e - a;
       scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
       scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data());
-      tile_gradient(pb, engine, x, b, h, i0, r, j0, c, w.q.data(), w.dout.data(), w.kt.data(),
-                    w.vt.data(), w.s.data(), w.ds.data(), slope);
-      transpose(r, c, w.s.data(), bk, w.t.data(), r);  // (P Z)^T: [c, r]
-      product(engine, c, dvd, r, w.t.data(), r, w.dout.data(), dvd, w.dv.data(), dvd, true);
-      store_score_gradient(pb, bh, i0, r, j0, c, w.ds.data(), ds_out);
-      if (slope != nullptr) slope_(r, c, w.ds.data(), slope, bk);
-      transpose(r, c, w.ds.data(), bk, w.t.data(), r);  // dS^T: [c, r]
-      product(engine, c, d, r, w.t.data(), r, w.q.data(), d, w.dk.data(), d, true);
-      product(engine, r, d, c, w.ds.data(), bk, k_h + j0 * d, d, dq + (bh * pb.Nq + i0) * d, d,
+      tile_gradient(pb, engine, x, b, h, i0, r, ja, ca, w.q.data(), w.dout.data(),
+                    w.kt.data() + a, w.vt.data() + a, w.s.data(), w.ds.data(), slope);
+      // dV += (P Z)^T dO and dK += dS^T (s q), the tile read transposed
+      product_transposed_a(engine, ca, dvd, r, w.s.data(), bk, w.dout.data(), dvd,
+                           w.dv.data() + a * dvd, dvd, true, w.t.data());
+      store_score_gradient(pb, bh, i0, r, ja, ca, w.ds.data(), ds_out);
+      if (slope != nullptr) slope_(r, ca, w.ds.data(), slope, bk);
+      product_transposed_a(engine, ca, d, r, w.ds.data(), bk, w.q.data(), d,
+                           w.dk.data() + a * d, d, true, w.t.data());
+      product(engine, r, d, ca, w.ds.data(), bk, k_h + ja * d, d, dq + (bh * pb.Nq + i0) * d, d,
               true);
     }
   }
@@ -562,7 +557,7 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "float scale, float cap, int threshold, float keep_scale, int block_q, int block_k, "
       "int engine, bool need_ds) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("product_rate(int engine, int m, int n, int k, int reps) -> float", &product_rate);
-  m.def("fma_peak(int reps) -> float", &fma_peak);
+  m.def("fma_peak(int reps, bool threads) -> float", &fma_peak);
 }
 
 TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {

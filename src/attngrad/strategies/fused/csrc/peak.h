@@ -7,10 +7,13 @@
 // thread; a tile product or a whole attention call is judged as a fraction of it.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <vector>
 
 namespace attngrad_fused {
 
@@ -18,7 +21,7 @@ namespace attngrad_fused {
 constexpr int kChains = 12;
 
 // GFLOP/s of `reps` x kChains independent float32 FMAs per step, on this thread.
-inline double fma_peak(int64_t reps) {
+inline double fma_rate(int64_t reps) {
   using Vec = at::vec::Vectorized<float>;
   Vec acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = Vec(1.0f + 1e-3f * c);
@@ -35,6 +38,21 @@ inline double fma_peak(int64_t reps) {
     sink = sink + lanes[0];
   }
   return 2.0 * Vec::size() * kChains * static_cast<double>(reps) / seconds / 1e9;
+}
+
+// The FMA peak of one core (`threads` false), or of the intra-op threads all running the
+// probe at once (`threads` true, their rates summed): a core's clock under load on every
+// core is what a threaded kernel gets, often less than one core's alone.
+inline double fma_peak(int64_t reps, bool threads) {
+  if (!threads) return fma_rate(reps);
+  const int64_t n = at::get_num_threads();
+  std::vector<double> rates(n, 0.0);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rates[t] = fma_rate(reps);
+  });
+  double sum = 0.0;
+  for (double r : rates) sum += r;
+  return sum;
 }
 
 }  // namespace attngrad_fused

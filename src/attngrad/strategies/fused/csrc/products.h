@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "tile.h"  // transpose
+
 namespace attngrad_fused {
 
 enum class Engine : int64_t { BRGEMM = 0, MICRO = 1, ATEN = 2 };
@@ -33,8 +35,9 @@ template <typename T>
 constexpr int kVectors = at::vec::Vectorized<T>::size() * sizeof(T) >= 64 ? 4 : 2;
 
 // C[MR, NV vectors] (+)= A[MR, K] B[K, NV vectors]; a `cols` short of NV vectors (the right
-// edge) loads and stores only what is there.
-template <typename T, int MR, int NV, bool kFull>
+// edge) loads and stores only what is there.  kTransA: A is given transposed, as [K, MR]
+// with leading dimension lda (its element (r, k) at A[k * lda + r]).
+template <typename T, int MR, int NV, bool kFull, bool kTransA = false>
 inline void micro_block(int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
                         int64_t ldc, bool add, int64_t cols) {
   using Vec = at::vec::Vectorized<T>;
@@ -50,7 +53,7 @@ inline void micro_block(int64_t K, const T* A, int64_t lda, const T* B, int64_t 
     for (int v = 0; v < NV; ++v)
       bv[v] = kFull ? Vec::loadu(b + v * W) : Vec::loadu(b + v * W, width[v]);
     for (int r = 0; r < MR; ++r) {
-      const Vec a(A[r * lda + k]);
+      const Vec a(kTransA ? A[k * lda + r] : A[r * lda + k]);
       for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(a, bv[v], acc[r][v]);
     }
   }
@@ -69,33 +72,35 @@ inline void micro_block(int64_t K, const T* A, int64_t lda, const T* B, int64_t 
 
 // Column blocks outer, row blocks inner: one [K, NV vectors] slice of B stays in L1 while
 // every row block of A passes over it.
-template <typename T, bool kFull>
+template <typename T, bool kFull, bool kTransA>
 inline void micro_columns(int64_t M, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                           T* C, int64_t ldc, bool add, int64_t cols) {
   constexpr int MR = kRows<T>, NV = kVectors<T>;
+  const int64_t row_step = kTransA ? 1 : lda;  // from one row of A to the next
   int64_t i = 0;
   for (; i + MR <= M; i += MR)
-    micro_block<T, MR, NV, kFull>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add, cols);
-  const T* a = A + i * lda;
+    micro_block<T, MR, NV, kFull, kTransA>(K, A + i * row_step, lda, B, ldb, C + i * ldc, ldc,
+                                           add, cols);
+  const T* a = A + i * row_step;
   T* c = C + i * ldc;
   switch (M - i) {  // the last rows, in one block of their own height
-    case 5: micro_block<T, 5, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
-    case 4: micro_block<T, 4, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
-    case 3: micro_block<T, 3, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
-    case 2: micro_block<T, 2, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
-    case 1: micro_block<T, 1, NV, kFull>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 5: micro_block<T, 5, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 4: micro_block<T, 4, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 3: micro_block<T, 3, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 2: micro_block<T, 2, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
+    case 1: micro_block<T, 1, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
     default: break;
   }
 }
 
-template <typename T>
+template <typename T, bool kTransA = false>
 void micro_product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
                    int64_t ldb, T* C, int64_t ldc, bool add) {
   constexpr int64_t step = kVectors<T> * at::vec::Vectorized<T>::size();
   int64_t j = 0;
   for (; j + step <= N; j += step)
-    micro_columns<T, true>(M, K, A, lda, B + j, ldb, C + j, ldc, add, step);
-  if (j < N) micro_columns<T, false>(M, K, A, lda, B + j, ldb, C + j, ldc, add, N - j);
+    micro_columns<T, true, kTransA>(M, K, A, lda, B + j, ldb, C + j, ldc, add, step);
+  if (j < N) micro_columns<T, false, kTransA>(M, K, A, lda, B + j, ldb, C + j, ldc, add, N - j);
 }
 
 template <typename T>
@@ -126,6 +131,21 @@ inline void product(Engine engine, int64_t M, int64_t N, int64_t K, const T* A, 
   }
   if (engine == Engine::ATEN) aten_product(M, N, K, A, lda, B, ldb, C, ldc, add);
   else micro_product(M, N, K, A, lda, B, ldb, C, ldc, add);
+}
+
+// C[M, N] (+)= A^T B with A given as [K, M] (leading dimension lda): dV += P^T dO and
+// dK += dS^T q without transposing the tile.  The micro-kernel reads A transposed as it
+// goes; the other engines take a transposed copy in `scratch` ([M, K]).
+template <typename T>
+inline void product_transposed_a(Engine engine, int64_t M, int64_t N, int64_t K, const T* A,
+                                 int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+                                 bool add, T* scratch) {
+  if (engine == Engine::MICRO && M > 0 && N > 0 && K > 0) {
+    micro_product<T, true>(M, N, K, A, lda, B, ldb, C, ldc, add);
+    return;
+  }
+  transpose(K, M, A, lda, scratch, K);
+  product(engine, M, N, K, scratch, K, B, ldb, C, ldc, add);
 }
 
 // Release the engine's per-thread state (oneDNN's micro-kernel context) after a pass.

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -44,7 +45,15 @@ struct Aligned {
 template <typename T>
 using Buffer = std::vector<T, Aligned<T>>;
 
-constexpr double kLog2e = 1.4426950408889634;  // exp(x) == exp2(x * log2(e))
+// e^x of a vector, as SDPA's own CPU kernels take it: float32 through ATen's polynomial
+// exp (`exp_u20`: range reduction, a degree-5 polynomial, 0 below log(FLT_MIN), so -inf
+// gives 0), about a third of Sleef's instructions, with NaN kept NaN (the polynomial
+// would clamp it); float64 through Sleef's.
+template <typename T>
+inline at::vec::Vectorized<T> exp_vec(const at::vec::Vectorized<T>& x) {
+  using Vec = at::vec::Vectorized<T>;
+  return Vec::blendv(x.exp_u20(), x, x.isnan());
+}
 
 // The call: sizes, the score modifiers and the tiles, as the ops receive them.
 template <typename T>
@@ -85,25 +94,78 @@ struct Problem {
     first = c0 / block_k;
     stop = (c1 + block_k - 1) / block_k;
   }
+
+  // The tile of rows i0 .. i1 against keys j0 .. j0 + c, narrowed to the columns [j0 + a,
+  // j0 + e) some row's band reaches (a = e = 0: none): the rest is masked in every row, so
+  // no pass computes it -- on the diagonal of a causal mask, half the tile.  A function of
+  // the tile alone, so forward and backward multiply the same shapes.
+  void tile_columns(int64_t i0, int64_t i1, int64_t j0, int64_t c, int64_t& a,
+                    int64_t& e) const {
+    a = 0;
+    e = c;
+    if (lo == nullptr) return;
+    a = c;
+    e = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (lo[i] >= hi[i]) continue;
+      a = std::min(a, std::max<int64_t>(lo[i] - j0, 0));
+      e = std::max(e, std::min<int64_t>(hi[i] - j0, c));
+    }
+    if (a >= e) a = e = 0;
+  }
 };
 
-// The largest and the sum of a vector's lanes (the sum in lane order).
+// The largest score of a row s[0 .. c) (NaN if any is), and P = exp(s - shift) in place
+// with the sum of P.  Four independent chains of vectors, reduced at the end: one chain
+// would wait on each max's or add's latency at every vector.
 template <typename T>
-inline T lanes_max(const at::vec::Vectorized<T>& x) {
-  T lanes[at::vec::Vectorized<T>::size()];
-  x.store(lanes);
-  T m = lanes[0];
-  for (int64_t i = 1; i < at::vec::Vectorized<T>::size(); ++i) m = std::max(m, lanes[i]);
-  return m;
+inline T row_max(const T* s, int64_t c) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec neg_inf(-std::numeric_limits<T>::infinity());
+  Vec m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf;
+  int64_t j = 0;
+  for (; j + 4 * W <= c; j += 4 * W) {
+    m0 = at::vec::maximum(m0, Vec::loadu(s + j));
+    m1 = at::vec::maximum(m1, Vec::loadu(s + j + W));
+    m2 = at::vec::maximum(m2, Vec::loadu(s + j + 2 * W));
+    m3 = at::vec::maximum(m3, Vec::loadu(s + j + 3 * W));
+  }
+  for (; j < c; j += W) {  // the rest, a partial vector padded with -inf
+    const int64_t n = std::min(W, c - j);
+    m0 = at::vec::maximum(m0, Vec::set(neg_inf, Vec::loadu(s + j, n), n));
+  }
+  const Vec m = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
 }
 
 template <typename T>
-inline T lanes_sum(const at::vec::Vectorized<T>& x) {
-  T lanes[at::vec::Vectorized<T>::size()];
-  x.store(lanes);
-  T sum = T(0);
-  for (int64_t i = 0; i < at::vec::Vectorized<T>::size(); ++i) sum += lanes[i];
-  return sum;
+inline T exp_row_(T* s, int64_t c, T shift) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec sh(shift);
+  Vec l0(T(0)), l1(T(0)), l2(T(0)), l3(T(0));
+  int64_t j = 0;
+  for (; j + 4 * W <= c; j += 4 * W) {
+    const Vec p0 = exp_vec(Vec::loadu(s + j) - sh), p1 = exp_vec(Vec::loadu(s + j + W) - sh);
+    const Vec p2 = exp_vec(Vec::loadu(s + j + 2 * W) - sh);
+    const Vec p3 = exp_vec(Vec::loadu(s + j + 3 * W) - sh);
+    p0.store(s + j);
+    p1.store(s + j + W);
+    p2.store(s + j + 2 * W);
+    p3.store(s + j + 3 * W);
+    l0 = l0 + p0;
+    l1 = l1 + p1;
+    l2 = l2 + p2;
+    l3 = l3 + p3;
+  }
+  for (; j < c; j += W) {
+    const int64_t n = std::min(W, c - j);
+    const Vec p = exp_vec(Vec::loadu(s + j, n) - sh);
+    p.store(s + j, n);
+    l0 = l0 + Vec::set(Vec(T(0)), p, n);
+  }
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, (l0 + l1) + (l2 + l3));
 }
 
 // Dropout: the hash's last steps for key j of a row whose word is `row`.
@@ -165,13 +227,12 @@ template <typename T>
 void probabilities(int64_t r, int64_t c, T* S, int64_t ld, const T* stats) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const Vec log2e(static_cast<T>(kLog2e));
   for (int64_t ii = 0; ii < r; ++ii) {
     T* s = S + ii * ld;
-    const Vec m(stats[2 * ii]), offset(-stats[2 * ii + 1] * static_cast<T>(kLog2e));
+    const Vec m(stats[2 * ii]), log_l(stats[2 * ii + 1]);
     for (int64_t j = 0; j < c; j += W) {
       int64_t n = std::min(W, c - j);
-      at::vec::fmadd(Vec::loadu(s + j, n) - m, log2e, offset).exp2().store(s + j, n);
+      exp_vec((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
     }
   }
 }
