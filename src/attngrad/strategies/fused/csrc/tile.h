@@ -116,8 +116,8 @@ struct Problem {
 };
 
 // The largest score of a row s[0 .. c) (NaN if any is), and P = exp(s - shift) in place
-// with the sum of P.  Four independent chains of vectors, reduced at the end: one chain
-// would wait on each max's or add's latency at every vector.
+// with the sum of P.  Independent chains of vectors, reduced at the end: one chain would
+// wait on each max's or add's latency at every vector.
 template <typename T>
 inline T row_max(const T* s, int64_t c) {
   using Vec = at::vec::Vectorized<T>;
@@ -144,20 +144,14 @@ inline T exp_row_(T* s, int64_t c, T shift) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec sh(shift);
-  Vec l0(T(0)), l1(T(0)), l2(T(0)), l3(T(0));
+  Vec l0(T(0)), l1(T(0));  // two chains: more would spill the exp's constants on AVX2
   int64_t j = 0;
-  for (; j + 4 * W <= c; j += 4 * W) {
+  for (; j + 2 * W <= c; j += 2 * W) {
     const Vec p0 = exp_vec(Vec::loadu(s + j) - sh), p1 = exp_vec(Vec::loadu(s + j + W) - sh);
-    const Vec p2 = exp_vec(Vec::loadu(s + j + 2 * W) - sh);
-    const Vec p3 = exp_vec(Vec::loadu(s + j + 3 * W) - sh);
     p0.store(s + j);
     p1.store(s + j + W);
-    p2.store(s + j + 2 * W);
-    p3.store(s + j + 3 * W);
     l0 = l0 + p0;
     l1 = l1 + p1;
-    l2 = l2 + p2;
-    l3 = l3 + p3;
   }
   for (; j < c; j += W) {
     const int64_t n = std::min(W, c - j);
@@ -165,7 +159,7 @@ inline T exp_row_(T* s, int64_t c, T shift) {
     p.store(s + j, n);
     l0 = l0 + Vec::set(Vec(T(0)), p, n);
   }
-  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, (l0 + l1) + (l2 + l3));
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, l0 + l1);
 }
 
 // Dropout: the hash's last steps for key j of a row whose word is `row`.
