@@ -23,7 +23,7 @@ naming the machine, the ceiling of its tile products and its float32 FMA peak
 ``--products`` times each engine of the tile products (brgemm, the micro-kernel,
 the BLAS through ATen) per tile shape, one thread.  ``--sweep`` writes GFLOP/s
 against N for explicit, flash, fused and sdpa-flash (the plot of docs/fused.md).
-``--auto`` times explicit, flash and fused from N = 64 on, the measurement behind
+``--auto`` times explicit, flash and fused from N = 16 on, the measurement behind
 `attngrad.strategies.AUTO_FUSED_SCORES`.
 """
 
@@ -252,7 +252,7 @@ def sweep(repeats, plot, csv):
 
 def auto(repeats):
     for causal in (False, True):
-        for n in (64, 128, 256, 512, 1024, 2048):
+        for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
             t = inputs(1, 8, n)
             times = medians(
                 interleaved(

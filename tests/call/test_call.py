@@ -14,6 +14,7 @@ import torch
 import attngrad
 from attngrad.call import Call
 from attngrad.core.band import Band, BandSpec
+from attngrad.strategies import resolve
 
 B, H, N, D = 1, 2, 12, 4
 
@@ -80,7 +81,8 @@ def test_call_holds_the_validated_call() -> None:
         block_q=None, block_k=None, return_lse=False, softcap=None, sinks=None,
         align="bottom-right", cu_seqlens_q=None, cu_seqlens_k=None, generator=None,
     )  # fmt: skip
-    assert call.strategy == "explicit" and call.scale == D**-0.5
+    auto = resolve("auto", call.shapes, False, True, q.device)  # fused where it builds
+    assert call.strategy == auto and call.scale == D**-0.5
     assert call.bias is None and call.keep is not None and call.keep.shape == (1, 1, N, N)
     assert call.band == BandSpec(2, 0, "bottom-right")
     mods = call.score_mods(call.band.build(N, N), None)

@@ -64,13 +64,12 @@ TILED: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.tiled)
 # the call.  These apply where "fused" cannot run.
 AUTO_FLASH_SCORES = 2**20
 AUTO_FLASH_SCORES_BANDED = 2**18
-# Where "fused" runs, it is the fastest of explicit, flash and fused from these sizes on, read
-# off `benchmarks/benchmark_fused.py --auto` (B=1, H=8, d=64, float32, fwd+bwd, N = 64 ...
-# 2048, the three interleaved in one run; docs/strategies.md): without a band explicit 1.38 ms,
-# fused 1.49 ms at N = 64, fused 2.38 ms, explicit 2.52 ms at N = 128 (2**14); with is_causal
-# fused is fastest from N = 64 (2**12; 2.08 ms, explicit 2.62 ms), flash nowhere.
-AUTO_FUSED_SCORES = 2**14
-AUTO_FUSED_SCORES_BANDED = 2**12
+# Where "fused" runs, "auto" takes it at every size: `benchmarks/benchmark_fused.py --auto`
+# (B=1, H=8, d=64, float32, fwd+bwd, explicit, flash and fused interleaved in one run;
+# docs/strategies.md) found it the fastest at every N measured, 4 to 2048, with and without
+# is_causal, on a 2-core AMD EPYC with AVX-512, at ATen's AVX-512 and at AVX2
+# (ATEN_CPU_CAPABILITY=avx2): N = 16, fused 0.40 ms, explicit 0.56 ms; N = 4, 0.37 against
+# 0.58.  Its call costs less than explicit's ops even where there is no tile to fuse.
 
 _fell_back: list[str] = []  # the reason "auto" once fell back from fused to flash (warned once)
 
@@ -106,20 +105,18 @@ def resolve(
     """The strategy "auto" stands for; the others resolve to themselves.
 
     "auto": triton on CUDA when Triton is installed and the head dims fit its
-    kernels.  On CPU, fused when block sizes are given or Nq * Nk reaches
-    AUTO_FUSED_SCORES (AUTO_FUSED_SCORES_BANDED with is_causal or a window),
-    if its kernels can be built here (else flash, with one warning).
-    Otherwise flash when block sizes are given or Nq * Nk reaches
-    AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED under a band), else explicit.
+    kernels.  On CPU, fused at every size, if its kernels can be built here
+    (else one warning).  Otherwise flash when block sizes are given or Nq * Nk
+    reaches AUTO_FLASH_SCORES (AUTO_FLASH_SCORES_BANDED under a band), else
+    explicit.
     """
     if strategy != "auto":
         return strategy
     if _triton_runs(device, shapes.head_dim, shapes.value_dim):
         return "triton"
-    scores = shapes.seq_q * shapes.seq_k
-    fused_from = AUTO_FUSED_SCORES_BANDED if banded else AUTO_FUSED_SCORES
-    if (tiling_given or scores >= fused_from) and _fused_runs(device):
+    if _fused_runs(device):
         return "fused"
+    scores = shapes.seq_q * shapes.seq_k
     threshold = AUTO_FLASH_SCORES_BANDED if banded else AUTO_FLASH_SCORES
     if tiling_given or scores >= threshold:
         return "flash"
@@ -158,7 +155,8 @@ def _fused_runs(device: torch.device | None) -> bool:
     """Whether "auto" may take fused: CPU tensors and kernels that build here.
 
     Where they cannot be built, the first call that would have taken fused warns
-    once, with the reason (what to install), and every such call takes flash.
+    once, with the reason (what to install), and every such call takes the
+    tensor-op strategies' rule (flash from AUTO_FLASH_SCORES, else explicit).
     """
     if device is not None and device.type != "cpu":
         return False
