@@ -158,7 +158,8 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
               // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
               const T sh = m_new == neg_inf ? T(0) : m_new;
               const T sum = exp_row_(srow, c, sh);
-              const T alpha = std::exp(m[ii] - sh);
+              // the running max most often stays put after the first tiles: no exp then
+              const T alpha = m_new == m[ii] ? T(1) : std::exp(m[ii] - sh);
               l[ii] = l[ii] * alpha + sum;
               T* acc = w.acc.data() + ii * dv;
               if (alpha != T(1))  // the running max moved: rescale what the row has summed

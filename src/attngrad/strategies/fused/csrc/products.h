@@ -77,13 +77,27 @@ inline void micro_columns(int64_t M, int64_t K, const T* A, int64_t lda, const T
                           T* C, int64_t ldc, bool add, int64_t cols) {
   constexpr int MR = kRows<T>, NV = kVectors<T>;
   const int64_t row_step = kTransA ? 1 : lda;  // from one row of A to the next
-  int64_t i = 0;
-  for (; i + MR <= M; i += MR)
+  // Blocks of MR rows, then the last rows.  A block of one or two rows keeps too few
+  // accumulators to cover the FMAs' latency, so MR + 1 or MR + 2 last rows go as 4 + 3 or
+  // 4 + 4 (e.g. 128 = 20 x 6 + 4 + 4).
+  int64_t blocks = M / MR, rest = M % MR;
+  if (rest > 0 && rest < 3 && blocks > 0) {
+    --blocks;
+    rest += MR;
+  }
+  for (int64_t i = 0; i < blocks * MR; i += MR)
     micro_block<T, MR, NV, kFull, kTransA>(K, A + i * row_step, lda, B, ldb, C + i * ldc, ldc,
                                            add, cols);
+  int64_t i = blocks * MR;
+  if (rest > 5) {
+    micro_block<T, 4, NV, kFull, kTransA>(K, A + i * row_step, lda, B, ldb, C + i * ldc, ldc,
+                                          add, cols);
+    i += 4;
+    rest -= 4;
+  }
   const T* a = A + i * row_step;
   T* c = C + i * ldc;
-  switch (M - i) {  // the last rows, in one block of their own height
+  switch (rest) {  // the last rows, in one block of their own height
     case 5: micro_block<T, 5, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
     case 4: micro_block<T, 4, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
     case 3: micro_block<T, 3, NV, kFull, kTransA>(K, a, lda, B, ldb, c, ldc, add, cols); break;
