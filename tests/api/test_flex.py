@@ -69,7 +69,6 @@ def _runner(name: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
         def small(shapes: Any, block_q: int | None = None, block_k: int | None = None) -> Any:
             return tile_sizes(shapes, block_q or 7, block_k or 5)
 
-        monkeypatch.setattr(attngrad.call.flex, "tile_sizes", small)
         monkeypatch.setattr(attngrad.strategies.flash, "tile_sizes", small)
     if name == "recompute-chunks":
         monkeypatch.setattr(attngrad.strategies.common, "CHUNK_BYTES", 1)  # 16-row chunks

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from attngrad.core.block_table import MaskFunction
 from attngrad.core.score_function import ScoreFunction
 
 torch.manual_seed(0)
@@ -131,3 +132,31 @@ def test_relative_gives_what_score_by_score_gives(name: str) -> None:
     assert len(results[0]) > 4  # every function here reads a capture
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+DOCUMENTS = torch.tensor([0] * 10 + [1] * 14)
+MASKS: dict[str, Callable[..., torch.Tensor]] = {
+    "sliding": lambda b, h, i, j: (i >= j) & (i - j < 5),
+    "documents": lambda b, h, i, j: (DOCUMENTS[i] == DOCUMENTS[j]) & (i >= j),
+    "per-head": lambda b, h, i, j: (i - j).abs() <= h + b,
+    "chained-index": lambda b, h, i, j: DOCUMENTS[i] == DOCUMENTS[j] + 0 * DOCUMENTS.sum(),
+}
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_mask_functions_broadcast_as_vmap_gives_them(name: str) -> None:
+    """A mask_mod's keep over a tile, and over keys given by index (several blocks side
+    by side), is the same on broadcast indices as under vmap."""
+    mask = MaskFunction.of(MASKS[name], torch.device("cpu"), B, H)
+    assert mask.elementwise == (name != "chained-index")
+    slow = dataclasses.replace(mask, elementwise=False)
+    rows, cols = slice(3, 17), slice(5, 24)
+    keys = torch.tensor([0, 1, 2, 20, 21, 22, 23], dtype=torch.int32)
+    for f in (mask, slow):
+        assert f.keep(B, rows, cols, torch.device("cpu")).shape == (B, H, 14, 19)
+    torch.testing.assert_close(
+        mask.keep(B, rows, cols, torch.device("cpu")), slow.keep(B, rows, cols, torch.device("cpu"))
+    )
+    by_index = mask.keep(B, rows, keys, torch.device("cpu"))
+    whole = slow.keep(B, rows, slice(0, N), torch.device("cpu"))
+    assert torch.equal(by_index, whole[..., keys.long()])

@@ -28,7 +28,6 @@ from attngrad.core.contract import (
 from attngrad.core.interface import Problem, Strategy
 from attngrad.core.score_function import ScoreFunction
 from attngrad.core.scores import ScoreMods
-from attngrad.core.tiling import tile_sizes
 from attngrad.strategies import REGISTRY, STRATEGIES, resolve_for
 
 __all__ = ["FlexCall"]
@@ -48,10 +47,11 @@ def _tiles(
     strategy: Strategy[Any], shapes: Shapes, dtype: torch.dtype, blocks: BlockTable | None
 ) -> Any:
     """The strategy's tiles; for a tiled strategy under a BlockMask, whole multiples of its
-    blocks near the measured defaults (`attngrad.core.tiling.tile_sizes`)."""
+    blocks near the strategy's own defaults (fused's 128 x 256 stay 128 x 256 under torch's
+    128 x 128 blocks: as the same mask's keyword gets them)."""
+    default = strategy.tiles(shapes, dtype, None, None)
     if not strategy.tiled or blocks is None:
-        return strategy.tiles(shapes, dtype, None, None)
-    default = tile_sizes(shapes)
+        return default
     bq, bk = blocks.block
     block_q = bq * max(1, round(default.block_q / bq))
     block_k = bk * max(1, round(default.block_k / bk))

@@ -37,7 +37,16 @@ from typing import Any
 import torch
 
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
-from attngrad.core.pointwise import Reads, TileIndex, check_arity, explain, one_thread, over_tile
+from attngrad.core.pointwise import (
+    INDEX,
+    Reads,
+    TileIndex,
+    broadcast_axes,
+    check_arity,
+    explain,
+    one_thread,
+    over_tile,
+)
 
 __all__ = ["EMPTY", "FULL", "MIXED", "PARTIAL", "BlockTable", "MaskFunction"]
 
@@ -59,12 +68,15 @@ def _status(
 class MaskFunction:
     """A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over tiles: True where a score is kept.
 
-    batch: B of the call (a folded batch entry b reads b mod batch); heads: Hq.
+    batch: B of the call (a folded batch entry b reads b mod batch); heads: Hq;
+    elementwise: every op of it acts on each score alone (`attngrad.core.pointwise.Reads`),
+    so a tile runs it once on broadcast indices instead of under vmap.
     """
 
     fn: Callable[..., torch.Tensor]
     batch: int
     heads: int
+    elementwise: bool = False
 
     @staticmethod
     def of(fn: object, device: torch.device, batch: int, heads: int) -> MaskFunction:
@@ -100,14 +112,21 @@ class MaskFunction:
                     "mask is not differentiable. Pass it detached (t.detach()), or put a "
                     "learnable term into score_mod."
                 )
-        return MaskFunction(fn, batch, heads)
+        return MaskFunction(fn, batch, heads, reads.elementwise)
 
     def folded(self, batch: int) -> MaskFunction:
         return replace(self, batch=batch)
 
-    def keep(self, folded: int, rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
-        """mask_mod over the tile: bool [B, H, r, c] (B the folded batch)."""
-        index = TileIndex.of(self.batch, folded, self.heads, rows, cols, device)
+    def keep(
+        self, folded: int, rows: slice, cols: slice | torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """mask_mod over the tile: bool [B, H, r, c] (B the folded batch); ``cols`` a slice
+        of keys or their indices (int32 [c], e.g. several blocks' at once)."""
+        if isinstance(cols, slice):
+            index = TileIndex.of(self.batch, folded, self.heads, rows, cols, device)
+        else:
+            whole = TileIndex.of(self.batch, folded, self.heads, rows, slice(0, 0), device)
+            index = replace(whole, j=cols.to(device=device, dtype=whole.j.dtype))
         fn = self.fn
 
         def point(
@@ -117,10 +136,15 @@ class MaskFunction:
 
         with torch.no_grad():
             try:
-                keep: torch.Tensor = over_tile(point, None, index)
+                keep: torch.Tensor = (
+                    fn(*broadcast_axes(index))
+                    if self.elementwise
+                    else over_tile(point, None, index)
+                )
             except RuntimeError as err:
                 raise explain(err, "mask_mod") from err
-        return keep.expand(index.b.shape[0], index.h.shape[0], *keep.shape[2:])
+        shape = (index.b.shape[0], index.h.shape[0], index.i.shape[0], index.j.shape[0])
+        return keep.expand(shape)
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -273,13 +297,12 @@ class BlockTable:
             first.fill_(c0)
             last.fill_(c1 - 1)
             count += sum(min(self.seq_k, (j + 1) * bk) - j * bk for j in full)
-        for j in partial:
-            cols = slice(j * bk, min(self.seq_k, (j + 1) * bk))
-            keep = self.mask.keep(folded, rows, cols, device)  # [B, H, r, c]
+        if partial:  # mask_mod once over the partial blocks' keys side by side
+            idx = torch.cat([torch.arange(j * bk, min(self.seq_k, (j + 1) * bk)) for j in partial])
+            keep = self.mask.keep(folded, rows, idx.to(INDEX), device)  # [B, H, r, c]
             if not bool((keep == keep[:1, :1]).all()):
                 return None
             kept = keep[0, 0].cpu()
-            idx = torch.arange(cols.start, cols.stop)
             first = torch.minimum(first, torch.where(kept, idx, big).amin(-1))
             last = torch.maximum(last, torch.where(kept, idx, -1).amax(-1))
             count += kept.sum(-1)

@@ -37,6 +37,7 @@ __all__ = [
     "INDEX",
     "Reads",
     "TileIndex",
+    "broadcast_axes",
     "broadcast_tile",
     "check_arity",
     "explain",
@@ -250,9 +251,13 @@ def broadcast_tile(
     """``point`` called once on the whole tile s: [B, H, r, c] with the indices shaped to
     broadcast against it, [B, 1, 1, 1], [1, H, 1, 1], [1, 1, r, 1], [1, 1, 1, c]: what
     `over_tile` gives for an elementwise function (`Reads.elementwise`)."""
+    return point(s, *broadcast_axes(index), *extra)
+
+
+def broadcast_axes(index: TileIndex) -> tuple[torch.Tensor, ...]:
+    """b, h, q_idx, kv_idx of a tile [B, H, r, c] shaped to broadcast against it."""
     b, h, i, j = index.b, index.h, index.i, index.j
-    axes = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
-    return point(s, *axes, *extra)
+    return b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
 
 
 def over_tile(
