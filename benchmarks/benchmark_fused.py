@@ -30,6 +30,7 @@ against N for explicit, flash, fused and sdpa-flash (the plot of docs/fused.md).
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -246,7 +247,7 @@ def sweep(repeats, plot, csv):
                 ax.set_xlabel("N")
             axes[0].set_ylabel("GFLOP/s")
             axes[0].legend(fontsize="small")
-            fig.suptitle(f"B=1 H=8 d=64 float32\n{machine.line()}")
+            fig.suptitle(f"B=1 H=8 d=64 float32\n{textwrap.fill(machine.line(), 100)}")
         print(f"wrote {plot}")
 
 

@@ -40,4 +40,4 @@ __all__ = [
     "value_gradient",
 ]
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

@@ -47,8 +47,8 @@ using Buffer = std::vector<T, Aligned<T>>;
 
 // e^x of a vector, as SDPA's own CPU kernels take it: float32 through ATen's polynomial
 // exp (`exp_u20`: range reduction, a degree-5 polynomial, 0 below log(FLT_MIN), so -inf
-// gives 0), about a third of Sleef's instructions, with NaN kept NaN (the polynomial
-// would clamp it); float64 through Sleef's.
+// gives 0), fewer instructions than Sleef's exp, with NaN kept NaN (the polynomial would
+// clamp it); float64 through Sleef's.
 template <typename T>
 inline at::vec::Vectorized<T> exp_vec(const at::vec::Vectorized<T>& x) {
   using Vec = at::vec::Vectorized<T>;
