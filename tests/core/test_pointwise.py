@@ -160,3 +160,38 @@ def test_mask_functions_broadcast_as_vmap_gives_them(name: str) -> None:
     by_index = mask.keep(B, rows, keys, torch.device("cpu"))
     whole = slow.keep(B, rows, slice(0, N), torch.device("cpu"))
     assert torch.equal(by_index, whole[..., keys.long()])
+
+
+def _block_mask(fn: Callable[..., torch.Tensor], nq: int, nk: int, block: int) -> object:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(fn, None, None, nq, nk, device="cpu", BLOCK_SIZE=block)
+
+
+BANDS: dict[str, Callable[..., torch.Tensor]] = {
+    "causal": lambda b, h, i, j: i >= j,
+    "window": lambda b, h, i, j: (i >= j) & (i - j < 9),
+    "documents": lambda b, h, i, j: (i // 12 == j // 12) & (i >= j),
+    "prefix": lambda b, h, i, j: (j < 5) | (i >= j),
+    "dilated": lambda b, h, i, j: (i - j) % 3 == 0,  # not one interval: a dense keep
+    "per-head": lambda b, h, i, j: (i - j).abs() <= h,  # differs by head: a dense keep
+}
+
+
+@pytest.mark.parametrize("name", BANDS)
+@pytest.mark.parametrize(("nq", "nk", "block"), [(37, 53, 8), (64, 64, 16)])
+def test_a_masks_band_is_the_same_found_all_at_once(
+    name: str, nq: int, nk: int, block: int
+) -> None:
+    """The fused kernels' band of a BlockMask (`BlockTable.rows_of_keys`): found over every
+    partial block at once for an elementwise mask_mod, block by block under vmap."""
+    from attngrad.core.block_table import BlockTable
+
+    q, k = torch.zeros(1, H, nq, 8), torch.zeros(1, H, nk, 8)
+    table = BlockTable.of(_block_mask(BANDS[name], nq, nk, block), q, k, 1)
+    assert table.mask.elementwise
+    slow = dataclasses.replace(table, mask=dataclasses.replace(table.mask, elementwise=False))
+    fast_out, slow_out = (t.rows_of_keys(1, torch.device("cpu")) for t in (table, slow))
+    assert (fast_out[2] is None) == (slow_out[2] is None) == (name not in ("dilated", "per-head"))
+    for a, b in zip(fast_out, slow_out, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

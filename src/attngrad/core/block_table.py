@@ -30,6 +30,7 @@ line up with the blocks:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -319,7 +320,8 @@ class BlockTable:
         cached = self._cache.get(folded)
         if cached is not None:
             return cached  # type: ignore[no-any-return]
-        with one_thread():  # small host-side ops
+        small = not self.mask.elementwise  # block by block: small host-side ops
+        with one_thread() if small else contextlib.nullcontext():
             out = self._rows_of_keys(folded, device)
         self._cache[folded] = out
         return out
@@ -332,16 +334,79 @@ class BlockTable:
         hi = torch.zeros(nq, dtype=torch.int64)
         row_blocks = [slice(r0, min(r0 + bq, nq)) for r0 in range(0, nq, bq)]
         dense = None
-        for rows in row_blocks:
-            bounds = self._exact_rows(folded, rows, device)
+        if self.mask.elementwise:  # every partial block at once
+            bounds = self._exact_all_rows(folded, device)
             if bounds is None:
                 dense = self._dense(folded, device)
-                break
-            lo[rows], hi[rows] = bounds
+            else:
+                lo, hi = bounds
+        else:
+            for rows in row_blocks:
+                bounds = self._exact_rows(folded, rows, device)
+                if bounds is None:
+                    dense = self._dense(folded, device)
+                    break
+                lo[rows], hi[rows] = bounds
         if dense is not None:  # each row's span of blocks as its band, the keep inside it
             for rows in row_blocks:
                 lo[rows], hi[rows] = self.key_span(rows)
         return lo.to(device), hi.to(device), dense
+
+    def _exact_all_rows(
+        self, folded: int, device: torch.device, chunk: int = 64
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`_exact_rows` of every row at once, for an elementwise ``mask_mod``: it runs on the
+        partial blocks side by side, ``chunk`` blocks per call (a bounded buffer)."""
+        (bq, bk), nq, nk = self.block, self.seq_q, self.seq_k
+        if any(MIXED in row for row in self.kinds):
+            return None
+        big = nk + 1
+        # the full blocks: per row block, their first key, last key and count, then per row
+        starts, ends, counts = [], [], []
+        for row in self.kinds:
+            full = [j for j, kind in enumerate(row) if kind == FULL]
+            starts.append(full[0] * bk if full else big)
+            ends.append(min(nk, (full[-1] + 1) * bk) - 1 if full else -1)
+            counts.append(sum(min(nk, (j + 1) * bk) - j * bk for j in full))
+
+        def per_row(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).repeat_interleave(bq)[:nq].clone()
+
+        first, last, count = per_row(starts), per_row(ends), per_row(counts)
+        pairs = [
+            (i, j) for i, row in enumerate(self.kinds) for j, k in enumerate(row) if k == PARTIAL
+        ]
+        index = TileIndex.of(
+            self.mask.batch, folded, self.mask.heads, slice(0, 0), slice(0, 0), device
+        )
+        b, h = index.b.view(-1, 1, 1, 1, 1), index.h.view(1, -1, 1, 1, 1)
+        for c0 in range(0, len(pairs), chunk):
+            part = torch.tensor(pairs[c0 : c0 + chunk], dtype=torch.int64)  # [P, 2]
+            qb, kb = part[:, 0], part[:, 1]
+            rows = qb[:, None] * bq + torch.arange(bq)  # [P, bq]
+            cols = kb[:, None] * bk + torch.arange(bk)  # [P, bk]
+            i = rows.clamp(max=nq - 1).to(device=device, dtype=INDEX)
+            j = cols.clamp(max=nk - 1).to(device=device, dtype=INDEX)
+            with torch.no_grad():
+                keep = self.mask.fn(b, h, i[None, None, :, :, None], j[None, None, :, None, :])
+            keep = keep.expand(index.b.shape[0], index.h.shape[0], *rows.shape, bk)
+            if not bool((keep == keep[:1, :1]).all()):
+                return None
+            kept = keep[0, 0].cpu() & (cols < nk)[:, None, :]  # [P, bq, bk]
+            at = cols[:, None, :].expand(kept.shape)
+            real = (rows < nq).flatten()
+            target = rows.flatten()[real]
+            first.scatter_reduce_(
+                0, target, torch.where(kept, at, big).amin(-1).flatten()[real], "amin"
+            )
+            last.scatter_reduce_(
+                0, target, torch.where(kept, at, -1).amax(-1).flatten()[real], "amax"
+            )
+            count.scatter_add_(0, target, kept.sum(-1).flatten()[real])
+        live = count > 0
+        if not bool((~live | (last - first + 1 == count)).all()):
+            return None
+        return torch.where(live, first, 0), torch.where(live, last + 1, 0)
 
     def _dense(self, folded: int, device: torch.device) -> torch.Tensor:
         """The whole keep, bool [B, H, Nq, Nk], block by block (``mask_mod`` on partial ones)."""
