@@ -376,6 +376,19 @@ def test_a_nan_row_stays_nan_in_backward(strategy, dtype):
     assert q.grad[0, 0, 2].isnan().all() and v.grad[0, 0].isnan().any()
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_a_nan_key_in_a_later_tile_makes_every_row_nan(strategy, dtype):
+    # a row's running max is finite from its first tiles; a NaN score in a later one must
+    # still reach the output (fused's exp skips NaN care on rows whose max is finite)
+    q, k, v = (torch.randn(1, 2, 37, 4, dtype=dtype) for _ in range(3))
+    k[0, 1, 30, 2] = float("nan")
+    size = {"flash": 8, "fused": 8, "triton": 16}.get(strategy)  # several key tiles
+    tiles = {} if size is None else {"block_q": size, "block_k": size}
+    out = attngrad.attention(q, k, v, strategy=strategy, **tiles)
+    assert out[0, 1].isnan().all() and not out[0, 0].isnan().any()
+
+
 @pytest.mark.parametrize("strategy", ["explicit", "recompute"])
 def test_the_output_can_be_edited_in_place(strategy):
     # regression: forward returned a view, so o.add_(1) raised "Output 0 of View

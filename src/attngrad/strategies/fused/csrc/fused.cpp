@@ -154,7 +154,8 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
             mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr));
             for (int64_t ii = 0; ii < r; ++ii) {
               T* srow = S + ii * bk;
-              const T m_new = std::max(m[ii], row_max(srow, c));
+              const T mx = row_max(srow, c);  // NaN if any score is, and then m stays NaN
+              const T m_new = std::isnan(mx) ? mx : std::max(m[ii], mx);
               // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
               const T sh = m_new == neg_inf ? T(0) : m_new;
               const T sum = exp_row_(srow, c, sh);

@@ -47,12 +47,15 @@ using Buffer = std::vector<T, Aligned<T>>;
 
 // e^x of a vector, as SDPA's own CPU kernels take it: float32 through ATen's polynomial
 // exp (`exp_u20`: range reduction, a degree-5 polynomial, 0 below log(FLT_MIN), so -inf
-// gives 0), fewer instructions than Sleef's exp, with NaN kept NaN (the polynomial would
-// clamp it); float64 through Sleef's.
-template <typename T>
+// gives 0), fewer instructions than Sleef's exp; float64 through Sleef's.  The polynomial
+// would clamp a NaN (S - m with S or m NaN, or S = m = +inf) to a finite number: kKeepNaN
+// keeps it NaN, and a row whose shift is finite needs no such care (its S holds no NaN and
+// no +inf, or its max would not be finite).
+template <bool kKeepNaN, typename T>
 inline at::vec::Vectorized<T> exp_vec(const at::vec::Vectorized<T>& x) {
   using Vec = at::vec::Vectorized<T>;
-  return Vec::blendv(x.exp_u20(), x, x.isnan());
+  if constexpr (kKeepNaN) return Vec::blendv(x.exp_u20(), x, x.isnan());
+  else return x.exp_u20();
 }
 
 // The call: sizes, the score modifiers and the tiles, as the ops receive them.
@@ -139,15 +142,16 @@ inline T row_max(const T* s, int64_t c) {
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
 }
 
-template <typename T>
-inline T exp_row_(T* s, int64_t c, T shift) {
+template <bool kKeepNaN, typename T>
+inline T exp_row_impl(T* s, int64_t c, T shift) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec sh(shift);
   Vec l0(T(0)), l1(T(0));  // two chains: more would spill the exp's constants on AVX2
   int64_t j = 0;
   for (; j + 2 * W <= c; j += 2 * W) {
-    const Vec p0 = exp_vec(Vec::loadu(s + j) - sh), p1 = exp_vec(Vec::loadu(s + j + W) - sh);
+    const Vec p0 = exp_vec<kKeepNaN>(Vec::loadu(s + j) - sh);
+    const Vec p1 = exp_vec<kKeepNaN>(Vec::loadu(s + j + W) - sh);
     p0.store(s + j);
     p1.store(s + j + W);
     l0 = l0 + p0;
@@ -155,11 +159,17 @@ inline T exp_row_(T* s, int64_t c, T shift) {
   }
   for (; j < c; j += W) {
     const int64_t n = std::min(W, c - j);
-    const Vec p = exp_vec(Vec::loadu(s + j, n) - sh);
+    const Vec p = exp_vec<kKeepNaN>(Vec::loadu(s + j, n) - sh);
     p.store(s + j, n);
     l0 = l0 + Vec::set(Vec(T(0)), p, n);
   }
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, l0 + l1);
+}
+
+template <typename T>
+inline T exp_row_(T* s, int64_t c, T shift) {
+  return std::isfinite(shift) ? exp_row_impl<false>(s, c, shift)
+                              : exp_row_impl<true>(s, c, shift);
 }
 
 // Dropout: the hash's last steps for key j of a row whose word is `row`.
@@ -224,9 +234,16 @@ void probabilities(int64_t r, int64_t c, T* S, int64_t ld, const T* stats) {
   for (int64_t ii = 0; ii < r; ++ii) {
     T* s = S + ii * ld;
     const Vec m(stats[2 * ii]), log_l(stats[2 * ii + 1]);
-    for (int64_t j = 0; j < c; j += W) {
-      int64_t n = std::min(W, c - j);
-      exp_vec((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
+    if (std::isfinite(stats[2 * ii]) && std::isfinite(stats[2 * ii + 1])) {
+      for (int64_t j = 0; j < c; j += W) {
+        int64_t n = std::min(W, c - j);
+        exp_vec<false>((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
+      }
+    } else {  // a NaN row, or one with no key (log l = inf)
+      for (int64_t j = 0; j < c; j += W) {
+        int64_t n = std::min(W, c - j);
+        exp_vec<true>((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
+      }
     }
   }
 }
