@@ -113,8 +113,6 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
                   T* stats) {
   const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
   const int64_t blocks = pb.row_blocks();
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   for_each_unit<RowScratch<T>>(
       pb.B * pb.Hkv * blocks, engine,
