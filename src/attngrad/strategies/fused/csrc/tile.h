@@ -48,21 +48,25 @@ using Buffer = std::vector<T, Aligned<T>>;
 
 // e^x of a vector: float32 through ATen's polynomial exp (`exp_u20`, the one SDPA's own CPU
 // kernels use: range reduction, a degree-5 polynomial, fewer instructions than Sleef's exp),
-// float64 through Sleef's.  The polynomial returns 0 below log(FLT_MIN) (so -inf gives 0) where
-// e^x is still a subnormal number, and clamps a NaN to a finite number; a vector with such a
-// lane (rare: a score 87 below its row's max, or NaN) takes Sleef's exp, which keeps both.
-template <typename T>
+// float64 through Sleef's.  The polynomial returns 0 below log(FLT_MIN) (so -inf gives 0)
+// where e^x is still a subnormal number, and clamps a NaN to a finite number.  kExact: a
+// vector with such a lane (rare: a score 87 below its row's max, or NaN) takes Sleef's exp,
+// which keeps both -- backward needs it, where a key whose every P is subnormal has dV and
+// dK made of them alone.  Forward's O and l do not (l >= 1: a P below FLT_MIN moves neither
+// by a rounding), and a row there whose shift is finite holds no NaN.
+template <bool kExact, typename T>
 inline at::vec::Vectorized<T> exp_vec(const at::vec::Vectorized<T>& x) {
   using Vec = at::vec::Vectorized<T>;
   if constexpr (!std::is_same_v<T, float>) {
     return x.exp();
+  } else if constexpr (!kExact) {
+    return x.exp_u20();
   } else {
     const Vec neg_inf(-std::numeric_limits<float>::infinity());
     const Vec floor(-87.33654f);  // log(FLT_MIN): exp_u20's own threshold
-    // lanes that are not (x >= floor or x == -inf): NaN, or subnormal results
+    // a lane that is neither x >= floor nor -inf is NaN or has a subnormal e^x
     const Vec usual = (x >= floor) | (x == neg_inf);
-    if (usual.zero_mask() == 0) return x.exp_u20();  // no lane is all-zero bits: all usual
-    return x.exp();
+    return usual.zero_mask() == 0 ? x.exp_u20() : x.exp();
   }
 }
 
@@ -150,15 +154,16 @@ inline T row_max(const T* s, int64_t c) {
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
 }
 
-template <typename T>
-inline T exp_row_(T* s, int64_t c, T shift) {
+template <bool kExact, typename T>
+inline T exp_row_impl(T* s, int64_t c, T shift) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec sh(shift);
   Vec l0(T(0)), l1(T(0));  // two chains: more would spill the exp's constants on AVX2
   int64_t j = 0;
   for (; j + 2 * W <= c; j += 2 * W) {
-    const Vec p0 = exp_vec(Vec::loadu(s + j) - sh), p1 = exp_vec(Vec::loadu(s + j + W) - sh);
+    const Vec p0 = exp_vec<kExact>(Vec::loadu(s + j) - sh);
+    const Vec p1 = exp_vec<kExact>(Vec::loadu(s + j + W) - sh);
     p0.store(s + j);
     p1.store(s + j + W);
     l0 = l0 + p0;
@@ -166,11 +171,19 @@ inline T exp_row_(T* s, int64_t c, T shift) {
   }
   for (; j < c; j += W) {
     const int64_t n = std::min(W, c - j);
-    const Vec p = exp_vec(Vec::loadu(s + j, n) - sh);
+    const Vec p = exp_vec<kExact>(Vec::loadu(s + j, n) - sh);
     p.store(s + j, n);
     l0 = l0 + Vec::set(Vec(T(0)), p, n);
   }
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, l0 + l1);
+}
+
+// Forward's P = exp(S - shift) over a row, in place, and its sum (`exp_vec`: a finite shift
+// needs no exact care; a NaN or infinite one keeps its NaN).
+template <typename T>
+inline T exp_row_(T* s, int64_t c, T shift) {
+  return std::isfinite(shift) ? exp_row_impl<false>(s, c, shift)
+                              : exp_row_impl<true>(s, c, shift);
 }
 
 // Dropout: the hash's last steps for key j of a row whose word is `row`.
@@ -237,7 +250,7 @@ void probabilities(int64_t r, int64_t c, T* S, int64_t ld, const T* stats) {
     const Vec m(stats[2 * ii]), log_l(stats[2 * ii + 1]);
     for (int64_t j = 0; j < c; j += W) {
       int64_t n = std::min(W, c - j);
-      exp_vec((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
+      exp_vec<true>((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
     }
   }
 }
