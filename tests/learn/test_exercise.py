@@ -10,7 +10,7 @@ import pytest
 
 from attngrad.cli.exercise import add_exercise
 from attngrad.cli.grade import add_grade
-from attngrad.learn.exercise import SKELETON, write_exercise
+from attngrad.learn.exercise import SKELETON, locale_lang, write_exercise
 from attngrad.learn.grade import grade
 
 SOLUTION = """
@@ -72,8 +72,37 @@ def test_refuses_to_overwrite_unless_forced(tmp_path: Path, capsys) -> None:
 
 
 def test_unknown_language(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown language"):
+    with pytest.raises(ValueError, match=r"lang='fr'.*'en', 'zh'"):
         write_exercise(tmp_path, lang="fr")
+
+
+@pytest.mark.parametrize(
+    ("environ", "lang"),
+    [
+        ({}, "en"),  # no locale at all: a container, CI
+        ({"LANG": "C.UTF-8"}, "en"),
+        ({"LANG": "de_DE.UTF-8"}, "en"),
+        ({"LANG": "zh_CN.UTF-8"}, "zh"),
+        ({"LANG": "zh_TW.UTF-8"}, "zh"),
+        ({"LANG": "zh_CN.UTF-8", "LC_ALL": "C"}, "en"),  # LC_ALL wins, as gettext reads it
+        ({"LANG": "en_US.UTF-8", "LC_MESSAGES": "zh_CN.UTF-8"}, "zh"),
+        ({"LANG": "en_US.UTF-8", "LANGUAGE": "zh_CN:en"}, "zh"),
+        ({"LANG": "zh_CN.UTF-8", "LC_ALL": ""}, "zh"),  # set but empty: not a choice
+    ],
+)
+def test_the_default_language_follows_the_locale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], lang: str
+) -> None:
+    for name in ("LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert locale_lang() == lang
+    args = _parser().parse_args(["exercise", str(tmp_path)])
+    assert args.run(args) == 0
+    source = (tmp_path / SKELETON).read_text(encoding="utf-8")
+    chinese = "请由 p 和 dout 计算 dV" in source
+    assert chinese == (lang == "zh") and ("compute dV from p and dout" in source) == (lang == "en")
 
 
 def test_skeleton_grades_as_not_implemented(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``attngrad exercise DIR [--lang zh|en] [--force]``: write the attention-backward exercise.
+"""``attngrad exercise DIR [--lang en|zh] [--force]``: write the attention-backward exercise.
 
 The skeleton and its README (`attngrad.learn.exercise`): four TODO functions under a
 complete CustomAttention, for `attngrad.cli.grade` to grade.
@@ -39,6 +39,11 @@ def add_exercise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         ),
     )
     p.add_argument("dir", metavar="DIR", help="folder to write into (created if missing)")
-    p.add_argument("--lang", choices=LANGS, default="zh", help="language of the text (default zh)")
+    p.add_argument(
+        "--lang",
+        choices=LANGS,
+        default=None,
+        help="language of the text: en or zh (default: zh where the locale is Chinese, else en)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite existing files")
     p.set_defaults(run=run_exercise)

@@ -5,17 +5,20 @@
 `query_key_gradients`) under a complete ``CustomAttention`` autograd.Function
 with the chapter's input contract -- and a README.md with the task, the
 formulas and how to grade it (``attngrad grade attention_exercise.py``).
-Chinese by default, English with ``lang="en"``.
+In the learner's language: ``lang=None`` (the default) takes Chinese where the
+locale asks for it (``LC_ALL``, ``LC_MESSAGES``, ``LANG`` or ``LANGUAGE`` starting
+with ``zh``) and English everywhere else; ``lang="zh"`` or ``"en"`` chooses.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["LANGS", "SKELETON", "write_exercise"]
+__all__ = ["LANGS", "SKELETON", "locale_lang", "write_exercise"]
 
-LANGS = ("zh", "en")
+LANGS = ("en", "zh")
 SKELETON = "attention_exercise.py"
 
 _TEXT: dict[str, dict[str, str]] = {
@@ -236,26 +239,52 @@ stage's time limit.  The exit code is 0 when every stage passes.
 }
 
 
-def skeleton(lang: str = "zh") -> str:
-    """The exercise module's source in ``lang``."""
+def locale_lang(environ: Mapping[str, str] | None = None) -> str:
+    """"zh" where the locale asks for Chinese, else "en".
+
+    The variables are read as gettext reads them: the first of ``LANGUAGE`` (a
+    colon-separated list, its first entry), ``LC_ALL``, ``LC_MESSAGES`` and ``LANG``
+    that is set and not empty decides, so ``LC_ALL=C`` over ``LANG=zh_CN.UTF-8`` is
+    English, as every other program on the machine would speak.
+
+    >>> locale_lang({"LANG": "zh_CN.UTF-8"}), locale_lang({"LANG": "de_DE.UTF-8"}), locale_lang({})
+    ('zh', 'en', 'en')
+    """
+    env = os.environ if environ is None else environ
+    for name in ("LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG"):
+        value = env.get(name, "").split(":")[0]
+        if value:
+            return "zh" if value.lower().startswith("zh") else "en"
+    return "en"
+
+
+def skeleton(lang: str | None = None) -> str:
+    """The exercise module's source in ``lang`` (None: `locale_lang`)."""
     return _SKELETON.format(**_TEXT[_lang(lang)])
 
 
-def readme(lang: str = "zh") -> str:
-    """The exercise's README.md in ``lang``."""
+def readme(lang: str | None = None) -> str:
+    """The exercise's README.md in ``lang`` (None: `locale_lang`)."""
     return _README[_lang(lang)]
 
 
-def _lang(lang: str) -> str:
+def _lang(lang: str | None) -> str:
+    if lang is None:
+        return locale_lang()
     if lang not in LANGS:
-        raise ValueError(f"unknown language {lang!r}; choose one of {', '.join(LANGS)}")
+        raise ValueError(
+            f"lang={lang!r} is not a language of the exercise; choose one of "
+            f"{', '.join(map(repr, LANGS))}, or None for the locale's"
+        )
     return lang
 
 
 def write_exercise(
-    directory: str | os.PathLike[str], lang: str = "zh", force: bool = False
+    directory: str | os.PathLike[str], lang: str | None = None, force: bool = False
 ) -> list[Path]:
     """Write the skeleton and README.md into ``directory`` (created if missing).
+
+    lang: "en", "zh", or None (the default) for the locale's (`locale_lang`).
 
     Refuses, with FileExistsError naming the file, to overwrite an existing one
     unless ``force``.  Returns the paths written.
