@@ -11,6 +11,7 @@ where the kernels cannot be built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -151,6 +152,16 @@ def test_build_command_prints_where_the_library_went(capsys):
     assert report["engine"] in build.ENGINES
     assert set(report["rates_gflops"]) <= set(build.ENGINES)
     assert report["fma_peak_gflops"] > 0
+
+
+def test_build_says_busy_where_an_engine_beat_the_peak(capsys, monkeypatch):
+    # a peak probed while another process held the core: below what the products reached
+    library = build.load()
+    low = dataclasses.replace(library, peak=0.5 * max(library.rates.values()))
+    monkeypatch.setattr(build, "load", lambda: low)
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert "the machine was busy while the peak was probed" in out and "%" not in out
 
 
 def test_the_fma_peak_bounds_the_tile_products():

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from attngrad.tools.machine import MAX_GEMM_SIZE, Machine, gemm_rate, probe, processor_name
+from attngrad.tools.machine import (
+    BUSY,
+    BUSY_NOTE,
+    MAX_GEMM_SIZE,
+    Machine,
+    gemm_rate,
+    probe,
+    processor_name,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -75,3 +84,26 @@ def test_probe_measures_the_fma_peak_and_rates_are_fractions_of_it() -> None:
     assert "float32 FMA peak" in machine.line() and machine.capability in machine.line()
     assert machine.of_peak(machine.fma_gflops / 4) == "25.0%"
     assert Machine("AMD EPYC", 2, "float32", 512, 120.0).of_peak(10.0) == "-"
+
+
+def test_a_rate_above_the_peak_reads_busy_not_over_100_percent() -> None:
+    machine = Machine("AMD EPYC", 2, "float32", 512, 120.0, fma_gflops=100.0)
+    assert machine.of_peak(100.0) == "100.0%"
+    assert machine.of_peak(141.0) == BUSY  # the probe ran while the machine was busy
+    assert "busy" in BUSY_NOTE and BUSY.endswith("*") and BUSY_NOTE.startswith("*")
+
+
+def test_the_peak_is_the_best_of_many_short_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a busy machine: most probes share a core with another process, a few run alone
+    build = pytest.importorskip("attngrad.strategies.fused.build")
+    rates = iter([40.0] + [20.0, 21.0, 95.0, 22.0] * 10_000)
+    calls: list[tuple[int, bool]] = []
+
+    def probe(reps: int, threads: bool) -> float:
+        calls.append((reps, threads))
+        return next(rates)
+
+    ops = SimpleNamespace(attngrad_fused=SimpleNamespace(fma_peak=probe))
+    monkeypatch.setattr(build, "torch", SimpleNamespace(ops=ops))
+    assert build.fma_peak(seconds=0.01, threads=True) == 95.0
+    assert len(calls) > 4 and all(threads for _, threads in calls[1:])

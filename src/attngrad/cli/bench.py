@@ -36,7 +36,7 @@ from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
 from attngrad.tools import bench_features, bench_hvp, bench_step
 from attngrad.tools.bench_step import PASSES, BenchRow
-from attngrad.tools.machine import Machine
+from attngrad.tools.machine import BUSY, BUSY_NOTE, Machine
 from attngrad.tools.paths import BASELINES, SDPA_BASELINES
 
 __all__ = ["add_bench", "bench_plot", "bench_records", "bench_table", "run_bench"]
@@ -135,6 +135,8 @@ def bench_table(rows: Sequence[BenchRow], machine: Machine) -> str:
         previous = r
     if any(r.gemm_fraction > 1 for r in rows):
         out += ["", _above_gemm(machine)]
+    if peak and any(machine.of_peak(r.gflops) == BUSY for r in rows):
+        out += ["", BUSY_NOTE]
     return "\n".join(out)
 
 

@@ -19,10 +19,13 @@ from attngrad.core.contract import dtype_name
 from attngrad.core.host import processor_name
 
 __all__ = [
+    "BUSY",
+    "BUSY_NOTE",
     "MAX_GEMM_SIZE",
     "Machine",
     "fma_rate",
     "gemm_rate",
+    "of_peak",
     "probe",
     "processor_name",
     "tile_rate",
@@ -51,8 +54,9 @@ class Machine:
     fma_gflops: float | None = None
 
     def of_peak(self, gflops: float) -> str:
-        """A rate as a fraction of the FMA peak, e.g. ``"71.8%"`` (``"-"`` where unmeasured)."""
-        return "-" if not self.fma_gflops else f"{gflops / self.fma_gflops:.1%}"
+        """A rate as a fraction of the FMA peak, e.g. ``"71.8%"`` (``"-"`` where unmeasured,
+        `BUSY` where the rate beat the peak: see `of_peak`)."""
+        return "-" if not self.fma_gflops else of_peak(gflops, self.fma_gflops)
 
     @property
     def ceiling_gflops(self) -> float:
@@ -94,6 +98,25 @@ class Machine:
             "fma_peak_gflops": "" if self.fma_gflops is None else f"{self.fma_gflops:.6g}",
             "capability": self.capability,
         }
+
+
+# What a fraction of the FMA peak reads where a rate beat the peak, and why it can
+BUSY = "busy*"
+BUSY_NOTE = (
+    "* faster than the FMA peak, which no kernel can be: the machine was busy while the "
+    "peak was probed, so it came out low; fractions of it are unreliable -- measure again "
+    "on a quiet machine"
+)
+
+
+def of_peak(gflops: float, peak_gflops: float) -> str:
+    """``gflops`` as a fraction of the FMA peak, e.g. ``"71.8%"``; `BUSY` above the peak
+    (footnoted by `BUSY_NOTE`), where a figure over 100% would only mislead.
+
+    >>> of_peak(71.8, 100.0), of_peak(141.0, 100.0)
+    ('71.8%', 'busy*')
+    """
+    return BUSY if gflops > peak_gflops else f"{gflops / peak_gflops:.1%}"
 
 
 def _seconds(fn: Callable[[], object], device: torch.device) -> float:

@@ -309,16 +309,29 @@ def product_rate(engine: str, shape: tuple[int, int, int], flops: float = 4e7) -
     return float(max(rates))
 
 
-def fma_peak(seconds: float = 0.05, threads: bool = False) -> float:
+# One probe of the FMA peak: well under a scheduler's time slice, well over the timer's
+# resolution and a vector unit's warm-up
+_PROBE_SECONDS = 1e-3
+
+
+def fma_peak(seconds: float = 0.2, threads: bool = False) -> float:
     """The float32 FMA peak, GFLOP/s: independent vector FMAs in registers (``csrc/peak.h``)
-    at the vector width the library was built for, best of three runs of about ``seconds``
-    each; of one core (on this thread), or with ``threads`` of the intra-op threads all
-    probing at once (their sum: the clock every core keeps under load)."""
+    at the vector width the library was built for; of one core (on this thread), or with
+    ``threads`` of the intra-op threads all probing at once (their sum: the clock every core
+    keeps under load).
+
+    Many short probes over about ``seconds``, the best kept: on a busy machine another
+    process takes a core for whole time slices (milliseconds), so a probe shorter than one
+    often runs alone where a long probe never does, and noise can only lower a rate.
+    """
     probe = torch.ops.attngrad_fused.fma_peak
     start = time.perf_counter()
-    probe(10**6, False)  # a first run sizes the others
-    reps = max(10**6, int(10**6 * seconds / max(time.perf_counter() - start, 1e-6)))
-    return max(float(probe(reps, threads)) for _ in range(3))
+    probe(10**5, False)  # a first run sizes the others
+    reps = max(10**4, int(10**5 * _PROBE_SECONDS / max(time.perf_counter() - start, 1e-7)))
+    best, stop = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        best = max(best, float(probe(reps, threads)))
+    return best
 
 
 def _attention_seconds(engine: str) -> float:
