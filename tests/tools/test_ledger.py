@@ -142,7 +142,9 @@ def _ledger(argv: list[str]) -> int:
 def test_cli_table_and_sweep(tmp_path, capsys):
     argv = ["--heads", "2", "--heads-kv", "1", "--seq-q", "64", "--head-dim", "8"]
     assert _ledger(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out, err = capsys.readouterr()
+    assert "no plot for one size: --sweep" in err  # one size writes no PNG, and says so
+    lines = out.splitlines()
     assert lines[0].startswith("machine: ") and " threads, float32 GEMM " in lines[0]
     assert lines[1].split()[:7] == ["path", "B", "H", "Nq", "x", "Nk", "d"]
     rows = {line.split()[0]: line.split() for line in lines[3:]}

@@ -195,6 +195,12 @@ def run_ledger(args: argparse.Namespace) -> int:
         write_file(csv_path, lambda path: write_csv(ledger_records(rows), path, machine))
         plot_path = destination(args.plot, sweep_default and sweep_default.format("png"))
         write_file(plot_path, lambda path: ledger_plot(rows, path, machine))
+        if args.plot is None and not args.sweep:
+            print(
+                "no plot for one size: --sweep N [N ...] writes results/ledger.png (bytes "
+                "against N), --plot PATH this size's",
+                file=sys.stderr,
+            )
     mismatched = [r for r in rows if r.match is False]
     for r in mismatched:
         print(

@@ -102,13 +102,19 @@ def write_json(payload: object, path: str, out: TextIO) -> None:
 
 @contextmanager
 def figure(path: str | os.PathLike[str], width: float, height: float) -> Iterator[Any]:
-    """A matplotlib Figure to draw on, saved to ``path`` as PNG on exit."""
+    """A matplotlib Figure to draw on, saved to ``path`` as PNG on exit.
+
+    The figure's title (``fig.suptitle``) is wrapped to the figure's width when it is
+    saved: a machine line longer than the panels stays inside the picture.
+    """
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ModuleNotFoundError(PLOT_INSTALL) from e
     fig = Figure(figsize=(width, height), layout="constrained")
     yield fig
+    if title := fig.get_suptitle():
+        fig.suptitle(title, wrap=True)
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
 
