@@ -217,6 +217,39 @@ def test_without_a_compiler_fused_says_what_to_install_and_auto_takes_flash(tmp_
     assert not list((tmp_path / "fused").glob("*/*.so"))
 
 
+# In a fresh cache, with a C++ compiler that fails: what builds, what says so, and why
+_FIRST_BUILD = textwrap.dedent(
+    """
+    import torch
+    import attngrad
+    from attngrad.strategies.fused import build
+    from attngrad.verify.cases import flex_cases, make_inputs
+    from attngrad.verify.check import refusal
+
+    case = flex_cases()[0]
+    print("REFUSAL", refusal("flash", case, make_inputs(case)), flush=True)
+    print("TRIED", build._failure is not None or build._loaded is not None, flush=True)
+    q = torch.randn(1, 2, 16, 8)
+    attngrad.attention(q, q, q)  # "auto": wants fused, tries to build it, falls back
+    print("TRIED", build._failure is not None, flush=True)
+    """
+)
+
+
+def test_a_first_build_says_why_now_and_how_long_and_no_command_builds_what_it_skips(tmp_path):
+    # a flash-only check asks which strategies refuse a flex case: no build for that; a
+    # first "auto" call does build, and says that auto wants the kernels and how long it takes
+    env = {**os.environ, "ATTNGRAD_CACHE_DIR": str(tmp_path), "CXX": "false"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_BUILD], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["REFUSAL None", "TRIED False", "TRIED True"]
+    (said,) = [line for line in done.stderr.splitlines() if "compiling" in line]
+    assert "strategy 'auto' takes fused's C++ kernels for CPU tensors" in said
+    assert "once per machine" in said and "30 to 60 s" in said and "attngrad build" in said
+
+
 def _edge_case(kind: str):
     """(case, inputs) of the edge inputs where recomputing kernels lose digits."""
     if kind == "large-logits":  # |S| ~ 1e3 - 1e4 in float32

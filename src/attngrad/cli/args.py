@@ -17,6 +17,7 @@ import torch
 
 from attngrad.core.contract import DTYPES, dtype_name
 from attngrad.strategies import STRATEGIES, available, unavailable_reason
+from attngrad.strategies.fused.build import because
 from attngrad.tools.machine import Machine, probe
 from attngrad.tools.paths import baseline_name
 
@@ -93,15 +94,17 @@ def chosen_strategies(
     """The strategies a command runs: those ``asked`` for, or every one `available` on
     ``device`` (saying on stderr which are skipped and why); None, after saying why, when
     one asked for cannot run here (the command then exits 2).  Names that are no strategy
-    (an SDPA baseline) are never refused."""
-    reasons = (unavailable_reason(n, device) for n in asked or () if n in STRATEGIES)
-    refused = next((r for r in reasons if r is not None), None)
-    if refused is not None:
-        print(f"attngrad {command}: error: {refused}", file=sys.stderr)
-        return None
-    if asked:
-        return list(dict.fromkeys(asked))
-    chosen = available(device, interpreted)
+    (an SDPA baseline) are never refused.  A strategy that must be built first (fused's
+    kernels, once per machine) is built here, before the command's own work starts."""
+    with because(f"`attngrad {command}` runs strategy 'fused'"):
+        reasons = [unavailable_reason(n, device) for n in asked or () if n in STRATEGIES]
+        refused = next((r for r in reasons if r is not None), None)
+        if refused is not None:
+            print(f"attngrad {command}: error: {refused}", file=sys.stderr)
+            return None
+        if asked:
+            return list(dict.fromkeys(asked))
+        chosen = available(device, interpreted)
     for s in STRATEGIES:
         if s not in chosen:
             reason = unavailable_reason(s, device) or "Triton interpreter: too slow here."

@@ -27,7 +27,8 @@ def run_build(args: argparse.Namespace) -> int:
     if args.force and directory.exists():
         shutil.rmtree(directory)
     try:
-        library = build.load()
+        with build.because("`attngrad build` builds strategy 'fused''s C++ kernels"):
+            library = build.load()
     except build.BuildError as e:
         print(f"attngrad build: {e}", file=sys.stderr)
         return 2

@@ -240,7 +240,7 @@ stage's time limit.  The exit code is 0 when every stage passes.
 
 
 def locale_lang(environ: Mapping[str, str] | None = None) -> str:
-    """ "zh" where the locale asks for Chinese, else "en".
+    """Chinese ("zh") where the locale asks for it, else English ("en").
 
     The variables are read as gettext reads them: the first of ``LANGUAGE`` (a
     colon-separated list, its first entry), ``LC_ALL``, ``LC_MESSAGES`` and ``LANG``

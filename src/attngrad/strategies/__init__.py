@@ -26,6 +26,7 @@ from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Strategy
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies import explicit, flash, recompute
+from attngrad.strategies.fused import build as fused_build
 from attngrad.strategies.fused import strategy as fused_strategy
 from attngrad.strategies.triton import strategy as triton_strategy
 
@@ -160,7 +161,8 @@ def _fused_runs(device: torch.device | None) -> bool:
     """
     if device is not None and device.type != "cpu":
         return False
-    reason = unavailable_reason("fused", torch.device("cpu"))
+    with fused_build.because("strategy 'auto' takes fused's C++ kernels for CPU tensors"):
+        reason = unavailable_reason("fused", torch.device("cpu"))
     if reason is not None and not _fell_back:
         _fell_back.append(reason)
         warnings.warn(

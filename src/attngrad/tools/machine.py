@@ -195,18 +195,16 @@ def probe(
 def tile_rate() -> float | None:
     """GFLOP/s the CPU's tile products reach: the fastest engine of strategy "fused"
     (oneDNN's brgemm, its own micro-kernel, the BLAS) on one thread, over attention's
-    tile shapes, times the threads; None where fused's kernels cannot be built.
+    tile shapes, times the threads; None where fused's kernels are not built (a figure is
+    no reason to compile them) or cannot be.
 
     This, not a multi-threaded square GEMM, is the ceiling of a tiled attention: each
     thread runs its own tiles' products.
     """
     from attngrad.strategies.fused import build
 
-    try:
-        library = build.load()
-    except build.BuildError:
-        return None
-    if not library.rates:
+    library = build.loaded_or_built()
+    if library is None or not library.rates:
         return None
     return max(library.rates.values()) * torch.get_num_threads()
 
@@ -214,13 +212,11 @@ def tile_rate() -> float | None:
 def fma_rate() -> float | None:
     """The CPU's float32 FMA peak, GFLOP/s: independent vector FMAs in registers, at the
     vector width ATen runs at, on every intra-op thread at once, summed
-    (`attngrad.strategies.fused.build.fma_peak`); None where fused's kernels cannot be
-    built.  No kernel on these threads can run faster: every attention rate is judged as a
-    fraction of it."""
+    (`attngrad.strategies.fused.build.fma_peak`); None where fused's kernels are not
+    built (a figure is no reason to compile them) or cannot be.  No kernel on these
+    threads can run faster: every attention rate is judged as a fraction of it."""
     from attngrad.strategies.fused import build
 
-    try:
-        build.load()
-    except build.BuildError:
+    if build.loaded_or_built() is None:
         return None
     return build.fma_peak(threads=True)

@@ -158,10 +158,12 @@ def refusal(strategy: str, case: Case, inputs: Inputs) -> str | None:
     if case.flex is None or strategy not in REGISTRY:
         return None
 
+    # the call's mods, as "explicit" takes them: a tensor-op strategy takes every call and
+    # needs no build ("auto" would compile fused's kernels to pick a strategy)
     def build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> FlexCall:
         return FlexCall.build(
             q, k, v, kw.get("score_mod"), kw.get("block_mask"), kw.get("scale"),  # type: ignore[arg-type]
-            bool(kw.get("enable_gqa", False)), False, None, None, "auto",
+            bool(kw.get("enable_gqa", False)), False, None, None, "explicit",
         )  # fmt: skip
 
     leaves = {n: t.to(case.dtype) for n, t in make_leaves(inputs, case.dtype).items()}

@@ -22,6 +22,7 @@ it (``ATTNGRAD_FUSED_ENGINE`` overrides, for benchmarks).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import glob
 import hashlib
 import importlib.metadata
@@ -30,10 +31,12 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +50,12 @@ __all__ = [
     "NAME",
     "BuildError",
     "Library",
+    "because",
     "capability",
     "fma_peak",
     "library_dir",
     "load",
+    "loaded_or_built",
     "product_rate",
     "tile_shapes",
     "unavailable_reason",
@@ -189,11 +194,14 @@ def _compile(directory: Path, quiet: bool) -> None:
     _check_lock(directory)
     if not quiet:
         print(
-            f"attngrad: compiling the fused CPU kernels for torch {torch.__version__} "
-            f"({capability()}) into {directory} -- once per machine, about a minute ...",
+            f"attngrad: {_why.get()}, and this machine has no build of them for torch "
+            f"{torch.__version__} ({capability()}) yet: compiling {', '.join(SOURCES)} into "
+            f"{directory} now, once per machine and torch version -- {_ESTIMATE} (`attngrad "
+            "build` does it ahead of time) ...",
             file=sys.stderr,
             flush=True,
         )
+    start = time.perf_counter()
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
@@ -207,7 +215,7 @@ def _compile(directory: Path, quiet: bool) -> None:
                 is_python_module=False,
                 verbose=False,
             )
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a compiler that fails
         hint = (
             " The compiler has no OpenMP: with clang, install libomp (or use g++)."
             if "fopenmp" in str(e) + log.getvalue()
@@ -217,6 +225,13 @@ def _compile(directory: Path, quiet: bool) -> None:
             f"strategy='fused' could not compile its C++ kernels in {directory}: {e}\n"
             f"{log.getvalue()[-4000:]}{hint}"
         ) from e
+    if not quiet:
+        print(
+            f"attngrad: compiled in {time.perf_counter() - start:.0f} s; measuring the tile "
+            "products' engines and the FMA peak (a few seconds) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     _prune(directory)
 
 
@@ -231,6 +246,38 @@ def _prune(directory: Path) -> None:
 _loaded: Library | None = None
 _failure: BuildError | None = None
 _lock = threading.Lock()
+
+# What a first build says of its length: one C++ file at -O3, measured at 30-40 s on one
+# core of a 2-core AMD EPYC (the compiler runs on one core whatever the machine has)
+_ESTIMATE = "usually 30 to 60 s"
+# Why the kernels are wanted now, as the first build says it (`because` sets it)
+_why: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "why", default="strategy 'fused' runs on its C++ CPU kernels"
+)
+
+
+@contextlib.contextmanager
+def because(why: str) -> Iterator[None]:
+    """Within the block, a first build says ``why`` the kernels are wanted now, e.g.
+    ``"strategy 'auto' takes fused's C++ kernels for CPU tensors"``."""
+    token = _why.set(why)
+    try:
+        yield
+    finally:
+        _why.reset(token)
+
+
+def loaded_or_built() -> Library | None:
+    """The kernels where this process loaded them or this machine built them already; None
+    where using them would mean compiling first (a figure that can go without them does)."""
+    if _loaded is not None:
+        return _loaded
+    if _failure is not None or not _library_file(library_dir()).exists():
+        return None
+    try:
+        return load()
+    except BuildError:
+        return None
 
 
 def load(quiet: bool = False) -> Library:
