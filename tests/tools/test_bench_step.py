@@ -11,8 +11,20 @@ import pytest
 
 from attngrad.cli import app as cli
 from attngrad.cli.bench import bench_table
-from attngrad.tools.bench_step import PASSES, BenchRow, auto_choice, crossover, flops, run_bench
+from attngrad.tools import bench_step
+from attngrad.tools.bench_step import (
+    PASSES,
+    BenchRow,
+    auto_choice,
+    crossover,
+    estimate_seconds,
+    flops,
+    run_bench,
+    step_flops,
+    steps,
+)
 from attngrad.tools.machine import Machine
+from attngrad.tools.timing import Spread
 from helpers import TENSOR_STRATEGIES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -118,6 +130,44 @@ def test_cli_writes_csv_table_and_png(tmp_path: Path, capsys: pytest.CaptureFixt
     assert f"N=64 causal=no (strategy auto picks {auto_choice(1, 2, 64, 16, False)})" in out
     assert f"wrote {csv_path}" in out and f"wrote {png_path}" in out
     assert "calibrating the float32 matmul rate" in captured.err
+    # said up front, before the first round: how many steps and about how long
+    (estimate,) = [line for line in captured.err.splitlines() if line.startswith("bench: ")]
+    assert estimate.startswith(f"bench: {2 * 2 * len(PASSES)} steps, about ")
+    assert captured.err.index(estimate) < captured.err.index("bench [")
+
+
+def test_the_estimate_counts_every_call_of_every_contender() -> None:
+    # one N, one mode: 3 passes x (repeats + warm-up) calls, + backward's graph, per contender
+    one = estimate_seconds([64], [False], 1, 5, gemm_gflops=1.0)
+    work = sum(6 * flops(1, 8, 64, 64, 64, False, p) for p in PASSES)
+    work += flops(1, 8, 64, 64, 64, False, "backward")
+    assert one == pytest.approx(work / (0.3 * 1e9))
+    assert estimate_seconds([64], [False], 4, 5, gemm_gflops=1.0) == pytest.approx(4 * one)
+    assert estimate_seconds([64, 128], [False], 1, 5, 1.0) == pytest.approx(5 * one)
+    assert estimate_seconds([64], [True], 1, 5, gemm_gflops=2.0) == pytest.approx(one / 4)
+    weights = step_flops([64, 128], [False, True], 2, 1, 8, 64)
+    assert len(weights) == steps([64, 128], [False, True], 2)
+    assert weights[0] == flops(1, 8, 64, 64, 64, False, "forward") and weights[-1] == flops(
+        1, 8, 128, 128, 64, True, "forward+backward"
+    )
+
+
+def test_rounds_that_spread_are_called_unreliable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a busy machine: one contender's rounds 9x apart, the rest steady
+    def spreads(times: dict[str, list[float]]) -> dict[str, Spread]:
+        return {n: Spread(1.0, 0.2, 1.8) if n == "flash" else Spread(1, 0.99, 1.01) for n in times}
+
+    monkeypatch.setattr(bench_step, "spreads", spreads)
+    argv = ["--seq", "16", "--heads", "1", "--head-dim", "8", "--repeats", "1", "--causal", "no"]
+    assert _run([*argv, "--csv", "", "--plot", "", "--strategy", "flash"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the rounds of 3 of 9 measurements spread by more than 20%" in out
+    assert "9.0x from fastest to slowest" in out and "unreliable" in out
+    monkeypatch.setattr(bench_step, "spreads", lambda t: {n: Spread(1, 0.91, 1.09) for n in t})
+    assert _run([*argv, "--csv", "", "--plot", "", "--strategy", "flash"]) == 0
+    assert "warning" not in capsys.readouterr().out  # 18% apart: steady enough
 
 
 def test_empty_paths_skip_the_csv_and_the_plot(

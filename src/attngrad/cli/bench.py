@@ -38,6 +38,7 @@ from attngrad.tools import bench_features, bench_hvp, bench_step
 from attngrad.tools.bench_step import PASSES, BenchRow
 from attngrad.tools.machine import BUSY, BUSY_NOTE, Machine
 from attngrad.tools.paths import BASELINES, SDPA_BASELINES
+from attngrad.tools.timing import spread_warning
 
 __all__ = ["add_bench", "bench_plot", "bench_records", "bench_table", "run_bench"]
 
@@ -192,19 +193,36 @@ def run_bench(args: argparse.Namespace) -> int:
     baselines = list(dict.fromkeys(args.baseline or SDPA_BASELINES))
     dtype = DTYPES[args.dtype]
     machine = calibrate(dtype, cpu, args.gemm_time)
-    with Progress(bench_step.steps(args.seq, causal_modes, args.repeats), "bench") as bar:
+    shape = sizes(args, "batch", "heads", "head_dim")
+    seconds = bench_step.estimate_seconds(
+        args.seq, causal_modes, len(strategies) + len(baselines), args.repeats,
+        machine.gemm_gflops, **shape,
+    )  # fmt: skip
+    bar = Progress(
+        bench_step.steps(args.seq, causal_modes, args.repeats),
+        "bench",
+        weights=bench_step.step_flops(args.seq, causal_modes, args.repeats, **shape),
+        estimate=(seconds, "from the GEMM rate; the bar refines it as it goes"),
+    )
+    with bar:
         rows = bench_step.run_bench(
             args.seq,
             causal_modes,
             strategies,
             baselines,
-            **sizes(args, "batch", "heads", "head_dim"),
+            **shape,
             dtype=dtype,
             repeats=args.repeats,
             gemm_gflops=machine.gemm_gflops,
             step=bar.step,
         )
     print(bench_table(rows, machine))
+    warning = spread_warning(
+        [(f"{r.pass_} {r.contender} N={r.seq_q}{' causal' * r.causal}", r.time_s, r.low_s,
+          r.high_s) for r in rows]
+    )  # fmt: skip
+    if warning is not None:
+        print("\n" + warning)
     tiled = [s for s in ("fused", "flash") if s in strategies]
     if tiled and "explicit" in strategies:
         print()

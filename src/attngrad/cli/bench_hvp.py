@@ -23,6 +23,7 @@ from attngrad.tools.bench_hvp import Order2Row
 from attngrad.tools.machine import Machine
 from attngrad.tools.memory import format_bytes
 from attngrad.tools.paths import BASELINES
+from attngrad.tools.timing import spread_warning
 
 __all__ = ["order2_plot", "order2_records", "order2_table", "run_order2"]
 
@@ -178,6 +179,12 @@ def run_order2(args: argparse.Namespace, strategies: list[str], causal_modes: li
     for line in notes:
         print(line, file=sys.stderr)
     print(order2_table(rows, machine))
+    warning = spread_warning(
+        [(f"{r.measure} {r.contender} N={r.seq}{' causal' * r.causal}", r.time_s, r.low_s,
+          r.high_s) for r in rows]
+    )  # fmt: skip
+    if warning is not None:
+        print("\n" + warning)
     csv_path = destination(args.csv, "results/bench_hvp.csv")
     write_file(csv_path, lambda path: write_csv(order2_records(rows), path, machine))
     plot_path = destination(args.plot, "results/bench_hvp.png")

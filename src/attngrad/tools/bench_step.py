@@ -41,8 +41,10 @@ __all__ = [
     "BenchRow",
     "auto_choice",
     "crossover",
+    "estimate_seconds",
     "flops",
     "run_bench",
+    "step_flops",
     "steps",
 ]
 
@@ -148,6 +150,52 @@ def _time_passes(
 def steps(seqs: Sequence[int], causal_modes: Sequence[bool], repeats: int) -> int:
     """How many times `run_bench` calls its ``step``: once per timed round."""
     return len(seqs) * len(causal_modes) * len(PASSES) * repeats
+
+
+def step_flops(
+    seqs: Sequence[int],
+    causal_modes: Sequence[bool],
+    repeats: int,
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+) -> list[float]:
+    """The FLOPs of each of `run_bench`'s steps (one timed round of one pass, per contender),
+    in the order it takes them: a progress bar's weights."""
+    return [
+        flops(batch, heads, n, n, head_dim, causal, pass_)
+        for n in seqs
+        for causal in causal_modes
+        for pass_ in PASSES
+        for _ in range(repeats)
+    ]
+
+
+# The share of the GEMM rate an attention call reaches, taken over the contenders, passes and
+# sizes of a default bench (from 10% for SDPA MATH's backward at N = 4096 to 90% for a fused
+# kernel): what `estimate_seconds` divides by, good to a factor of about two
+_ESTIMATED_GEMM_FRACTION = 0.3
+
+
+def estimate_seconds(
+    seqs: Sequence[int],
+    causal_modes: Sequence[bool],
+    contenders: int,
+    repeats: int,
+    gemm_gflops: float,
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+) -> float:
+    """Roughly how long `run_bench` takes: every call it makes (the timed rounds, each pass's
+    warm-up round and the backward pass's graph, built once) at a share of the GEMM rate."""
+    total = 0.0
+    for n in seqs:
+        for causal in causal_modes:
+            for pass_ in PASSES:
+                calls = repeats + 1 + (pass_ == "backward")  # + warm-up, + backward's graph
+                total += calls * flops(batch, heads, n, n, head_dim, causal, pass_)
+    return contenders * total / (_ESTIMATED_GEMM_FRACTION * gemm_gflops * 1e9)
 
 
 def run_bench(

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-__all__ = ["PASSES", "Spread", "interleaved", "medians", "spreads", "timed_pass"]
+__all__ = [
+    "PASSES",
+    "SPREAD_LIMIT",
+    "Spread",
+    "interleaved",
+    "medians",
+    "spread_warning",
+    "spreads",
+    "timed_pass",
+]
 
 Pass = Literal["forward", "backward", "forward+backward"]
 PASSES: tuple[Pass, ...] = ("forward", "backward", "forward+backward")
@@ -83,3 +92,34 @@ class Spread:
 def spreads(times: Mapping[str, list[float]]) -> dict[str, Spread]:
     """Each contender's median, min and max."""
     return {name: Spread(statistics.median(ts), min(ts), max(ts)) for name, ts in times.items()}
+
+
+# Rounds of one contender that differ by more than this share of their median: the machine
+# was busy (on a quiet machine they agree within a few percent)
+SPREAD_LIMIT = 0.2
+
+
+def spread_warning(
+    timed: Sequence[tuple[str, float, float, float]], limit: float = SPREAD_LIMIT
+) -> str | None:
+    """A warning where some measurements' rounds spread more than ``limit`` of their median,
+    or None: ``timed`` holds (what was timed, median, fastest, slowest round), in seconds.
+
+    >>> warning = spread_warning([("forward explicit N=1024", 1.0, 0.92, 1.08),
+    ...                           ("backward flash N=1024", 1.0, 0.2, 1.8)])
+    >>> print(warning[:warning.index(":", 9)])
+    warning: the rounds of 1 of 2 measurements spread by more than 20% of their median (worst
+    >>> "backward flash N=1024, 200.00-1800.00 ms, 9.0x" in warning
+    True
+    """
+    wide = [t for t in timed if t[3] - t[2] > limit * t[1]]
+    if not wide:
+        return None
+    what, _, low, high = max(wide, key=lambda t: (t[3] - t[2]) / t[1])
+    return (
+        f"warning: the rounds of {len(wide)} of {len(timed)} measurements spread by more than "
+        f"{limit:.0%} of their median (worst: {what}, {low * 1e3:.2f}-{high * 1e3:.2f} ms, "
+        f"{high / low:.1f}x from fastest to slowest): the machine was busy, so these figures "
+        "are unreliable; run again on a quiet machine (more --repeats steadies the medians, "
+        "not the rounds)"
+    )
