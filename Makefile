@@ -7,11 +7,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: check test triton-oldest lint format docs bench clean
 
-# The pinned CPU build of PyTorch goes in first: a bare `torch` requirement
-# would otherwise pull a CUDA build of several GB.
+# The pinned CPU build of PyTorch goes in first, from PyTorch's CPU index, as the README's
+# install does: a bare `torch` requirement would otherwise pull a CUDA build of several GB.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 --index-url $(TORCH_INDEX)
 	$(BIN)/pip install --quiet -e '.[test,dev,plot,hf,docs]'
 	touch $(STAMP)
 
