@@ -237,11 +237,17 @@ def _sensitivity_path(f: _Scores, dp: torch.Tensor, score_error: float) -> _Path
     c_p = _probability_move(p, f.p_sink, c_s, score_error)
     delta = (p * dp).sum(-1, keepdim=True)
     # P's move, and Delta's through every P of the row (which dominates where dP = 0: a key
-    # dropout removed, beside keys that underflow)
+    # dropout removed, beside keys that underflow) times P as moved, P + e C_P <= 1
+    # (`_probability_move` caps the rise at 1 - P): Delta' - Delta reaches dS through P'
+    c_delta = (c_p * dp.abs()).sum(-1, keepdim=True)
     c_ds = c_p * ((dp - delta).abs() + (p * dp.abs()).sum(-1, keepdim=True))
-    c_ds = c_ds + p * (c_p * dp.abs()).sum(-1, keepdim=True)
+    c_ds = c_ds + (p + score_error * c_p) * c_delta
     c_dx = f.slope.abs() * c_ds + f.bend * (p * (dp - delta)).abs()  # the slope moves too
-    c_dsink = f.p_sink * ((p * c_s).sum(-1) * delta.squeeze(-1).abs() + (c_p * dp.abs()).sum(-1))
+    # d sigma = -p_sink Delta likewise: the share's move times Delta, Delta's times the share
+    # as moved
+    c_sink = f.p_sink * (p * c_s).sum(-1)
+    moved_sink = (f.p_sink + score_error * c_sink).clamp(max=1.0)
+    c_dsink = c_sink * delta.squeeze(-1).abs() + moved_sink * c_delta.squeeze(-1)
     return _Path(c_p, c_ds, c_dx, c_dsink)
 
 
@@ -302,13 +308,22 @@ def magnitudes(
     o C_S + rowsum(P o C_S) - P o C_S) (each score moves its P and the row's
     sum alike; the sinks' logits are exact; to first order:
     `_probability_move` keeps the exponential, capped at P and 1 - P, for far
-    tails that e C_S moves by units), and so, to first order,
+    tails that e C_S moves by units), and so
 
         C_out = (C_P o W) |v|    C_dv = (C_P o W)^T |dO|     (dP = W o dO v^T)
-        C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + P o rowsum(C_P o |dP|)
+        C_dS  = C_P o (|dP - Dlt| + rowsum(P o |dP|)) + (P + e C_P) o rowsum(C_P o |dP|)
         C_dX  = slope o C_dS + 2 |tanh(X / c)| o C_T / c o |dS|   (the slope moves too)
         C_dq  = s C_dX |k|       C_dk = s C_dX^T |q|      C_dmask = C_dS, summed like the mask
-        C_dsinks = p_sink (rowsum(P o C_S) |Dlt| + rowsum(C_P o |dP|)), summed like the sinks
+        C_dsinks = p_sink rowsum(P o C_S) |Dlt| + p_sink' rowsum(C_P o |dP|), summed like
+                   the sinks, p_sink' = min(1, p_sink (1 + e rowsum(P o C_S)))
+
+    dS = P o (dP - Delta) is a product of two quantities the scores move:
+    dS' - dS = (P' - P) o (dP - Delta) - P' o (Delta' - Delta), so Delta's move
+    reaches dS through P as moved, P' <= P + e C_P, not through P (the same
+    for the sink's share, d sigma = -p_sink Delta).  The difference is second
+    order where P barely moves; where a bias swamps the scores and P moves by
+    as much as P itself (to uniform, in float32 beside -1e9), it is the bound:
+    a key dropout removed (dP = 0) has dS = -P' Delta', all of it Delta's move.
 
     R_x, what Delta = rowsum(dO o O) does to x when it is formed from O as
     the kernel gave it, per unit u of the dtype O is kept in: O is off by at

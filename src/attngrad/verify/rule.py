@@ -61,7 +61,9 @@ differently from both the reference and the plain run:
   and the rows each per-head sink's gradient collects).
 * The rounding of its scores, in the compute dtype.  ``C_x`` (same
   function): what a perturbation of every score by at most e C_S does to x,
-  to first order, per unit e, with C_S = scale |q| |k|^T (+ |S| for a bias,
+  to first order but for P's move and dS's product of P's and Delta's moves
+  (kept whole: a bias that swamps the scores moves P by P itself), per unit
+  e, with C_S = scale |q| |k|^T (+ |S| for a bias,
   + the cap's roundings).  Each score is a d-term product (LAMBDA sqrt(d)
   u_c, as above) passed through a few single roundings of at most u_c C_S
   each: the scale, the bias add, the row-max shift and the change of base
