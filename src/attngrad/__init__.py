@@ -11,6 +11,7 @@ RuntimeErrors, which is what PyTorch's scaled_dot_product_attention raises.
 """
 
 from attngrad.api import attention, flex_attention
+from attngrad.core.block_mask import create_block_mask
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.core.ops import (
     probability_gradient,
@@ -30,6 +31,7 @@ __all__ = [
     "ArgumentTypeError",
     "CustomAttention",
     "attention",
+    "create_block_mask",
     "flex_attention",
     "patch_flex_attention",
     "patch_sdpa",

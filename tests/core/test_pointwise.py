@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import and_masks, or_masks
 
 from attngrad.core.block_table import MaskFunction
 from attngrad.core.score_function import ScoreFunction
@@ -140,6 +141,11 @@ MASKS: dict[str, Callable[..., torch.Tensor]] = {
     "documents": lambda b, h, i, j: (DOCUMENTS[i] == DOCUMENTS[j]) & (i >= j),
     "per-head": lambda b, h, i, j: (i - j).abs() <= h + b,
     "chained-index": lambda b, h, i, j: DOCUMENTS[i] == DOCUMENTS[j] + 0 * DOCUMENTS.sum(),
+    # torch's and_masks / or_masks start from a 0-d constant, q_idx.new_ones(())
+    "and-masks": and_masks(
+        lambda b, h, i, j: i >= j, lambda b, h, i, j: DOCUMENTS[i] == DOCUMENTS[j]
+    ),
+    "or-masks": or_masks(lambda b, h, i, j: j < 3, lambda b, h, i, j: (i - j).abs() <= h),
 }
 
 

@@ -29,10 +29,11 @@ softmax in the model's dtype (Gemma 2's own eager rounds P to float32).  A
 result, so agreement is not agreement of two runs that both ignore it.
 
 transformers builds the BlockMask with ``create_block_mask(_compile=True)``:
-on CPU that is an Inductor compile of the mask function, 4-12 s per model
-here and cold in every session (conftest gives Inductor a fresh cache).  The
-fixture `eager_block_masks` builds the same BlockMask without compiling it;
-attention itself is untouched (the patch replaces the compiled flex).
+unpatched, on CPU, an Inductor compile of the mask function per new shape,
+tens of seconds cold (conftest gives Inductor a fresh cache).  The patch
+routes it to `attngrad.create_block_mask` (the same BlockMask, no compiler):
+`test_hf_steps_compile_nothing` fails if any step of the patched model calls
+``torch.compile`` or lets Dynamo compile a frame.
 
 Tolerances
 ----------
@@ -241,16 +242,29 @@ def test_transformers_wrapper_is_patched_and_restored(
     assert doge.compile_friendly_flex_attention is KEPT["hf"]
 
 
-@pytest.fixture
-def eager_block_masks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' BlockMasks built without compiling the mask function (module docstring)."""
-    build = masking_utils.create_block_mask
+KEPT["mask"] = torch_flex.create_block_mask
 
-    def create_block_mask(*args: object, **kwargs: object) -> object:
-        kwargs["_compile"] = False
-        return build(*args, **kwargs)
 
-    monkeypatch.setattr(masking_utils, "create_block_mask", create_block_mask)
+def test_block_mask_builder_is_patched_and_restored() -> None:
+    """torch's create_block_mask, and the names transformers bound to it, build attngrad's
+    BlockMask inside the block (nested blocks too), torch's after."""
+    names = (torch_flex, masking_utils, hf_flex)
+    assert all(m.create_block_mask is KEPT["mask"] for m in names)
+    with attngrad.patch_flex_attention():
+        outer = torch_flex.create_block_mask
+        assert outer is not KEPT["mask"] and all(m.create_block_mask is outer for m in names)
+        with attngrad.patch_flex_attention("flash"):
+            inner = masking_utils.create_block_mask
+            assert inner is not outer and all(m.create_block_mask is inner for m in names)
+        assert all(m.create_block_mask is outer for m in names)
+        mask = masking_utils.create_block_mask(
+            masking_utils.causal_mask_function, 2, None, 40, 40, device="cpu", _compile=True
+        )  # transformers' call: nothing compiled, torch's BlockMask
+    assert all(m.create_block_mask is KEPT["mask"] for m in names)
+    want = KEPT["mask"](masking_utils.causal_mask_function, 2, None, 40, 40, device="cpu")
+    assert isinstance(mask, torch_flex.BlockMask) and mask.seq_lengths == (40, 40)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(mask, name), getattr(want, name)), name
 
 
 EAGER64 = "flexref-eager64"
@@ -391,7 +405,6 @@ def assert_2x32(got32: Step, ref32: Step, ref64: Step) -> None:
     assert not failed, "; ".join(failed)
 
 
-@pytest.mark.usefixtures("eager_block_masks")
 @pytest.mark.parametrize("name", list(SPECS))
 def test_training_step_matches_the_reference(name: str) -> None:
     spec, inputs = SPECS[name], make_batch(SPECS[name].batch)
@@ -423,7 +436,6 @@ def _flex_logits(model: nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
         return model(**inputs, use_cache=False).logits
 
 
-@pytest.mark.usefixtures("eager_block_masks")
 def test_the_features_bite() -> None:
     """Padding, softcap, window and packing each change the logits of the patched flex run."""
 
@@ -458,6 +470,43 @@ def test_the_features_bite() -> None:
     logits = _flex_logits(qwen, input_ids=packed["input_ids"], position_ids=packed["position_ids"])
     alone = _flex_logits(qwen, input_ids=packed["input_ids"][:, DOCS[0] :])
     torch.testing.assert_close(logits[:, DOCS[0] :], alone, rtol=1e-10, atol=1e-10)
+
+
+def test_hf_steps_compile_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh tiny Llama's first training step, and a step at a new sequence length, under
+    the patch: transformers asks for ``create_block_mask(_compile=True)`` at each, and
+    nothing calls ``torch.compile`` or has Dynamo compile a frame (unpatched, each new
+    shape is an Inductor compile: tens of seconds on a CPU)."""
+    from torch._dynamo.utils import counters
+
+    import attngrad.integrations.patch_flex as patch_flex
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"torch.compile called in the patched route: {args[:1]!r}")
+
+    built: list[object] = []
+    build = patch_flex.attngrad_create_block_mask
+
+    def spy(*args: object, **kwargs: object) -> object:
+        built.append(kwargs.get("_compile"))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setattr(patch_flex, "attngrad_create_block_mask", spy)
+    frames = sum(counters["frames"].values())
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**DECODER))
+    model.set_attn_implementation("flex_attention")
+    model.train()
+    with attngrad.patch_flex_attention():
+        for n in (24, 40):  # the first step, then a new sequence length
+            ids = torch.randint(0, VOCAB, (2, n))
+            mask = torch.ones(2, n, dtype=torch.long)
+            mask[0, :3] = 0  # padding: transformers ands a padding mask into the causal one
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert built == [True, True], built  # one BlockMask per forward, transformers' _compile=True
+    assert sum(counters["frames"].values()) == frames, dict(counters["frames"])
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
 
 
 # -- torch.compile ---------------------------------------------------------------------

@@ -68,10 +68,28 @@ ELEMENTWISE = frozenset(
     double half bfloat16 long int short bool type_as lerp hypot copysign nan_to_num isnan
     isinf isfinite masked_fill zeros_like ones_like full_like""".split()  # noqa: SIM905
 )
+# a new tensor of its own size: elementwise when that is () (``q_idx.new_ones(())``, how
+# torch's and transformers' ``and_masks`` / ``or_masks`` start)
+_CONSTANTS = frozenset({"new_ones", "new_zeros", "new_full", "new_tensor"})
 _ADD = frozenset({"add", "__add__", "__radd__"})
 _SUBTRACT = frozenset({"sub", "__sub__", "subtract"})
 _RELATIVE = frozenset("sbhd")  # the score, b, h and q_idx - kv_idx
 _PROPERTIES = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.device.__get__})  # type: ignore[attr-defined]
+
+
+def _scalar_constant(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``t.new_ones(())`` and its kin: a 0-d tensor, the same for every score."""
+    if name not in _CONSTANTS:
+        return False
+    if name == "new_tensor":  # new_tensor(data): a Python number
+        data = args[1] if len(args) > 1 else kwargs.get("data")
+        return isinstance(data, (bool, int, float))
+    size = kwargs.get("size", args[1] if len(args) > 1 else None)
+    return (
+        isinstance(size, (tuple, list, torch.Size))
+        and len(size) == 0
+        and (len(args) <= 2 or name == "new_full")
+    )
 
 
 def _full_index(base: object, index: object) -> bool:
@@ -95,7 +113,8 @@ class Reads(TorchFunctionMode):
     (``swap``, by identity).
 
     ``elementwise`` stays True while every op is one of `ELEMENTWISE`, reads a dtype or
-    device, or indexes a captured tensor at every position (``table[h, q_idx - kv_idx]``).
+    device, makes a 0-d constant (``q_idx.new_ones(())``, as ``and_masks`` does), or
+    indexes a captured tensor at every position (``table[h, q_idx - kv_idx]``).
 
     Given the arguments' names (``name``: "s", "b", "h", "i", "j"), it also follows which
     of them each tensor was computed from, with ``q_idx - kv_idx`` (either order) counted
@@ -178,7 +197,8 @@ class Reads(TorchFunctionMode):
             captured = len(args) == 2 and id(args[0]) in self.read
             self.elementwise &= captured and _full_index(*args)
         elif func not in _PROPERTIES:
-            self.elementwise &= getattr(func, "__name__", "") in ELEMENTWISE
+            name = getattr(func, "__name__", "")
+            self.elementwise &= name in ELEMENTWISE or _scalar_constant(name, args, kwargs)
         sources, plus = self._follow(getattr(func, "__name__", ""), args, kwargs)
         out = func(*args, **kwargs)
         made = _tensors(out)

@@ -21,7 +21,21 @@ What is routed, for the block only:
   ``torch.compile(flex_attention)`` compiled at its first call, which no
   rebinding reaches; the patched one calls attngrad and drops its
   ``training`` argument.  This is patched when transformers is imported
-  before the block (a model built from it has imported it).
+  before the block (a model built from it has imported it);
+* ``torch.nn.attention.flex_attention.create_block_mask`` and every name bound
+  to it (transformers' ``masking_utils`` and ``integrations.flex_attention``
+  bind it at import), by the same search: `attngrad.create_block_mask` builds
+  the same ``BlockMask`` without a compiler.  transformers passes
+  ``_compile=True``, an Inductor compile of the mask per new shape (tens of
+  seconds on a CPU for a model's first step, ~20 s for each new sequence
+  length); attngrad's takes milliseconds and ignores ``_compile``.  Under
+  ``torch.compile`` it hands the call to torch's builder, which Dynamo traces.
+
+Nothing in the patched route compiles with Inductor, and nothing waits on a
+compiler without saying so first: the one compiler left is the ``fused``
+strategy's C++ build, once per machine and torch version, which prints what
+it compiles and how long it takes before it starts (``attngrad build`` does
+it ahead of time).
 
 Leaving the block rebinds every name that holds the block's function -- also
 one bound inside the block, by a module imported there -- to what was there
@@ -42,6 +56,7 @@ the block around the training loop, not inside each step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import types
@@ -51,6 +66,7 @@ from typing import Any
 import torch
 
 from attngrad.api import flex_attention as attngrad_flex_attention
+from attngrad.core.block_mask import create_block_mask as attngrad_create_block_mask
 from attngrad.core.contract import validate_strategy
 from attngrad.strategies import STRATEGIES
 
@@ -62,7 +78,8 @@ HF_FUNCTION = "compile_friendly_flex_attention"
 
 
 def patch_flex_attention(strategy: str = "auto") -> contextlib.AbstractContextManager[None]:
-    """Route torch's ``flex_attention`` (and transformers' calls of it) to `attngrad.flex_attention`.
+    """Route torch's ``flex_attention`` (and transformers' calls of it) to `attngrad.flex_attention`,
+    and its ``create_block_mask`` to `attngrad.create_block_mask` (no compiler).
 
     strategy: one of `attngrad.STRATEGIES` or "auto", used by every patched call
     (checked here, before anything is patched; "fused" and "triton" refuse
@@ -145,7 +162,15 @@ def _patched(strategy: str) -> Iterator[None]:
         """transformers' wrapper without its compiled singleton (``training`` only picked a compile mode)."""
         return flex_attention(query, key, value, **kwargs)
 
-    swaps: list[tuple[object, object]] = [(torch_flex.flex_attention, flex_attention)]
+    @functools.wraps(attngrad_create_block_mask)
+    def create_block_mask(*args: Any, **kwargs: Any) -> Any:
+        """`attngrad.create_block_mask`: torch's BlockMask, no compiler (``_compile`` ignored)."""
+        return attngrad_create_block_mask(*args, **kwargs)
+
+    swaps: list[tuple[object, object]] = [
+        (torch_flex.flex_attention, flex_attention),
+        (torch_flex.create_block_mask, create_block_mask),
+    ]
     hf = _hf_module()
     if hf is not None and hasattr(hf, HF_FUNCTION):
         swaps.append((getattr(hf, HF_FUNCTION), compile_friendly_flex_attention))
