@@ -20,6 +20,8 @@ import attngrad
 from attngrad.cli import app as cli
 from attngrad.cli import check as check_command
 from attngrad.cli.args import measure_device, positive_float, positive_int
+from attngrad.core.contract import Shapes
+from attngrad.core.progress import duration
 from attngrad.verify.cases import Case, default_cases, flex_cases
 from attngrad.verify.check import SLOW_GRADGRADCHECK, CaseResult
 from helpers import TENSOR_STRATEGIES
@@ -129,6 +131,18 @@ def test_check_without_a_strategy_runs_every_strategy(monkeypatch, tmp_path):
     assert got == [(s, c.id) for s in attngrad.STRATEGIES for c in one_case]
 
 
+def test_the_estimate_knows_every_strategy_and_weighs_flex_cases():
+    plain, flex = Case(Shapes((2,), 2, 2, 33, 33, 16, 16), torch.float32), flex_cases()[0]
+    for s in attngrad.STRATEGIES:
+        one = check_command.estimate([s], [plain], gradcheck=False)
+        assert 0 < one < check_command.estimate([s], [plain], gradcheck=True)
+        assert check_command.estimate([s], [flex], gradcheck=False) > 2 * one
+    both = check_command.estimate(["explicit", "fused"], [plain, plain], gradcheck=False)
+    assert both == pytest.approx(
+        2 * sum(check_command.estimate([s], [plain], False) for s in ("explicit", "fused"))
+    )
+
+
 def test_check_one_strategy_prints_one_row_per_case(small_grid, tmp_path, capsys):
     path = tmp_path / "check.json"
     assert cli.main(["check", "--strategy", "explicit", "--no-gradcheck", "--json", str(path)]) == 0
@@ -137,7 +151,12 @@ def test_check_one_strategy_prints_one_row_per_case(small_grid, tmp_path, capsys
     assert all(r["gradcheck_passed"] is None for r in report["results"])
     assert all(r["gradgradcheck_passed"] is None for r in report["results"])
 
-    lines = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    # said before the first case: how many, and about how long
+    seconds = check_command.estimate(["explicit"], small_grid, gradcheck=False)
+    said = f"check: {len(small_grid)} steps, about {duration(seconds)} ({len(small_grid)} cases"
+    assert captured.err.startswith(said)
     rows = [line for line in lines if line.startswith("explicit ")]
     assert len(rows) == len(small_grid)
     for c in small_grid:

@@ -25,12 +25,12 @@ from attngrad.cli.args import add_strategy, chosen_strategies
 from attngrad.cli.table import columns, verdict, write_csv, write_json
 from attngrad.core.progress import Progress
 from attngrad.strategies import STRATEGIES
-from attngrad.verify.cases import default_cases, flex_cases
+from attngrad.verify.cases import Case, default_cases, flex_cases
 from attngrad.verify.check import CaseResult, expect_case, format_error, run_case
 from attngrad.verify.derivatives import DERIVATIVE_TOLERANCE
 from attngrad.verify.rule import GRADIENTS
 
-__all__ = ["add_check", "check_records", "check_summary", "check_table", "run_check"]
+__all__ = ["add_check", "check_records", "check_summary", "check_table", "estimate", "run_check"]
 
 _RULE = (
     "max abs error vs float64 on the inputs as the strategy received them; ratio: worst "
@@ -161,6 +161,31 @@ def check_records(results: Sequence[CaseResult]) -> list[dict[str, object]]:
     ]
 
 
+# Seconds a case takes, (without, with) gradcheck, per strategy: measured over the whole grid
+# on a 2-core AMD EPYC shared with other work (a flex case counts `_FLEX_WEIGHT` plain ones:
+# a score function traced, a BlockMask walked), float64 references included.  What
+# `estimate` multiplies, for the line the command prints before its first case.
+_CASE_SECONDS = {
+    "explicit": (0.45, 0.6),
+    "recompute": (0.45, 0.65),
+    "flash": (0.35, 0.9),
+    "fused": (0.25, 0.4),
+    "triton": (3.5, 7.0),  # Triton's interpreter, on CPU
+}
+_FLEX_WEIGHT = 2.5
+
+
+def _weight(case: Case) -> float:
+    return _FLEX_WEIGHT if case.flex is not None else 1.0
+
+
+def estimate(strategies: Sequence[str], cases: Sequence[Case], gradcheck: bool) -> float:
+    """Roughly how long ``check`` takes, in seconds, on a machine like the one that measured
+    `_CASE_SECONDS`."""
+    work = sum(_weight(c) for c in cases)
+    return sum(work * _CASE_SECONDS[s][gradcheck] for s in strategies)
+
+
 def run_check(args: argparse.Namespace) -> int:
     """The ``check`` command: returns the exit status."""
     strategies = chosen_strategies("check", args.strategy, torch.device("cpu"), interpreted=True)
@@ -172,7 +197,16 @@ def run_check(args: argparse.Namespace) -> int:
     # (the loop stays strategy by strategy: gradcheck draws from the seeded global generator)
     expected = functools.cache(functools.partial(expect_case, seed=args.seed))
     torch.manual_seed(args.seed)
-    with Progress(len(strategies) * len(cases), "check") as bar:
+    bar = Progress(
+        len(strategies) * len(cases),
+        "check",
+        weights=[_weight(c) for _ in strategies for c in cases],
+        estimate=(
+            estimate(strategies, cases, args.gradcheck),
+            f"{len(cases)} cases x {', '.join(strategies)}; on a 2-core CPU",
+        ),
+    )
+    with bar:
         for strategy in strategies:
             for case in cases:
                 result = run_case(
