@@ -170,7 +170,7 @@ _CASE_SECONDS = {
     "recompute": (0.45, 0.65),
     "flash": (0.35, 0.9),
     "fused": (0.25, 0.4),
-    "triton": (3.5, 7.0),  # Triton's interpreter, on CPU
+    "triton": (5.0, 10.0),  # Triton's interpreter, on CPU
 }
 _FLEX_WEIGHT = 2.5
 
