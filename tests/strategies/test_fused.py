@@ -226,8 +226,11 @@ _FIRST_BUILD = textwrap.dedent(
     from attngrad.verify.cases import flex_cases, make_inputs
     from attngrad.verify.check import refusal
 
+    from attngrad.tools.bench_step import auto_choice
+
     case = flex_cases()[0]
     print("REFUSAL", refusal("flash", case, make_inputs(case)), flush=True)
+    print("AUTO", auto_choice(1, 2, 16, 8, False), flush=True)  # bench's "auto picks" column
     print("TRIED", build._failure is not None or build._loaded is not None, flush=True)
     q = torch.randn(1, 2, 16, 8)
     attngrad.attention(q, q, q)  # "auto": wants fused, tries to build it, falls back
@@ -237,14 +240,14 @@ _FIRST_BUILD = textwrap.dedent(
 
 
 def test_a_first_build_says_why_now_and_how_long_and_no_command_builds_what_it_skips(tmp_path):
-    # a flash-only check asks which strategies refuse a flex case: no build for that; a
-    # first "auto" call does build, and says that auto wants the kernels and how long it takes
+    # a flash-only check asks which strategies refuse a flex case, bench which strategy auto
+    # picks: no build for either; a first "auto" call does build, and says that auto wants the kernels and how long it takes
     env = {**os.environ, "ATTNGRAD_CACHE_DIR": str(tmp_path), "CXX": "false"}
     done = subprocess.run(
         [sys.executable, "-c", _FIRST_BUILD], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["REFUSAL None", "TRIED False", "TRIED True"]
+    assert done.stdout.splitlines() == ["REFUSAL None", "AUTO fused", "TRIED False", "TRIED True"]
     (said,) = [line for line in done.stderr.splitlines() if "compiling" in line]
     assert "strategy 'auto' takes fused's C++ kernels for CPU tensors" in said
     assert "once per machine" in said and "30 to 60 s" in said and "attngrad build" in said

@@ -33,6 +33,7 @@ import torch
 
 from attngrad.core.contract import Shapes, dtype_name
 from attngrad.strategies import resolve
+from attngrad.strategies.fused import build
 from attngrad.tools.paths import SDPA_BASELINES, path_fn
 from attngrad.tools.timing import PASSES, Spread, interleaved, spreads, timed_pass
 
@@ -114,7 +115,13 @@ class BenchRow:
 
 
 def auto_choice(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> str:
-    """The strategy ``attention(strategy="auto")`` runs for CPU q, k, v: [B, H, N, d]."""
+    """The strategy ``attention(strategy="auto")`` runs for CPU q, k, v: [B, H, N, d].
+
+    Without building anything: where fused's kernels are not built yet but can be, "auto"
+    would build them at its first call and take fused, and that is the answer.
+    """
+    if build.loaded_or_built() is None and build.missing_tools() is None:
+        return "fused"
     shapes = Shapes((batch,), heads, heads, seq, seq, head_dim, head_dim)
     return resolve("auto", shapes, tiling_given=False, banded=causal, device=torch.device("cpu"))
 

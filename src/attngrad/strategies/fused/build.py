@@ -56,6 +56,7 @@ __all__ = [
     "library_dir",
     "load",
     "loaded_or_built",
+    "missing_tools",
     "product_rate",
     "tile_shapes",
     "unavailable_reason",
@@ -146,7 +147,7 @@ def _with_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([scripts, path]) if path else scripts
 
 
-def _missing_tools() -> str | None:
+def missing_tools() -> str | None:
     """What to install before the kernels can be compiled, or None."""
     from torch.utils.cpp_extension import is_ninja_available
 
@@ -179,7 +180,7 @@ def _check_lock(directory: Path) -> None:
 
 
 def _compile(directory: Path, quiet: bool) -> None:
-    missing = _missing_tools()
+    missing = missing_tools()
     if missing is not None:
         raise BuildError(f"strategy='fused' compiles C++ kernels once per machine, but {missing}.")
     from torch.utils.cpp_extension import load as load_extension
