@@ -236,9 +236,11 @@ def _block_statuses(
             keep = _evaluate(
                 mask, range(q0 * bq, q1 * bq), range(k0 * bk, k1 * bk), (nq, nk), device
             )
-            tiles = keep.view(*keep.shape[:2], q1 - q0, bq, k1 - k0, bk)
-            some[:, :, q0:q1, k0:k1] = tiles.any(5).any(3)
-            every[:, :, q0:q1, k0:k1] = tiles.all(5).all(3)
+            # as bytes: max and min over the inner (contiguous) axis first, several times
+            # faster than any and all over the block's two axes
+            tiles = keep.view(torch.uint8).view(*keep.shape[:2], q1 - q0, bq, k1 - k0, bk)
+            some[:, :, q0:q1, k0:k1] = tiles.amax(5).amax(3).bool()
+            every[:, :, q0:q1, k0:k1] = tiles.amin(5).amin(3).bool()
     return some, every
 
 
