@@ -70,7 +70,9 @@ def create_block_mask(
     accelerator or the CPU), ``BLOCK_SIZE`` (an int or (q, kv)); ``separate_full_blocks``,
     ``compute_dq_write_order`` and ``dq_kv_order`` as torch's.  ``_compile`` is accepted and
     ignored: nothing is compiled, so the first call for a new shape costs what every call
-    costs (about a millisecond for a small model's masks).  The result works with
+    costs (3 ms for a small model's padded causal mask at N = 32; about 60 ms for a causal
+    mask at N = 4096 on one CPU thread, where torch's compiled builder, once compiled, takes
+    20 ms; the same at N = 16384, 0.6 s).  The result works with
     `attngrad.flex_attention` and torch's ``flex_attention`` alike.
 
     Under ``torch.compile`` (while Dynamo traces the caller) it hands the call to torch's
