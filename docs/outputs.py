@@ -152,9 +152,15 @@ def read_blocks(page: Path) -> list[Block]:
     """The quoted outputs of one page, in page order (MarkerError on a malformed marker)."""
     text = page.read_text(encoding="utf-8").splitlines()
     blocks = []
-    i = 0
+    i, fence = 0, None
     while i < len(text):
+        if fence is not None:  # inside a fenced block that is not a quoted output
+            fence = None if text[i].strip() == fence else fence
+            i += 1
+            continue
         if MARKER.match(text[i]) is None:
+            opening = FENCE.match(text[i])
+            fence = opening["fence"] if opening is not None else None
             i += 1
             continue
         options = []
@@ -236,7 +242,9 @@ def run(command: str) -> Run:
     out, err = io.StringIO(), io.StringIO()
     here = Path.cwd()
     with tempfile.TemporaryDirectory(prefix="attngrad-docs-") as folder:
-        shutil.copytree(INPUTS, folder, dirs_exist_ok=True)
+        shutil.copytree(
+            INPUTS, folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
         os.chdir(folder)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
