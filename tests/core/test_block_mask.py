@@ -28,7 +28,7 @@ LISTS = (
     "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
 )  # fmt: skip
-TORCH_BUILD = torch_flex.create_block_mask  # kept before any patch can rebind the attribute
+TORCH_BUILD = torch_flex.create_block_mask  # torch's eager builder (no patch is active here)
 
 
 def assert_same_block_mask(got: object, want: object) -> None:
