@@ -294,6 +294,25 @@ def test_as_accurate_as_flash_on_edge_inputs(kind, tiles):
         assert verdict.passed, str(verdict)
 
 
+# ATen's polynomial exp forms 2^(n - 1) from the exponent bits and returns 0 below -125.5 ln 2,
+# where e^x is still normal down to ln(FLT_MIN) = -87.34 (1.2e-38 .. 1.7e-38), subnormal past it
+_BELOW_THE_POLYNOMIAL = (-87.0, -87.05, -87.1, -87.15, -87.2, -87.25, -87.3, -95.0)
+
+
+@pytest.mark.parametrize("tiles", [None, (1, 3)], ids=["own-tiles", "1x3"])
+def test_keeps_the_p_the_polynomial_exp_returns_as_zero(tiles):
+    # key 0 holds the row's P = 1, every other key's score sits 87 to 95 below it: their dv and
+    # dk are made of those P alone (a vector of them all in the polynomial's gap, too)
+    c = case((), 1, 1, 1, 9, 1, 3, dtype=torch.float32)
+    inputs = make_inputs(c)
+    inputs["q"] = torch.ones(1, 1, 1, dtype=torch.float64)
+    inputs["k"] = torch.tensor((0.0, *_BELOW_THE_POLYNOMIAL), dtype=torch.float64).reshape(1, 9, 1)
+    blocks = {} if tiles is None else {"block_q": tiles[0], "block_k": tiles[1]}
+    got = outputs_and_grads(strategy_fn("fused", **blocks), c, inputs, c.dtype)
+    assert (got["dv"][0, 1:] != 0).all()
+    assert_rule(c, inputs, got)
+
+
 def test_saves_what_flash_saves_to_the_byte():
     q, k, v = (torch.randn(1, 4, 300, 32, requires_grad=True) for _ in range(3))
     saved = {

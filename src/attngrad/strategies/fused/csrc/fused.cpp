@@ -156,7 +156,7 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
               const T m_new = std::isnan(mx) ? mx : std::max(m[ii], mx);
               // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
               const T sh = m_new == neg_inf ? T(0) : m_new;
-              const T sum = exp_row_(srow, c, sh);
+              const T sum = exp_row_(srow, c, sh, pb.row_words != nullptr);
               // the running max most often stays put after the first tiles: no exp then
               const T alpha = m_new == m[ii] ? T(1) : std::exp(m[ii] - sh);
               l[ii] = l[ii] * alpha + sum;

@@ -46,27 +46,34 @@ struct Aligned {
 template <typename T>
 using Buffer = std::vector<T, Aligned<T>>;
 
-// e^x of a vector: float32 through ATen's polynomial exp (`exp_u20`, the one SDPA's own CPU
-// kernels use: range reduction, a degree-5 polynomial, fewer instructions than Sleef's exp),
-// float64 through Sleef's.  The polynomial returns 0 below log(FLT_MIN) (so -inf gives 0)
-// where e^x is still a subnormal number, and clamps a NaN to a finite number.  kExact: a
-// vector with such a lane (rare: a score 87 below its row's max, or NaN) takes Sleef's exp,
-// which keeps both -- backward needs it, where a key whose every P is subnormal has dV and
-// dK made of them alone.  Forward's O and l do not (l >= 1: a P below FLT_MIN moves neither
-// by a rounding), and a row there whose shift is finite holds no NaN.
-template <bool kExact, typename T>
+// How e^x of a float32 vector is taken (float64 always takes Sleef's exp):
+// * kFast: ATen's polynomial exp (`exp_u20`, the one SDPA's own CPU kernels use: range
+//   reduction, a degree-5 polynomial, fewer instructions than Sleef's exp).  It forms
+//   2^(n - 1), n = round(x / ln 2), from the exponent bits: below -125.5 ln 2 (n = -126, a
+//   zero exponent field) it returns 0 where e^x is a subnormal number or one of the smallest
+//   normal ones, and it clamps a NaN to a finite number.
+// * kTiny: kFast, but a vector with a lane below -125 ln 2 (a score 87 below its row's max,
+//   or -inf) takes the polynomial at x + 44, where it does not flush, times e^-44: one
+//   rounding of a normal number into the subnormal range (x + 44 is exact: a finer grid
+//   than x's), -inf still 0.  For rows whose shift or statistics are finite: no lane is NaN
+//   there (the row's max, or m, would be).
+// * kExact: Sleef's exp, which keeps NaN: rows whose shift or statistics are NaN or infinite.
+enum class Exp { kFast, kTiny, kExact };
+
+template <Exp kHow, typename T>
 inline at::vec::Vectorized<T> exp_vec(const at::vec::Vectorized<T>& x) {
   using Vec = at::vec::Vectorized<T>;
-  if constexpr (!std::is_same_v<T, float>) {
+  if constexpr (!std::is_same_v<T, float> || kHow == Exp::kExact) {
     return x.exp();
-  } else if constexpr (!kExact) {
+  } else if constexpr (kHow == Exp::kFast) {
     return x.exp_u20();
   } else {
-    const Vec neg_inf(-std::numeric_limits<float>::infinity());
-    const Vec floor(-87.33654f);  // log(FLT_MIN): exp_u20's own threshold
-    // a lane that is neither x >= floor nor -inf is NaN or has a subnormal e^x
-    const Vec usual = (x >= floor) | (x == neg_inf);
-    return usual.zero_mask() == 0 ? x.exp_u20() : x.exp();
+    const Vec low(-86.643394f);  // -125 ln 2
+    const Vec below = x < low;   // all ones where true
+    constexpr int none = (1 << Vec::size()) - 1;  // zero_mask: a bit per lane that is 0
+    if (below.zero_mask() == none) return x.exp_u20();
+    const Vec lift(44.0f), fall(7.78113224e-20f);  // fall = e^-44
+    return (x + (below & lift)).exp_u20() * Vec::blendv(Vec(1.0f), fall, below);
   }
 }
 
@@ -154,7 +161,7 @@ inline T row_max(const T* s, int64_t c) {
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
 }
 
-template <bool kExact, typename T>
+template <Exp kHow, typename T>
 inline T exp_row_impl(T* s, int64_t c, T shift) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
@@ -162,8 +169,8 @@ inline T exp_row_impl(T* s, int64_t c, T shift) {
   Vec l0(T(0)), l1(T(0));  // two chains: more would spill the exp's constants on AVX2
   int64_t j = 0;
   for (; j + 2 * W <= c; j += 2 * W) {
-    const Vec p0 = exp_vec<kExact>(Vec::loadu(s + j) - sh);
-    const Vec p1 = exp_vec<kExact>(Vec::loadu(s + j + W) - sh);
+    const Vec p0 = exp_vec<kHow>(Vec::loadu(s + j) - sh);
+    const Vec p1 = exp_vec<kHow>(Vec::loadu(s + j + W) - sh);
     p0.store(s + j);
     p1.store(s + j + W);
     l0 = l0 + p0;
@@ -171,19 +178,22 @@ inline T exp_row_impl(T* s, int64_t c, T shift) {
   }
   for (; j < c; j += W) {
     const int64_t n = std::min(W, c - j);
-    const Vec p = exp_vec<kExact>(Vec::loadu(s + j, n) - sh);
+    const Vec p = exp_vec<kHow>(Vec::loadu(s + j, n) - sh);
     p.store(s + j, n);
     l0 = l0 + Vec::set(Vec(T(0)), p, n);
   }
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, l0 + l1);
 }
 
-// Forward's P = exp(S - shift) over a row, in place, and its sum (`exp_vec`: a finite shift
-// needs no exact care; a NaN or infinite one keeps its NaN).
+// Forward's P = exp(S - shift) over a row, in place, and its sum (`Exp`; a NaN or infinite
+// shift keeps its NaN).  P below 2^-125 matter to O only under dropout (`tiny`), where the
+// row's P = 1 may be dropped and O, so Delta, made of the rest.  Without it O holds that
+// P = 1 (and l >= 1): they move each O element by less than 2^-125 sum_j |v_j|, far below
+// the rounding of the P = 1 term -- unless v is 0 there for every key whose P is above.
 template <typename T>
-inline T exp_row_(T* s, int64_t c, T shift) {
-  return std::isfinite(shift) ? exp_row_impl<false>(s, c, shift)
-                              : exp_row_impl<true>(s, c, shift);
+inline T exp_row_(T* s, int64_t c, T shift, bool tiny) {
+  if (!std::isfinite(shift)) return exp_row_impl<Exp::kExact>(s, c, shift);
+  return tiny ? exp_row_impl<Exp::kTiny>(s, c, shift) : exp_row_impl<Exp::kFast>(s, c, shift);
 }
 
 // Dropout: the hash's last steps for key j of a row whose word is `row`.
@@ -240,7 +250,8 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
   }
 }
 
-// P = exp((S - m) - log l) in place from the row statistics (m, log l) of rows i0 ..
+// P = exp((S - m) - log l) in place from the row statistics (m, log l) of rows i0 .., every
+// P kept (`Exp::kTiny`): a key whose every P is below 2^-125 has dV and dK made of them alone.
 template <typename T>
 void probabilities(int64_t r, int64_t c, T* S, int64_t ld, const T* stats) {
   using Vec = at::vec::Vectorized<T>;
@@ -248,9 +259,11 @@ void probabilities(int64_t r, int64_t c, T* S, int64_t ld, const T* stats) {
   for (int64_t ii = 0; ii < r; ++ii) {
     T* s = S + ii * ld;
     const Vec m(stats[2 * ii]), log_l(stats[2 * ii + 1]);
+    const bool finite = std::isfinite(stats[2 * ii]) && std::isfinite(stats[2 * ii + 1]);
     for (int64_t j = 0; j < c; j += W) {
       int64_t n = std::min(W, c - j);
-      exp_vec<true>((Vec::loadu(s + j, n) - m) - log_l).store(s + j, n);
+      const Vec x = (Vec::loadu(s + j, n) - m) - log_l;
+      (finite ? exp_vec<Exp::kTiny>(x) : exp_vec<Exp::kExact>(x)).store(s + j, n);
     }
   }
 }
