@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: check test triton-oldest lint format docs bench clean
+.PHONY: check test explore triton-oldest lint format docs bench clean
 
 # The pinned CPU build of PyTorch goes in first, from PyTorch's CPU index, as the README's
 # install does: a bare `torch` requirement would otherwise pull a CUDA build of several GB.
@@ -26,6 +26,18 @@ check: $(STAMP)
 test: $(STAMP)
 	$(BIN)/attngrad build
 	$(BIN)/python -m pytest -n 2
+
+# `make explore`: the property tests on fresh random examples, where `make test` draws the same
+# ones on every run (tests/conftest.py's profiles); SEED=N replays a run.  A failure prints the
+# seed that draws it, and Hypothesis the falsifying example and its @reproduce_failure blob.
+explore: $(STAMP)
+	$(BIN)/attngrad build
+	@seed=$${SEED:-$$($(BIN)/python -c 'import random; print(random.getrandbits(32))')}; \
+	echo "property tests on fresh examples: --hypothesis-seed=$$seed"; \
+	$(BIN)/python -m pytest -n 2 -p no:cacheprovider tests/verify/test_property.py \
+		--hypothesis-profile=explore --hypothesis-seed=$$seed \
+	|| { echo "a property failed on --hypothesis-seed=$$seed: make explore SEED=$$seed replays it"; \
+	     exit 1; }
 
 # The oldest Triton attngrad supports: the `gpu` extra's lower bound, the Triton of PyTorch 2.11's
 # CUDA builds.  It goes into a folder of its own, put ahead of .venv's newest Triton on

@@ -15,6 +15,15 @@
   a graph by the custom ops' schemas, not by what their fake kernels return, so a
   cache left by another version of attngrad could hand back a graph compiled for
   another output layout of ``attngrad::forward``.
+* Hypothesis draws the same examples on every run: the "repeatable" profile,
+  loaded here, is derandomized (each test's examples follow from its own code) and
+  keeps no example database.  ``--hypothesis-profile=explore`` (``make explore``)
+  draws fresh ones, from ``--hypothesis-seed`` when given.  Either way the draws
+  depend on that alone: Hypothesis would also mix in constants it reads from the
+  loaded modules of the project, and which are loaded when the property tests
+  start differs with the tests a worker ran before (Inductor's generated code
+  among them) and with every edit of the source -- a failure's seed would then
+  stop reproducing it.  Both profiles print the blob that replays a failure.
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.internal.conjecture import providers as _hypothesis_providers
+
+settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile("repeatable")
+# no constants from the project's modules (module docstring): an empty pool at every draw
+_hypothesis_providers._get_local_constants = _hypothesis_providers.Constants
 
 
 @pytest.fixture(autouse=True)
