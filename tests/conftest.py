@@ -17,8 +17,9 @@
   another output layout of ``attngrad::forward``.
 * Hypothesis draws the same examples on every run: the "repeatable" profile,
   loaded here, is derandomized (each test's examples follow from its own code) and
-  keeps no example database.  ``--hypothesis-profile=explore`` (``make explore``)
-  draws fresh ones, from ``--hypothesis-seed`` when given.  Either way the draws
+  keeps no example database (it ignores ``--hypothesis-seed``).
+  ``--hypothesis-profile=explore`` (``make explore``) draws fresh ones, from
+  ``--hypothesis-seed`` when given.  Either way the draws
   depend on that alone: Hypothesis would also mix in constants it reads from the
   loaded modules of the project, and which are loaded when the property tests
   start differs with the tests a worker ran before (Inductor's generated code
