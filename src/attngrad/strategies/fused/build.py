@@ -260,7 +260,13 @@ _why: contextvars.ContextVar[str] = contextvars.ContextVar(
 @contextlib.contextmanager
 def because(why: str) -> Iterator[None]:
     """Within the block, a first build says ``why`` the kernels are wanted now, e.g.
-    ``"strategy 'auto' takes fused's C++ kernels for CPU tensors"``."""
+    ``"strategy 'auto' takes fused's C++ kernels for CPU tensors"``.
+
+    A no-op once the kernels are loaded, and under ``torch.compile``'s tracing, which
+    cannot record a ContextVar's change (a first build there says the default reason)."""
+    if torch.compiler.is_compiling() or _loaded is not None:
+        yield
+        return
     token = _why.set(why)
     try:
         yield
