@@ -1,0 +1,655 @@
+r"""A score function as a straight-line program of row operations, with its pullback.
+
+The fused kernels cannot call Python, so a ``score_mod`` they run is first traced
+(``make_fx``, on one score with 4-d indices, so ``table[h, q_idx - kv_idx]`` is a gather
+and not a Python integer) into a list of instructions, each one elementwise op on a row
+of the tile: loads (the score, b, h, q_idx, kv_idx, constants, a captured tensor read at
+indices computed from them), arithmetic, comparisons, ``where``, casts and the pointwise
+functions of the ops' table below.  Every value is either F (the compute dtype) or I
+(int64; bools as 0/1).  The kernels interpret the list per row of each tile while the
+tile is in cache (``csrc/program.h``).
+
+Its pullback is derived here, once, by reverse mode over the instructions: a second
+program that reads the raw score S and the cotangent dS' of S' = f(S, theta) (``GRAD``),
+recomputes what it needs of the forward values, and gives dS = dS' * df/dS, with
+``SCATTER`` instructions adding (df/dtheta)^T dS' into each captured tensor's gradient at
+the indices it was read at.  The derivative rules are torch's (``where`` routes to the
+branch taken, ``clamp`` passes the gradient inside its bounds, ties of ``minimum`` and
+``maximum`` split it in half).
+
+A function with an op outside the table is not compiled: `compile_score` returns the
+reason, naming the op, and the call runs on the tensor-op tiles.  Programs are cached per
+function, compute dtype, captured shapes and the Python scalars its closure holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from attngrad.core.pointwise import INDEX
+
+__all__ = ["Instruction", "Program", "ScoreProgram", "compile_score", "encode"]
+
+F, I = "F", "I"  # noqa: E741 -- the two kinds of value: compute dtype, int64
+
+# opcode -> the kind it writes (None: writes nothing)
+KINDS: dict[str, str | None] = {
+    "SCORE": F, "GRAD": F, "BATCH": I, "HEAD": I, "QUERY": I, "KEY": I,
+    "CONST_F": F, "CONST_I": I, "GATHER_F": F, "GATHER_I": I, "SCATTER": None,
+    **dict.fromkeys(
+        ["ADD_F", "SUB_F", "MUL_F", "DIV_F", "MIN_F", "MAX_F", "NEG_F", "ABS_F", "EXP_F", "LOG_F", "TANH_F", "SIGMOID_F", "SQRT_F", "FLOOR_F", "FLOORDIV_F", "REMAINDER_F", "WHERE_F", "TO_F"], F),
+    **dict.fromkeys(
+        ["LT_F", "LE_F", "GT_F", "GE_F", "EQ_F", "NE_F", "ADD_I", "SUB_I", "MUL_I", "MIN_I", "MAX_I", "AND_I", "OR_I", "XOR_I", "NEG_I", "ABS_I", "NOT_I", "FLOORDIV_I", "REMAINDER_I", "LT_I", "LE_I", "GT_I", "GE_I", "EQ_I", "NE_I", "WHERE_I", "TO_I"], I),
+}  # fmt: skip
+_VARYING = frozenset({"SCORE", "GRAD", "KEY"})  # loads that differ along a row
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """``op`` on the registers ``args`` (and ``imm``: a constant's value; a gather's or
+    scatter's capture number), writing register ``dst`` (SSA: one writer each)."""
+
+    op: str
+    dst: int
+    args: tuple[int, ...] = ()
+    imm: float = 0.0
+    capture: int = -1
+    uniform: bool = True
+
+
+@dataclass(frozen=True)
+class Program:
+    """Instructions and the register holding the result (S' forward, dS backward)."""
+
+    instructions: tuple[Instruction, ...]
+    out: int
+
+
+@dataclass(frozen=True)
+class ScoreProgram:
+    """A score function's forward program and pullback.
+
+    made: tensors the function built itself (``torch.tensor(16.0)``), read by the programs
+    as captures after the real ones (capture numbers len(captured) ..); wanted: the
+    captures (by number) whose gradient the pullback scatters.
+    """
+
+    forward: Program
+    pullback: Program
+    made: tuple[torch.Tensor, ...]
+    wanted: tuple[int, ...]
+
+
+class Unsupported(Exception):
+    """The function uses an op the kernels do not run (the message names it)."""
+
+
+# -- building ---------------------------------------------------------------
+
+
+class _Builder:
+    """Emits instructions, numbering registers, folding repeated constants and loads."""
+
+    def __init__(self) -> None:
+        self.code: list[Instruction] = []
+        self.kind: list[str] = []
+        self.uniform: list[bool] = []
+        self.rule: dict[int, str] = {}
+        self._seen: dict[tuple[Any, ...], int] = {}
+
+    def emit(
+        self,
+        op: str,
+        *args: int,
+        imm: float = 0.0,
+        capture: int = -1,
+        uniform: bool | None = None,
+        rule: str = "",
+    ) -> int:
+        """Register of ``op`` on ``args`` (an earlier one's when it was emitted already).
+
+        uniform: the value is the same along a row (default: from the arguments);
+        rule: "clamp" marks a MIN/MAX of a clamp (`_pullback`'s derivative)."""
+        key = (op, args, imm, capture, rule)
+        if key in self._seen and op != "SCATTER":
+            return self._seen[key]
+        kind = KINDS[op]
+        dst = len(self.kind)
+        if uniform is None:
+            uniform = op not in _VARYING and all(self.uniform[a] for a in args)
+        self.code.append(Instruction(op, dst if kind else -1, args, imm, capture, uniform))
+        self.kind.append(kind or F)
+        self.uniform.append(uniform)
+        self._seen[key] = dst
+        if rule:
+            self.rule[dst] = rule
+        return dst
+
+    def const(self, value: float, kind: str) -> int:
+        return self.emit("CONST_F" if kind == F else "CONST_I", imm=float(value))
+
+    def as_kind(self, x: int, kind: str) -> int:
+        if self.kind[x] == kind:
+            return x
+        return self.emit("TO_F" if kind == F else "TO_I", x)
+
+    def program(self, out: int) -> Program:
+        """The instructions ``out`` and the scatters depend on, renumbered densely."""
+        live = {out}
+        keep: list[Instruction] = []
+        for ins in reversed(self.code):
+            if ins.op == "SCATTER" or ins.dst in live:
+                keep.append(ins)
+                live.update(ins.args)
+        keep.reverse()
+        number = {ins.dst: n for n, ins in enumerate(i for i in keep if i.dst >= 0)}
+        args_of = {i.dst for i in keep if i.dst >= 0}
+        assert all(a in args_of for i in keep for a in i.args)
+        renamed = tuple(
+            Instruction(
+                i.op, number[i.dst] if i.dst >= 0 else -1, tuple(number[a] for a in i.args),
+                i.imm, i.capture, i.uniform,
+            )
+            for i in keep
+        )  # fmt: skip
+        return Program(renamed, number[out])
+
+
+# -- tracing: aten ops -> instructions ----------------------------------------
+
+_aten = torch.ops.aten
+_BINARY_F = {"add": "ADD", "sub": "SUB", "mul": "MUL", "minimum": "MIN", "maximum": "MAX"}
+_UNARY_F = {
+    "neg": "NEG_F", "abs": "ABS_F", "exp": "EXP_F", "log": "LOG_F", "tanh": "TANH_F",
+    "sigmoid": "SIGMOID_F", "sqrt": "SQRT_F", "floor": "FLOOR_F",
+}  # fmt: skip
+_COMPARE = {"lt": "LT", "le": "LE", "gt": "GT", "ge": "GE", "eq": "EQ", "ne": "NE"}
+_LOGICAL = {
+    "logical_and": "AND_I", "logical_or": "OR_I", "logical_xor": "XOR_I",
+    "bitwise_and": "AND_I", "bitwise_or": "OR_I", "bitwise_xor": "XOR_I",
+}  # fmt: skip
+_SAME = frozenset(
+    [
+        "clone",
+        "alias",
+        "expand",
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "unsqueeze",
+        "squeeze",
+        "lift_fresh_copy",
+        "contiguous",
+    ]
+)
+_FILLS = frozenset(
+    [
+        "new_ones",
+        "new_zeros",
+        "new_full",
+        "full",
+        "scalar_tensor",
+        "ones_like",
+        "zeros_like",
+        "full_like",
+    ]
+)
+
+
+def _kind_of(dtype: torch.dtype) -> str:
+    return F if dtype.is_floating_point else I
+
+
+class _Lowering:
+    """One fx graph of a traced score function -> instructions (see `compile_score`)."""
+
+    def __init__(self, captured: Sequence[torch.Tensor], gm: torch.fx.GraphModule) -> None:
+        self.b = _Builder()
+        self.captured = list(captured)
+        self.made: list[torch.Tensor] = []
+        self.gm = gm
+        self.value: dict[torch.fx.Node, Any] = {}  # register, Python number or a view
+
+    def capture_number(self, t: torch.Tensor) -> int:
+        for n, c in enumerate(self.captured):
+            if c is t:
+                return n
+        for n, c in enumerate(self.made):
+            if c is t:
+                return len(self.captured) + n
+        self.made.append(t)
+        return len(self.captured) + len(self.made) - 1
+
+    def operand(self, x: Any, kind: str) -> int:
+        """A register of ``kind`` for an fx argument (a node's register or a Python number)."""
+        if isinstance(x, torch.fx.Node):
+            v = self.value[x]
+            if isinstance(v, _View):
+                v = self.gather(v, [])
+            return self.b.as_kind(v, kind)
+        if isinstance(x, (bool, int, float)):
+            return self.b.const(float(x), kind)
+        raise Unsupported(f"an argument {x!r}")
+
+    def kind(self, x: Any) -> str:
+        if isinstance(x, torch.fx.Node):
+            v = self.value[x]
+            return self.b.kind[v] if isinstance(v, int) else _kind_of(v.tensor.dtype)
+        return F if isinstance(x, float) else I
+
+    def gather(self, view: _View, index: list[int]) -> int:
+        t = view.tensor
+        registers = [self.b.const(v, I) for v in view.prefix] + index
+        if len(registers) != t.dim():
+            raise Unsupported(
+                f"a captured tensor of shape {tuple(t.shape)} read at {len(registers)} indices "
+                "(the kernels read one element per score: index every dim)"
+            )
+        op = "GATHER_F" if t.is_floating_point() else "GATHER_I"
+        return self.b.emit(op, *registers, capture=view.capture)
+
+    def run(self, placeholders: dict[str, str]) -> int:
+        out: Any = None
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.value[node] = self.b.emit(placeholders[node.name])
+            elif node.op == "get_attr":
+                t = getattr(self.gm, node.target)
+                self.value[node] = _View(self.capture_number(t), t, ())
+            elif node.op == "call_function":
+                self.value[node] = self.call(node)
+            elif node.op == "output":
+                out = node.args[0]
+        assert isinstance(out, torch.fx.Node)
+        return self.operand(out, F)
+
+    def call(self, node: torch.fx.Node) -> Any:
+        target = node.target
+        name = getattr(target, "__name__", str(target)).split(".")[0]
+        args: tuple[Any, ...] = tuple(node.args)
+        kwargs: dict[str, Any] = dict(node.kwargs)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported(f"{target} (it returns no tensor)")
+        kind = _kind_of(val.dtype)
+        b = self.b
+        if name in _SAME:
+            v = self.value[args[0]]
+            if isinstance(v, _View) and tuple(val.shape) != v.tensor.shape[len(v.prefix) :]:
+                raise Unsupported(f"{name} of a captured tensor")
+            return v
+        if name == "detach":  # x + 0, which the pullback does not pass through
+            x = self.operand(args[0], kind)
+            return b.emit(f"ADD_{kind}", x, b.const(0, kind), rule="stop") if kind == F else x
+        if name == "select":
+            v = self.value[args[0]]
+            if not isinstance(v, _View) or args[1] != len(v.prefix) or not isinstance(args[2], int):
+                raise Unsupported("select of a computed tensor")
+            return _View(v.capture, v.tensor, (*v.prefix, args[2] % v.tensor.shape[len(v.prefix)]))
+        if name == "index":
+            v = self.value[args[0]]
+            if not isinstance(v, _View) or any(i is None for i in args[1]):
+                raise Unsupported("indexing of a computed tensor")
+            return self.gather(v, [self.operand(i, I) for i in args[1]])
+        if name in _FILLS:
+            fill = {"new_ones": 1, "ones_like": 1, "new_zeros": 0, "zeros_like": 0}.get(name)
+            if fill is None:
+                fill = args[-1] if name != "scalar_tensor" else args[0]
+            return b.const(float(fill), kind)
+        if name == "_to_copy":
+            dtype = kwargs.get("dtype", val.dtype)
+            x = self.operand(args[0], self.kind(args[0]))
+            if dtype == torch.bool:
+                zero = b.const(0, b.kind[x])
+                return b.emit("NE_F" if b.kind[x] == F else "NE_I", x, zero)
+            return b.as_kind(x, _kind_of(dtype))
+        if name in ("add", "sub", "rsub") and "alpha" in kwargs:
+            scaled = self.binary("mul", args[1], kwargs["alpha"], kind)
+            return self.binary(name, args[0], scaled, kind)
+        if name == "rsub":
+            return self.binary("sub", args[1], args[0], kind)
+        if name in _BINARY_F:
+            return self.binary(name, args[0], args[1], kind)
+        if name == "div":
+            mode = kwargs.get("rounding_mode")
+            if mode is None:
+                return b.emit("DIV_F", self.operand(args[0], F), self.operand(args[1], F))
+            if mode != "floor":
+                raise Unsupported(f"div with rounding_mode={mode!r}")
+            return self.binary("floor_divide", args[0], args[1], kind)
+        if name in ("floor_divide", "remainder"):
+            return self.binary(name, args[0], args[1], kind)
+        if name in _UNARY_F and kind == F:
+            return b.emit(_UNARY_F[name], self.operand(args[0], F))
+        if name in ("neg", "abs") and kind == I:
+            return b.emit(f"{name.upper()}_I", self.operand(args[0], I))
+        if name == "pow" and isinstance(args[1], (int, float)) and args[1] in (2, 0.5):
+            x = self.operand(args[0], kind)
+            return b.emit(f"MUL_{kind}", x, x) if args[1] == 2 else b.emit("SQRT_F", x)
+        if name == "relu":
+            x = self.operand(args[0], kind)
+            zero = b.const(0, kind)
+            return b.emit(f"WHERE_{kind}", b.emit(f"GT_{kind}", x, zero), x, zero)
+        if name in ("clamp", "clamp_min", "clamp_max"):
+            low = args[1] if name != "clamp_max" else None
+            high = (args[2] if len(args) > 2 else kwargs.get("max")) if name == "clamp" else None
+            if name == "clamp_max":
+                high = args[1]
+            return self.clamp(self.operand(args[0], kind), low, high, kind)
+        if name in _COMPARE:
+            k = F if F in (self.kind(args[0]), self.kind(args[1])) else I
+            return b.emit(
+                f"{_COMPARE[name]}_{k}", self.operand(args[0], k), self.operand(args[1], k)
+            )
+        if name in _LOGICAL:
+            logical = name.startswith("logical")
+            x, y = (self.truth(a) if logical else self.operand(a, I) for a in args[:2])
+            return b.emit(_LOGICAL[name], x, y)
+        if name == "logical_not":
+            return b.emit("EQ_I", self.truth(args[0]), b.const(0, I))
+        if name == "bitwise_not":
+            x = self.operand(args[0], I)
+            if args[0].meta["val"].dtype == torch.bool:
+                return b.emit("EQ_I", x, b.const(0, I))
+            return b.emit("NOT_I", x)
+        if name == "where":
+            cond = self.truth(args[0])
+            return b.emit(
+                f"WHERE_{kind}", cond, self.operand(args[1], kind), self.operand(args[2], kind)
+            )
+        raise Unsupported(str(target))
+
+    def truth(self, x: Any) -> int:
+        """A 0/1 register: x itself when it is a bool, else x != 0."""
+        r = self.operand(x, self.kind(x))
+        if isinstance(x, torch.fx.Node) and x.meta["val"].dtype == torch.bool:
+            return r
+        k = self.b.kind[r]
+        return self.b.emit(f"NE_{k}", r, self.b.const(0, k))
+
+    def binary(self, name: str, x: Any, y: Any, kind: str) -> int:
+        op = {
+            "add": "ADD", "sub": "SUB", "mul": "MUL", "minimum": "MIN", "maximum": "MAX",
+            "floor_divide": "FLOORDIV", "remainder": "REMAINDER",
+        }[name]  # fmt: skip
+        return self.b.emit(f"{op}_{kind}", self.operand(x, kind), self.operand(y, kind))
+
+    def clamp(self, x: int, low: Any, high: Any, kind: str) -> int:
+        """max(x, low) then min(., high), marked so that the pullback passes the gradient
+        where low <= x <= high, as torch's clamp does (`minimum`'s ties would halve it)."""
+        out = x
+        for op, bound in (("MAX", low), ("MIN", high)):
+            if bound is not None:
+                out = self.b.emit(f"{op}_{kind}", out, self.operand(bound, kind), rule="clamp")
+        return out
+
+
+@dataclass(frozen=True)
+class _View:
+    """A captured tensor, with the leading indices ``select`` fixed (``table[0]``)."""
+
+    capture: int
+    tensor: torch.Tensor
+    prefix: tuple[int, ...]
+
+
+# -- the pullback ---------------------------------------------------------------
+
+# A rule adds the cotangents of an instruction's arguments, given g, the cotangent of its
+# value y: rule(b, ins, g, add), add(x, cotangent) for argument register x.
+Rule = Callable[[_Builder, Instruction, int, Callable[[int, int], None]], None]
+
+
+def _where(b: _Builder, cond: int, x: int, z: int) -> int:
+    return b.emit("WHERE_F", cond, x, z)
+
+
+def _add_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], g)
+    add(ins.args[1], g)
+
+
+def _sub_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], g)
+    add(ins.args[1], b.emit("NEG_F", g))
+
+
+def _mul_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    x, z = ins.args
+    add(x, b.emit("MUL_F", g, z))
+    add(z, b.emit("MUL_F", g, x))
+
+
+def _div_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    gx = b.emit("DIV_F", g, ins.args[1])  # d(x / z) = dx / z - (x / z) dz / z
+    add(ins.args[0], gx)
+    add(ins.args[1], b.emit("NEG_F", b.emit("MUL_F", gx, ins.dst)))
+
+
+def _neg_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], b.emit("NEG_F", g))
+
+
+def _abs_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    x, zero = ins.args[0], b.const(0, F)  # sgn(x) g: 0 at x = 0
+    below = _where(b, b.emit("LT_F", x, zero), b.emit("NEG_F", g), zero)
+    add(x, _where(b, b.emit("GT_F", x, zero), g, below))
+
+
+def _extreme_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    """minimum / maximum: the chosen side, half to each on a tie (torch's rule); for a
+    clamp's bound (`_Lowering.clamp`), all to x where it is within the bound."""
+    (x, z), zero = ins.args, b.const(0, F)
+    if b.rule.get(ins.dst) == "clamp":
+        inside = b.emit("GE_F" if ins.op == "MAX_F" else "LE_F", x, z)
+        add(x, _where(b, inside, g, zero))
+        add(z, _where(b, inside, zero, g))
+        return
+    order = "LT_F" if ins.op == "MIN_F" else "GT_F"
+    tie = _where(b, b.emit("EQ_F", x, z), b.emit("MUL_F", g, b.const(0.5, F)), zero)
+    add(x, _where(b, b.emit(order, x, z), g, tie))
+    add(z, _where(b, b.emit(order, z, x), g, tie))
+
+
+def _exp_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], b.emit("MUL_F", g, ins.dst))
+
+
+def _log_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], b.emit("DIV_F", g, ins.args[0]))
+
+
+def _tanh_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    y = ins.dst
+    add(ins.args[0], b.emit("MUL_F", g, b.emit("SUB_F", b.const(1, F), b.emit("MUL_F", y, y))))
+
+
+def _sigmoid_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    y = ins.dst
+    slope = b.emit("MUL_F", y, b.emit("SUB_F", b.const(1, F), y))
+    add(ins.args[0], b.emit("MUL_F", g, slope))
+
+
+def _sqrt_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], b.emit("DIV_F", g, b.emit("MUL_F", ins.dst, b.const(2, F))))
+
+
+def _remainder_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    add(ins.args[0], g)  # x - floor(x / z) z
+    add(ins.args[1], b.emit("NEG_F", b.emit("MUL_F", g, b.emit("FLOORDIV_F", *ins.args))))
+
+
+def _where_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    (cond, x, z), zero = ins.args, b.const(0, F)
+    add(x, _where(b, cond, g, zero))
+    add(z, _where(b, cond, zero, g))
+
+
+def _gather_rule(b: _Builder, ins: Instruction, g: int, add: Callable[[int, int], None]) -> None:
+    uniform = all(b.uniform[a] for a in ins.args)
+    b.emit("SCATTER", g, *ins.args, capture=ins.capture, uniform=uniform)
+
+
+# The derivative of each F op with one; the F ops without one have none (FLOOR_F,
+# FLOORDIV_F: piecewise constant; TO_F: from integers; loads: the leaves)
+RULES: dict[str, Rule] = {
+    "ADD_F": _add_rule, "SUB_F": _sub_rule, "MUL_F": _mul_rule, "DIV_F": _div_rule,
+    "NEG_F": _neg_rule, "ABS_F": _abs_rule, "MIN_F": _extreme_rule, "MAX_F": _extreme_rule,
+    "EXP_F": _exp_rule, "LOG_F": _log_rule, "TANH_F": _tanh_rule, "SIGMOID_F": _sigmoid_rule,
+    "SQRT_F": _sqrt_rule, "REMAINDER_F": _remainder_rule, "WHERE_F": _where_rule,
+    "GATHER_F": _gather_rule,
+}  # fmt: skip
+
+
+def _pullback(b: _Builder, forward: list[Instruction], out: int, wanted: set[int]) -> Program:
+    """dS and the wanted captures' SCATTERs by reverse mode over ``forward`` (emitted into
+    ``b``, after it; `_Builder.program` then keeps the forward values they read)."""
+    active: set[int] = set()  # F registers that depend on the score or a wanted capture
+    for ins in forward:
+        if (
+            ins.op == "SCORE"
+            or (ins.op == "GATHER_F" and ins.capture in wanted)
+            or (
+                ins.op in RULES
+                and ins.op != "GATHER_F"
+                and b.rule.get(ins.dst) != "stop"
+                and any(a in active for a in ins.args)
+            )
+        ):
+            active.add(ins.dst)
+    adjoint: dict[int, int] = {out: b.emit("GRAD")}
+
+    def add(x: int, g: int) -> None:
+        if x in active:
+            adjoint[x] = g if x not in adjoint else b.emit("ADD_F", adjoint[x], g)
+
+    score = None
+    for ins in reversed(forward):
+        if ins.dst not in adjoint or ins.dst not in active:
+            continue
+        if ins.op == "SCORE":
+            score = adjoint[ins.dst]
+        else:
+            RULES[ins.op](b, ins, adjoint[ins.dst], add)
+    return b.program(b.const(0, F) if score is None else score)
+
+
+# -- compiling, cached ----------------------------------------------------------
+
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ScoreProgram | str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _closure_key(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """The Python scalars a function's closure and defaults hold: a program traced with
+    others would bake in other constants."""
+    cells = getattr(fn, "__closure__", None) or ()
+    values = [c.cell_contents for c in cells if _scalar_cell(c)]
+    values += [
+        d for d in getattr(fn, "__defaults__", None) or () if isinstance(d, (bool, int, float, str))
+    ]
+    return tuple((type(v).__name__, v) for v in values)
+
+
+def _scalar_cell(cell: Any) -> bool:
+    try:
+        return isinstance(cell.cell_contents, (bool, int, float, str))
+    except ValueError:  # an empty cell
+        return False
+
+
+def compile_score(
+    fn: Callable[..., torch.Tensor],
+    captured: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    wanted: Sequence[bool],
+) -> ScoreProgram | str:
+    """``fn``'s programs (module docstring) for scores in ``dtype``, reading ``captured``
+    (the tensors its closure holds, by identity), the pullback scattering the gradients of
+    the captures ``wanted``; or why it cannot be compiled (the op the kernels lack)."""
+    key = (
+        dtype,
+        tuple((tuple(t.shape), t.dtype) for t in captured),
+        tuple(wanted),
+        _closure_key(fn),
+    )
+    try:
+        known = _CACHE.setdefault(fn, {})
+    except TypeError:  # a callable that takes no weak reference: compiled each call
+        known = {}
+    if key not in known:
+        known[key] = _compile(fn, captured, dtype, wanted)
+    return known[key]
+
+
+def _compile(
+    fn: Callable[..., torch.Tensor],
+    captured: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    wanted: Sequence[bool],
+) -> ScoreProgram | str:
+    score = torch.zeros(1, 1, 1, 1, dtype=dtype)
+    index = [torch.zeros(1, 1, 1, 1, dtype=INDEX) for _ in range(4)]
+
+    def traced(s: torch.Tensor, b_: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
+               j: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return fn(s, b_, h, i, j)
+
+    try:
+        with torch.no_grad():
+            gm = make_fx(traced)(score, *index)
+        lowering = _Lowering(captured, gm)
+        out = lowering.run(_placeholders(gm))
+    except Unsupported as err:
+        return str(err)
+    except Exception as err:
+        return (
+            f"tracing failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        )
+    b = lowering.b
+    forward = b.program(out)
+    chosen = {n for n, w in enumerate(wanted) if w}
+    pullback = _pullback(b, list(b.code), out, chosen)
+    return ScoreProgram(forward, pullback, tuple(lowering.made), tuple(sorted(chosen)))
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> dict[str, str]:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(names, ("SCORE", "BATCH", "HEAD", "QUERY", "KEY"), strict=True))
+
+
+# -- encoding -----------------------------------------------------------------------
+
+
+def encode(
+    program: Program, opcodes: dict[str, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(code int64 [n, 6], constants float64 [n], indices int64 [m]) as the kernels read a
+    program (``csrc/program.h``): each row (op, dst, a, b, c, uniform); a gather's or
+    scatter's a = capture, b = offset of its index registers in ``indices``, c = their
+    count (a scatter's dst: the value register it reads)."""
+    rows: list[list[int]] = []
+    constants: list[float] = []
+    indices: list[int] = []
+    for ins in program.instructions:
+        if ins.op in ("GATHER_F", "GATHER_I", "SCATTER"):
+            args = ins.args[1:] if ins.op == "SCATTER" else ins.args
+            dst = ins.args[0] if ins.op == "SCATTER" else ins.dst
+            row = [dst, ins.capture, len(indices), len(args)]
+            indices += args
+        else:
+            row = [ins.dst, *ins.args, *(-1,) * (3 - len(ins.args))]
+        rows.append([opcodes[ins.op], *row, int(ins.uniform)])
+        constants.append(ins.imm)
+    return (
+        torch.tensor(rows, dtype=torch.int64).reshape(-1, 6),
+        torch.tensor(constants, dtype=torch.float64),
+        torch.tensor(indices, dtype=torch.int64),
+    )

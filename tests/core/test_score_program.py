@@ -1,0 +1,166 @@
+"""Score programs (`attngrad.core.score_program`): traced score functions and their
+pullbacks, run by a torch-op interpreter (`score_program_eval`), against autograd on the
+function itself, in float64; each derivative rule planted wrong is caught."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from attngrad.core import score_program
+from attngrad.core.pointwise import Reads, TileIndex, broadcast_axes
+from attngrad.core.score_program import RULES, ScoreProgram, compile_score
+from score_program_eval import run
+
+B, H, N = 2, 3, 6
+_g = torch.Generator().manual_seed(7)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_g, dtype=torch.float64)
+
+
+slope, g, table, t5 = _randn(H), _randn(H), _randn(H, 2 * N - 1), _randn(H, 32)
+scale0 = _randn(())
+keys = torch.randint(0, N, (H, N), generator=_g)
+
+
+def t5_buckets(s, b, h, i, j):  # type: ignore[no-untyped-def]
+    d = (i - j).abs()
+    big = (torch.log(d.float().clamp(min=1) / 2) / torch.log(torch.tensor(16.0)) * 8).long()
+    bucket = torch.where(d < 2, d, torch.clamp(2 + big, max=15))
+    return s + t5[h, bucket + 16 * (i > j)]
+
+
+FUNCTIONS: dict[str, tuple[Callable[..., torch.Tensor], list[torch.Tensor]]] = {
+    "alibi": (lambda s, b, h, i, j: s + slope[h] * (j - i), [slope]),
+    "relative": (lambda s, b, h, i, j: s + table[h, i - j + N - 1], [table]),
+    "t5": (t5_buckets, [t5]),
+    "gate": (lambda s, b, h, i, j: s * torch.sigmoid(g[h]), [g]),
+    "softcap": (lambda s, b, h, i, j: 2.5 * torch.tanh(s / 2.5), []),
+    "branches": (
+        lambda s, b, h, i, j: torch.where(
+            i >= j,
+            torch.maximum(s, g[h]).abs().sqrt() * torch.exp(-s.clamp(-1, 0.5)),
+            s.clamp(min=0.2) % 0.7,
+        ),
+        [g],
+    ),
+    "smooth": (
+        lambda s, b, h, i, j: (
+            torch.log(1 + s * s)
+            - (s - g[h]).abs() / (2 + torch.minimum(s, g[h]))
+            + torch.floor(s)
+            + s.detach() // 0.3
+            - (-s)
+        ),
+        [g],
+    ),
+    "integers": (
+        lambda s, b, h, i, j: (
+            torch.where(((i > j) & ~(j == 0)) | (b == 1), s, -s)
+            + table[(i * 3 + j) % H, (j // 2) - i.clamp(max=3) + N]
+        ),
+        [table],
+    ),
+    "int_capture": (lambda s, b, h, i, j: s + table[h, keys[h, j]], [table, keys]),
+    "scalars": (
+        lambda s, b, h, i, j: s * scale0 + torch.tensor(2.0) * g[0][()] + table[0][h],
+        [scale0, g, table],
+    ),
+}
+
+
+def _scores() -> torch.Tensor:
+    s = _randn(B, H, N, N)
+    s[..., 0] = g.view(1, H, 1)  # ties of maximum / minimum with g[h]
+    s[..., 1] = -1.0  # on a clamp's bounds
+    s[..., 2] = 0.5
+    return s
+
+
+S, DS = _scores(), _randn(B, H, N, N)
+
+
+def _reference(fn: Callable[..., torch.Tensor], captured: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+    """(f(S), dS, d captured) by autograd on the function itself."""
+    x = S.clone().requires_grad_()
+    theta = [t.clone().requires_grad_(t.is_floating_point()) for t in captured]
+    index = TileIndex.of(B, B, H, slice(0, N), slice(0, N), torch.device("cpu"))
+    with Reads((), {id(c): t for c, t in zip(captured, theta, strict=True)}):
+        y = fn(x, *broadcast_axes(index)).expand(S.shape)
+    inputs = [x, *(t for t in theta if t.requires_grad)]
+    grads = torch.autograd.grad(y, inputs, DS, allow_unused=True, materialize_grads=True)
+    return y.detach(), grads[0], list(grads[1:])
+
+
+def _compiled(fn: Callable[..., torch.Tensor], captured: list[torch.Tensor]) -> ScoreProgram:
+    program = compile_score(fn, captured, torch.float64, [t.is_floating_point() for t in captured])
+    assert isinstance(program, ScoreProgram), program
+    return program
+
+
+def _errors(name: str) -> tuple[float, float, float]:
+    fn, captured = FUNCTIONS[name]
+    program = _compiled(fn, captured)
+    reads = [*captured, *program.made]
+    values, _ = run(program.forward, S, reads, B)
+    ds, sums = run(program.pullback, S, reads, B, DS)
+    y, ref_ds, ref_theta = _reference(fn, captured)
+    theta = [sums[n] for n in program.wanted]
+    dtheta = max(
+        ((a - b).abs().max().item() for a, b in zip(theta, ref_theta, strict=True)), default=0.0
+    )
+    return (values - y).abs().max().item(), (ds - ref_ds).abs().max().item(), dtheta
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_programs_and_pullbacks_match_autograd(name: str) -> None:
+    values, ds, dtheta = _errors(name)
+    assert values == 0.0  # the same ops in the same order on the same values
+    assert ds <= 1e-12 and dtheta <= 1e-12, (ds, dtheta)
+
+
+def test_row_constant_values_are_marked_uniform() -> None:
+    program = _compiled(*FUNCTIONS["alibi"])
+    uniform = {i.op: i.uniform for i in program.forward.instructions}
+    assert uniform["GATHER_F"] and uniform["HEAD"] and uniform["QUERY"]
+    assert not uniform["KEY"] and not uniform["SCORE"] and not uniform["ADD_F"]
+    (scatter,) = [i for i in program.pullback.instructions if i.op == "SCATTER"]
+    assert scatter.uniform  # slope[h]'s gradient: one sum per row
+
+
+@pytest.mark.parametrize("op", sorted(RULES))
+def test_a_wrong_derivative_rule_is_caught(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    right = RULES[op]
+
+    def wrong(b, ins, grad, add):  # type: ignore[no-untyped-def]
+        right(b, ins, b.emit("MUL_F", grad, b.const(1.001, "F")), add)
+
+    users = [name for name in FUNCTIONS if op in _ops(name)]
+    assert users, f"no function uses {op}"
+    monkeypatch.setitem(RULES, op, wrong)
+    monkeypatch.setattr(score_program, "_CACHE", type(score_program._CACHE)())
+    worst = max(max(_errors(name)[1:]) for name in users)
+    assert worst > 1e-6, f"no function's derivative caught a wrong {op} rule"
+
+
+def _ops(name: str) -> set[str]:
+    return {i.op for i in _compiled(*FUNCTIONS[name]).forward.instructions}
+
+
+def test_an_op_outside_the_table_is_named() -> None:
+    reason = compile_score(lambda s, b, h, i, j: torch.sin(s), [], torch.float32, [])
+    assert isinstance(reason, str) and "sin" in reason
+
+
+def test_programs_are_cached_per_closure_constant() -> None:
+    def softcap(c: float) -> Callable[..., torch.Tensor]:
+        return lambda s, b, h, i, j: c * torch.tanh(s / c)
+
+    f = softcap(2.0)
+    assert compile_score(f, [], torch.float64, []) is compile_score(f, [], torch.float64, [])
+    a, b = (_compiled(softcap(c), []) for c in (2.0, 3.0))
+    assert {i.imm for i in a.forward.instructions} != {i.imm for i in b.forward.instructions}
