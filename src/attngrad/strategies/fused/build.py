@@ -10,9 +10,10 @@ a library built for exactly its torch and CPU and loads it without compiling:
 only the first call on a machine needs a compiler.  ``attngrad build`` builds
 ahead of time.
 
-The library registers the ops ``attngrad_fused::forward``, ``::backward`` and
-``::product_rate`` and ``::fma_peak`` with ``TORCH_LIBRARY``; `load` adds their fake (meta)
-kernels, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
+The library registers the ops ``attngrad_fused::forward``, ``::backward``,
+``::program_rows`` (score programs, ``csrc/program.h``, run on rows: the test op),
+``::program_ops``, ``::product_rate`` and ``::fma_peak`` with ``TORCH_LIBRARY``; `load` adds
+the fake (meta) kernels of the first three, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
 settles the engine of the tile products (`Library.engine`): each engine of
 ``csrc/products.h`` is timed on the tiles' shapes and on a small attention
 call, once per library, and the one with the fastest attention is kept beside
@@ -65,7 +66,7 @@ __all__ = [
 NAME = "attngrad_fused"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("fused.cpp",)
-HEADERS = ("peak.h", "products.h", "tile.h")
+HEADERS = ("peak.h", "products.h", "program.h", "tile.h")
 ENGINES = ("brgemm", "micro", "aten")  # the order of csrc/products.h's Engine
 
 # The vector width at::vec compiles for: ATen's own names and the flags that enable them.
@@ -458,6 +459,26 @@ def _engine(directory: Path) -> tuple[str, dict[str, float], float]:
     return chosen, rates, peak
 
 
+# The backward op's score-program arguments after need_ds, in the schema's order.
+_BACKWARD_PROGRAM_ARGS = (
+    "code", "constants", "indices", "out", "captured", "batch",
+    "grad_code", "grad_constants", "grad_indices", "grad_out", "wanted",
+)  # fmt: skip
+
+
+def _fake_captured_gradients(
+    like: torch.Tensor, captured: object, wanted: object, backward: bool
+) -> list[torch.Tensor]:
+    """dcaptured as the ops return it: a captured tensor's shape in ``like``'s dtype where its
+    gradient is wanted (and a backward program runs), else an empty [0] tensor."""
+    tensors = list(captured) if isinstance(captured, (list, tuple)) else []
+    flags = list(wanted) if isinstance(wanted, (list, tuple)) else []
+    return [
+        like.new_empty(c.shape) if backward and a < len(flags) and flags[a] else like.new_empty(0)
+        for a, c in enumerate(tensors)
+    ]
+
+
 def _register_fakes() -> None:
     """Shapes of the ops' results without running them (torch.compile's tracing, meta tensors)."""
     if getattr(_register_fakes, "done", False):
@@ -472,10 +493,36 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("attngrad_fused::backward")  # type: ignore[untyped-decorator]
     def _backward(
-        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
-    ) -> tuple[torch.Tensor, ...]:
-        need_ds = bool(rest[-1])
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *rest: object,
+        **program: object,
+    ) -> tuple[object, ...]:
+        # rest: stats .. engine (15), need_ds, then the score programs' arguments, by position
+        # or by name, the trailing ones left at their defaults
+        need_ds = bool(rest[15])
+        named = dict(zip(_BACKWARD_PROGRAM_ARGS, rest[16:])) | program
         ds = q.new_empty(*q.shape[:3], k.shape[2]) if need_ds else q.new_empty(0)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
+        dcaptured = _fake_captured_gradients(
+            q, named.get("captured"), named.get("wanted"), named.get("grad_code") is not None
+        )
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds, dcaptured
+
+    @torch.library.register_fake("attngrad_fused::program_rows")  # type: ignore[untyped-decorator]
+    def _program_rows(
+        code: torch.Tensor,
+        constants: torch.Tensor,
+        indices: torch.Tensor,
+        out: int,
+        captured: list[torch.Tensor],
+        scores: torch.Tensor,
+        grad: torch.Tensor | None,
+        batch: int,
+        wanted: list[bool],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        dcaptured = _fake_captured_gradients(scores, captured, wanted, grad is not None)
+        return torch.empty_like(scores), dcaptured
 
     _register_fakes.done = True  # type: ignore[attr-defined]

@@ -143,7 +143,7 @@ class Fused(KeepsOutput[Tiles]):
         delta = ops.delta(doc, saved["o"], backward.dlse, qc.dtype)
         before, after = _mod_args(problem)
         tiles = problem.tiles
-        dq, dk, dv, ds = torch.ops.attngrad_fused.backward(
+        dq, dk, dv, ds, _ = torch.ops.attngrad_fused.backward(
             doc, qc, kc, vc, stats, delta.contiguous(), *before, problem.scale, *after,
             tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
         )  # fmt: skip

@@ -16,12 +16,21 @@
 // belong to one unit), the partition is a function of the shape alone, and each unit's
 // arithmetic does not depend on which thread runs it: results are bitwise identical for
 // any thread count.  Threads take units from a shared counter.
+//
+// A score program (`program.h`: a FlexAttention score_mod traced in Python) runs on each
+// tile row after the softcap, before the bias; backward keeps the capped rows, and after dS'
+// (the gradient at the program's output, what a bias gradient stores) runs the backward
+// program per row into dS, before the softcap's slope.  Its SCATTERs add captured tensors'
+// gradients into buffers of the unit's own, summed in unit order afterwards: bitwise the
+// same for any thread count too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <chrono>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "peak.h"
@@ -36,6 +45,8 @@ using at::Tensor;
 
 // Run work(unit) for units 0 .. n - 1 on the intra-op threads; each thread gets its own
 // scratch (made by `scratch()`) and releases the engine's state when done.
+// An error in a unit (a score program's IndexError) stops the others taking units and
+// reaches the caller from at::parallel_for.
 template <typename Scratch, typename MakeScratch, typename Work>
 void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
   std::atomic<int64_t> next{0};
@@ -43,7 +54,13 @@ void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       Scratch s = scratch();
-      for (int64_t u = next.fetch_add(1); u < n; u = next.fetch_add(1)) work(u, s);
+      try {
+        for (int64_t u = next.fetch_add(1); u < n; u = next.fetch_add(1)) work(u, s);
+      } catch (...) {
+        next.store(n);
+        release(engine);
+        throw;
+      }
       release(engine);
     }
   });
@@ -52,6 +69,7 @@ void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
 template <typename T>
 struct RowScratch {  // forward: one block of query rows
   Buffer<T> q, s, acc, m, l, shift;
+  std::unique_ptr<Runner<T>> run;  // the score program's registers, when there is one
 };
 
 template <typename T>
@@ -124,6 +142,7 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
         s.m.resize(bq);
         s.l.resize(bq);
         s.shift.resize(bq);
+        if (pb.program != nullptr) s.run = std::make_unique<Runner<T>>(*pb.program, bk);
         return s;
       },
       [&](int64_t u, RowScratch<T>& w) {
@@ -149,7 +168,7 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
             const int64_t j0 = kb * bk + a, c = e - a;
             T* S = w.s.data();
             product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk + a, bk, S, bk, false);
-            mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr));
+            mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr), w.run.get());
             for (int64_t ii = 0; ii < r; ++ii) {
               T* srow = S + ii * bk;
               const T mx = row_max(srow, c);  // NaN if any score is, and then m stays NaN
@@ -220,10 +239,10 @@ struct Operands {  // what the backward pass reads
 template <typename T>
 void tile_gradient(const Problem<T>& pb, Engine engine, const Operands<T>& x, int64_t b, int64_t h,
                    int64_t i0, int64_t r, int64_t j0, int64_t c, const T* qs, const T* dos,
-                   const T* kt, const T* vt, T* S, T* dS, T* slope) {
+                   const T* kt, const T* vt, T* S, T* dS, T* slope, Runner<T>* run, T* raw) {
   const int64_t bk = pb.block_k, bh = b * pb.Hq + h;
   product(engine, r, c, pb.d, qs, pb.d, kt, bk, S, bk, false);
-  mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope);
+  mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope, run, raw);
   probabilities(r, c, S, bk, x.stats + (bh * pb.Nq + i0) * 2);
   product(engine, r, c, pb.dv, dos, pb.dv, vt, bk, dS, bk, false);
   score_gradient(pb, bh, i0, r, j0, c, S, dS, bk, x.delta + bh * pb.Nq + i0);
@@ -245,6 +264,21 @@ void store_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t 
     std::copy(dS + ii * pb.block_k, dS + ii * pb.block_k + c, dst + ii * pb.Nk);
 }
 
+// The backward program on each row of the tile: SCORE = the capped row (raw), GRAD = dS'
+// (in dS), its out into dS, zero where the mask drops a key; then the bounds check.
+template <typename T>
+void program_gradient(const Problem<T>& pb, Runner<T>& grad, int64_t b, int64_t h, int64_t i0,
+                      int64_t r, int64_t j0, int64_t c, const T* raw, T* dS) {
+  const int64_t bk = pb.block_k;
+  for (int64_t ii = 0; ii < r; ++ii) {
+    T* ds = dS + ii * bk;
+    const T* out = grad.run(b, h, i0 + ii, j0, c, raw + ii * bk, ds);
+    if (out != ds) std::copy(out, out + c, ds);
+    zero_masked(pb, b, h, i0 + ii, j0, c, ds);
+    if (!grad.oob.empty()) check_bounds(pb, grad, b, h, i0 + ii, j0, c);
+  }
+}
+
 // The panel of key block rows x[c, w] (dense) transposed: [w, block] with leading dim block.
 template <typename T>
 void panel(int64_t c, int64_t w, const T* x, T* out, int64_t block) {
@@ -254,6 +288,8 @@ void panel(int64_t c, int64_t w, const T* x, T* out, int64_t block) {
 template <typename T>
 struct KeyScratch {  // one block of keys: its panels, one tile's operands and its sums
   Buffer<T> kt, vt, q, dout, s, ds, slope, t, dk, dv;
+  Buffer<T> raw;                        // the capped scores, the backward program's SCORE
+  std::unique_ptr<Runner<T>> run, grad;  // the score program's forward and backward runners
 };
 
 template <typename T>
@@ -270,6 +306,11 @@ KeyScratch<T> key_scratch(const Problem<T>& pb) {
   s.t.resize(bq * bk);
   s.dk.resize(bk * pb.d);
   s.dv.resize(bk * pb.dv);
+  if (pb.program != nullptr) s.run = std::make_unique<Runner<T>>(*pb.program, bk);
+  if (pb.grad_program != nullptr) {
+    s.raw.resize(bq * bk);
+    s.grad = std::make_unique<Runner<T>>(*pb.grad_program, bk);
+  }
   return s;
 }
 
@@ -310,11 +351,14 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
       scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
       scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data());
       tile_gradient(pb, engine, x, b, h, i0, r, ja, ca, w.q.data(), w.dout.data(),
-                    w.kt.data() + a, w.vt.data() + a, w.s.data(), w.ds.data(), slope);
+                    w.kt.data() + a, w.vt.data() + a, w.s.data(), w.ds.data(), slope,
+                    w.run.get(), w.raw.empty() ? nullptr : w.raw.data());
       // dV += (P Z)^T dO and dK += dS^T (s q), the tile read transposed
       product_transposed_a(engine, ca, dvd, r, w.s.data(), bk, w.dout.data(), dvd,
                            w.dv.data() + a * dvd, dvd, true, w.t.data());
       store_score_gradient(pb, bh, i0, r, ja, ca, w.ds.data(), ds_out);
+      if (w.grad != nullptr) program_gradient(pb, *w.grad, b, h, i0, r, ja, ca, w.raw.data(),
+                                              w.ds.data());
       if (slope != nullptr) slope_(r, ca, w.ds.data(), slope, bk);
       product_transposed_a(engine, ca, d, r, w.ds.data(), bk, w.q.data(), d,
                            w.dk.data() + a * d, d, true, w.t.data());
@@ -364,18 +408,36 @@ std::vector<int64_t> slab_edges(const Problem<T>& pb, const Spans<T>& spans, int
 // The backward pass: units (b, kv head, slab of key blocks), each walking its key blocks in
 // order; slab 0 adds dS k into dq, slab s > 0 into partial[s - 1], and the partials join dq
 // in slab order afterwards (then dq *= scale): no atomics, the same sums for any threads.
+//
+// With a backward program, `dcaptured` holds one buffer per captured tensor (nullptr: not
+// wanted); each unit adds into zeroed buffers of its own (`Runner::dcaptured`, the wanted
+// captures side by side), which join the results in unit order afterwards.
 template <typename T>
 void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* dk,
-                   T* dv, T* ds_out) {
+                   T* dv, T* ds_out, const std::vector<T*>& dcaptured) {
   const Spans<T> spans(pb);
   const int64_t slabs = slab_count(pb), group = pb.G * pb.Nq * pb.d;
   const std::vector<int64_t> edge = slab_edges(pb, spans, slabs);
-  const int64_t size = pb.B * pb.Hq * pb.Nq * pb.d;
+  const int64_t size = pb.B * pb.Hq * pb.Nq * pb.d, units = pb.B * pb.Hkv * slabs;
   Buffer<T> partial((slabs - 1) * size);  // each unit zeroes its own rows
+  std::vector<int64_t> offset(dcaptured.size(), -1);  // capture a's place in a unit's buffers
+  int64_t wanted = 0;
+  for (size_t a = 0; a < dcaptured.size(); ++a) {
+    if (dcaptured[a] == nullptr) continue;
+    offset[a] = wanted;
+    wanted += pb.grad_program->captured[a].numel;
+  }
+  Buffer<T> captured(units * wanted);  // each unit zeroes its own
   for_each_unit<KeyScratch<T>>(
-      pb.B * pb.Hkv * slabs, engine, [&] { return key_scratch(pb); },
+      units, engine, [&] { return key_scratch(pb); },
       [&](int64_t u, KeyScratch<T>& w) {
         const int64_t s = u % slabs, hk = (u / slabs) % pb.Hkv, b = u / (slabs * pb.Hkv);
+        if (w.grad != nullptr) {
+          T* own = captured.data() + u * wanted;
+          std::fill(own, own + wanted, T(0));
+          for (size_t a = 0; a < offset.size(); ++a)
+            w.grad->dcaptured[a] = offset[a] < 0 ? nullptr : own + offset[a];
+        }
         T* target = s == 0 ? dq : partial.data() + (s - 1) * size;
         T* rows = target + (b * pb.Hq + hk * pb.G) * pb.Nq * pb.d;  // the group's rows
         std::fill(rows, rows + group, T(0));
@@ -389,6 +451,18 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
       dq[e] = sum * pb.scale;
     }
   });
+  for (size_t a = 0; a < offset.size(); ++a) {
+    if (offset[a] < 0) continue;
+    const int64_t numel = pb.grad_program->captured[a].numel;
+    const T* from = captured.data() + offset[a];
+    at::parallel_for(0, numel, 1 << 12, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) {
+        T sum = from[e];
+        for (int64_t u = 1; u < units; ++u) sum += from[u * wanted + e];
+        dcaptured[a][e] = sum;
+      }
+    });
+  }
 }
 
 // The ops' arguments, checked as `attngrad.strategies.fused.strategy` passes them; a
@@ -476,6 +550,18 @@ Tensor panels(const Tensor& k, int64_t block) {
   return out;
 }
 
+// The ops' score program (code None: none), checked against the compute dtype of q.
+std::optional<Program> program_of(const char* which, const Tensor& q,
+                                  const std::optional<Tensor>& code,
+                                  const std::optional<Tensor>& constants,
+                                  const std::optional<Tensor>& indices, int64_t out,
+                                  const std::optional<at::TensorList>& captured, int64_t batch,
+                                  bool backward) {
+  if (!code) return std::nullopt;
+  return make_program(which, *code, constants, indices, out, captured.value_or(at::TensorList()),
+                      batch, q.scalar_type(), backward);
+}
+
 std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const std::optional<Tensor>& bias,
                                    const std::optional<Tensor>& keep,
@@ -483,15 +569,22 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                                    const std::optional<Tensor>& row_words,
                                    const std::optional<Tensor>& col_words, double scale, double cap,
                                    int64_t threshold, double keep_scale, int64_t block_q,
-                                   int64_t block_k, int64_t engine) {
+                                   int64_t block_k, int64_t engine,
+                                   const std::optional<Tensor>& code,
+                                   const std::optional<Tensor>& constants,
+                                   const std::optional<Tensor>& indices, int64_t out,
+                                   std::optional<at::TensorList> captured, int64_t batch) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  const std::optional<Program> program =
+      program_of("code", q, code, constants, indices, out, captured, batch, false);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor stats = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward", [&] {
     Tensor kt = panels<scalar_t>(k, block_k);
     auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
                                 threshold, keep_scale, block_q, block_k);
+    pb.program = program ? &*program : nullptr;
     forward_impl<scalar_t>(pb, static_cast<Engine>(engine), q.data_ptr<scalar_t>(),
                            kt.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                            o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>());
@@ -499,15 +592,53 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   return {o, stats};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
+// dcaptured: one tensor per captured one, its shape in the compute dtype where wanted (and a
+// backward program runs), else an empty [0] tensor.
+std::vector<Tensor> captured_gradients(const Program* grad_program,
+                                       const std::optional<c10::List<bool>>& wanted,
+                                       const at::TensorOptions& options, int64_t count) {
+  const int64_t given = wanted ? static_cast<int64_t>(wanted->size()) : 0;
+  TORCH_CHECK_VALUE(given == 0 || given == count, "attngrad_fused: wanted must have one flag per ",
+                    "captured tensor (", count, "), got ", given);
+  std::vector<Tensor> out;
+  for (int64_t a = 0; a < count; ++a) {
+    if (!grad_program || given == 0 || !wanted->get(a)) {
+      out.push_back(at::empty({0}, options));
+      continue;
+    }
+    const Capture& cap = grad_program->captured[a];
+    TORCH_CHECK_TYPE(cap.t.scalar_type() == options.dtype().toScalarType(), "attngrad_fused: ",
+                     "the gradient of captured tensor ", a, " is wanted, so it must be in the ",
+                     "compute dtype ", options.dtype(), ", got ", cap.t.scalar_type());
+    out.push_back(at::zeros(cap.t.sizes(), options));
+  }
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
     const Tensor& delta, const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
     const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
     const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words, double scale,
     double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
-    int64_t engine, bool need_ds) {
+    int64_t engine, bool need_ds, const std::optional<Tensor>& code,
+    const std::optional<Tensor>& constants, const std::optional<Tensor>& indices, int64_t out,
+    std::optional<at::TensorList> captured, int64_t batch, const std::optional<Tensor>& grad_code,
+    const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
+    int64_t grad_out, const std::optional<c10::List<bool>>& wanted) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  TORCH_CHECK_VALUE(code.has_value() == grad_code.has_value(), "attngrad_fused: backward takes ",
+                    "a score program's code and grad_code together (grad_code: its backward ",
+                    "program), got ", code ? "code alone" : "grad_code alone");
+  const std::optional<Program> program =
+      program_of("code", q, code, constants, indices, out, captured, batch, false);
+  const std::optional<Program> grad_program =
+      program_of("grad_code", q, grad_code, grad_constants, grad_indices, grad_out, captured,
+                 batch, true);
+  const int64_t count = captured ? static_cast<int64_t>(captured->size()) : 0;
+  std::vector<Tensor> dcaptured =
+      captured_gradients(grad_program ? &*grad_program : nullptr, wanted, q.options(), count);
   const int64_t rows = q.size(0) * q.size(1) * q.size(2);
   TORCH_CHECK_VALUE(dout.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}) &&
                         dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
@@ -524,12 +655,67 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     Operands<scalar_t> x{q.data_ptr<scalar_t>(),    k.data_ptr<scalar_t>(),
                          v.data_ptr<scalar_t>(),    dout.data_ptr<scalar_t>(),
                          stats.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>()};
+    pb.program = program ? &*program : nullptr;
+    pb.grad_program = grad_program ? &*grad_program : nullptr;
+    std::vector<scalar_t*> into;
+    for (Tensor& t : dcaptured) into.push_back(t.numel() > 0 ? t.data_ptr<scalar_t>() : nullptr);
     backward_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dq.data_ptr<scalar_t>(),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            need_ds ? ds.data_ptr<scalar_t>() : nullptr);
+                            need_ds ? ds.data_ptr<scalar_t>() : nullptr, into);
   });
-  return {dq, dk, dv, ds};
+  return {dq, dk, dv, ds, dcaptured};
 }
+
+// The test op: a program on every row (b, h, i) of scores [B, H, Nq, Nk] over all Nk
+// columns (kv_idx = the column), one thread, rows in order: the outputs [B, H, Nq, Nk] and,
+// with `grad` (a backward program: GRAD = grad's row), the captured tensors' gradients
+// (empty [0] where not wanted).  No mask: any out-of-bounds index raises IndexError.
+std::tuple<Tensor, std::vector<Tensor>> program_rows(
+    const Tensor& code, const Tensor& constants, const Tensor& indices, int64_t out,
+    at::TensorList captured, const Tensor& scores, const std::optional<Tensor>& grad,
+    int64_t batch, const c10::List<bool>& wanted) {
+  TORCH_CHECK_VALUE(scores.dim() == 4 && scores.device().is_cpu(), "attngrad_fused: scores must ",
+                    "be a CPU [B, H, Nq, Nk] tensor, got shape ", scores.sizes());
+  TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble,
+                   "attngrad_fused: scores must be float32 or float64, got ",
+                   scores.scalar_type());
+  if (grad)
+    TORCH_CHECK_VALUE(grad->sizes() == scores.sizes() &&
+                          grad->scalar_type() == scores.scalar_type() && grad->device().is_cpu(),
+                      "attngrad_fused: grad must be a CPU tensor like scores (", scores.sizes(),
+                      ", ", scores.scalar_type(), "), got ", grad->sizes(), ", ",
+                      grad->scalar_type());
+  const Program pg = make_program(grad ? "grad_code" : "code", code, constants, indices, out,
+                                  captured, batch, scores.scalar_type(), grad.has_value());
+  const std::optional<c10::List<bool>> flags(wanted);
+  std::vector<Tensor> dcaptured = captured_gradients(
+      grad ? &pg : nullptr, flags, scores.options(), static_cast<int64_t>(captured.size()));
+  const Tensor s = scores.contiguous();
+  const Tensor g = grad ? grad->contiguous() : Tensor();
+  Tensor result = at::empty(s.sizes(), s.options());
+  const int64_t B = s.size(0), H = s.size(1), Nq = s.size(2), Nk = s.size(3);
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "attngrad_fused::program_rows", [&] {
+    Runner<scalar_t> run(pg, Nk);
+    for (size_t a = 0; a < dcaptured.size(); ++a)
+      if (dcaptured[a].numel() > 0) run.dcaptured[a] = dcaptured[a].data_ptr<scalar_t>();
+    if (Nk == 0) return;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < Nq; ++i) {
+          const int64_t row = ((b * H + h) * Nq + i) * Nk;
+          const scalar_t* score = s.data_ptr<scalar_t>() + row;
+          const scalar_t* gr = grad ? g.data_ptr<scalar_t>() + row : nullptr;
+          const scalar_t* o = run.run(b, h, i, 0, Nk, score, gr);
+          for (const auto& e : run.oob)
+            TORCH_CHECK_INDEX(false, run.describe(e, b, h, i, e.column < 0 ? 0 : e.column));
+          std::copy(o, o + Nk, result.data_ptr<scalar_t>() + row);
+        }
+  });
+  return {result, dcaptured};
+}
+
+// The score programs' op names, in opcode order (`program.h`).
+std::vector<std::string> program_ops() { return program_op_names(); }
 
 // GFLOP/s of `reps` products [m, k] x [k, n] on one thread through `engine` (float32).
 double product_rate(int64_t engine, int64_t m, int64_t n, int64_t k, int64_t reps) {
@@ -550,12 +736,21 @@ TORCH_LIBRARY(attngrad_fused, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, "
       "Tensor? row_words, Tensor? col_words, float scale, float cap, int threshold, "
-      "float keep_scale, int block_q, int block_k, int engine) -> (Tensor, Tensor)");
+      "float keep_scale, int block_q, int block_k, int engine, Tensor? code=None, "
+      "Tensor? constants=None, Tensor? indices=None, int out=-1, Tensor[]? captured=None, "
+      "int batch=1) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor delta, "
       "Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, Tensor? row_words, Tensor? col_words, "
       "float scale, float cap, int threshold, float keep_scale, int block_q, int block_k, "
-      "int engine, bool need_ds) -> (Tensor, Tensor, Tensor, Tensor)");
+      "int engine, bool need_ds, Tensor? code=None, Tensor? constants=None, "
+      "Tensor? indices=None, int out=-1, Tensor[]? captured=None, int batch=1, "
+      "Tensor? grad_code=None, Tensor? grad_constants=None, Tensor? grad_indices=None, "
+      "int grad_out=-1, bool[]? wanted=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])");
+  m.def(
+      "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
+      "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");
+  m.def("program_ops() -> str[]", &program_ops);
   m.def("product_rate(int engine, int m, int n, int k, int reps) -> float", &product_rate);
   m.def("fma_peak(int reps, bool threads) -> float", &fma_peak);
 }
@@ -563,6 +758,7 @@ TORCH_LIBRARY(attngrad_fused, m) {
 TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {
   m.impl("forward", &forward);
   m.impl("backward", &backward);
+  m.impl("program_rows", &program_rows);
 }
 
 }  // namespace attngrad_fused

@@ -1,11 +1,12 @@
 // One tile of scores, in cache: the steps every pass runs between its products.
 //
 // A tile is S[r, c] for query rows i0 .. i0 + r of head (b, h) against keys
-// j0 .. j0 + c, row-major with leading dimension ld.  `mask_tile` caps, biases
-// and masks it exactly as `attngrad.core.scores.ScoreMods.apply_` does (same
-// order: softcap, bias, bool mask, band); every pass calls it on the same
-// product, so backward's scores are bit for bit forward's.  `keeps` is the
-// dropout hash of `attngrad.core.dropout`, finished per score.
+// j0 .. j0 + c, row-major with leading dimension ld.  `mask_tile` caps, runs the
+// score program (`program.h`), biases and masks it exactly as
+// `attngrad.core.scores.ScoreMods.apply_` does (same order: softcap, score_mod,
+// bias, bool mask, band); every pass calls it on the same product, so backward's
+// scores are bit for bit forward's.  `keeps` is the dropout hash of
+// `attngrad.core.dropout`, finished per score.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +21,8 @@
 #include <type_traits>
 #include <new>
 #include <vector>
+
+#include "program.h"
 
 namespace attngrad_fused {
 
@@ -93,6 +96,8 @@ struct Problem {
   const int64_t* hi = nullptr;
   const int32_t* row_words = nullptr;  // dropout: [B * Hq, Nq] and [Nk]
   const int32_t* col_words = nullptr;
+  const Program* program = nullptr;       // the score_mod's forward program, or none
+  const Program* grad_program = nullptr;  // its backward program (the backward op's)
 
   int64_t row_blocks() const { return (Nq + block_q - 1) / block_q; }
   int64_t key_blocks() const { return (Nk + block_k - 1) / block_k; }
@@ -203,10 +208,53 @@ inline bool keeps(int32_t row, int32_t col, int32_t threshold) {
   return y < threshold;
 }
 
-// Cap, bias and mask the tile in place; with a softcap, `slope` (like S) gets 1 - tanh^2.
+// Whether the call's mask keeps key j of row (b, h, i): its bool mask and its band (what a
+// BlockMask arrives as).  Where a score program indexed out of bounds, this decides.
+template <typename T>
+bool kept(const Problem<T>& pb, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (pb.keep != nullptr && !pb.keep[b * pb.sk[0] + h * pb.sk[1] + i * pb.sk[2] + j * pb.sk[3]])
+    return false;
+  return pb.lo == nullptr || (j >= pb.lo[i] && j < pb.hi[i]);
+}
+
+// IndexError where the program `run` just ran on row (b, h, i), keys j0 .., indexed a
+// captured tensor out of bounds at a position the mask keeps.
+template <typename T>
+void check_bounds(const Problem<T>& pb, const Runner<T>& run, int64_t b, int64_t h, int64_t i,
+                  int64_t j0, int64_t c) {
+  for (const auto& e : run.oob) {
+    const int64_t from = e.column < 0 ? 0 : e.column, to = e.column < 0 ? c : e.column + 1;
+    for (int64_t jj = from; jj < to; ++jj)
+      TORCH_CHECK_INDEX(!kept(pb, b, h, i, j0 + jj), run.describe(e, b, h, i, j0 + jj));
+  }
+}
+
+// Zero where the mask drops a key of row (b, h, i) (dS after the backward program, as flex's
+// backward: there GRAD = 0, and a program may still make NaN of it, 0 * inf).
+template <typename T>
+void zero_masked(const Problem<T>& pb, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t c,
+                 T* ds) {
+  if (pb.keep != nullptr) {
+    const bool* keep = pb.keep + b * pb.sk[0] + h * pb.sk[1] + i * pb.sk[2] + j0 * pb.sk[3];
+    for (int64_t j = 0; j < c; ++j) ds[j] = keep[j * pb.sk[3]] ? ds[j] : T(0);
+  }
+  if (pb.lo != nullptr) {
+    int64_t a = std::clamp<int64_t>(pb.lo[i] - j0, 0, c);
+    int64_t e = std::clamp<int64_t>(pb.hi[i] - j0, 0, c);
+    if (a >= e) a = e = c;
+    std::fill(ds, ds + a, T(0));
+    std::fill(ds + e, ds + c, T(0));
+  }
+}
+
+// Cap, run the score program, bias and mask the tile in place; with a softcap, `slope` (like
+// S) gets 1 - tanh^2.  `run`: the forward program's runner, or nullptr (no program: no work
+// per score beyond a test per row); `raw`: where backward keeps the capped rows (like S) for
+// its backward program's SCORE, or nullptr.
 template <typename T>
 void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r, int64_t j0,
-               int64_t c, T* S, int64_t ld, T* slope) {
+               int64_t c, T* S, int64_t ld, T* slope, Runner<T>* run = nullptr,
+               T* raw = nullptr) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -222,6 +270,15 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
         if (sl != nullptr) (one - t * t).store(sl + j, n);
         (t * cap).store(s + j, n);
       }
+    }
+    if (run != nullptr) {
+      const T* score = s;
+      if (raw != nullptr) {
+        std::copy(s, s + c, raw + ii * ld);
+        score = raw + ii * ld;
+      }
+      const T* out = run->run(b, h, i, j0, c, score, nullptr);
+      if (out != s) std::copy(out, out + c, s);
     }
     if (pb.bias != nullptr) {
       const T* bias = pb.bias + b * pb.sb[0] + h * pb.sb[1] + i * pb.sb[2] + j0 * pb.sb[3];
@@ -247,6 +304,7 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
       std::fill(s, s + a, neg_inf);
       std::fill(s + e, s + c, neg_inf);
     }
+    if (run != nullptr && !run->oob.empty()) check_bounds(pb, *run, b, h, i, j0, c);
   }
 }
 
