@@ -6,6 +6,13 @@ whose captured tensors become inputs of the strategy's autograd Function) and
 ``block_mask`` its ``blocks`` (`attngrad.core.block_table.BlockTable`).  The
 tiled strategies then take tiles that are whole multiples of the BlockMask's
 blocks, so a tile is empty, full or partial as the blocks under it are.
+
+Where torch's own defaults reach attngrad, they mean what they mean to torch: its
+identity score_mod (``_identity``, or any function returning its score unchanged)
+is no score function, and its "no mask" BlockMask (``_create_empty_block_mask``)
+is no BlockMask, so every strategy, fused included, runs them.  A float8 key and
+value beside a wider query are computed in the query's dtype, as torch's
+flex_attention computes them (it upcasts them in its math).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 import torch
 
-from attngrad.core.block_table import BlockTable
+from attngrad.core.block_table import BlockTable, is_no_mask, out_of_bounds
 from attngrad.core.contract import (
     ArgumentError,
     ArgumentTypeError,
@@ -41,6 +48,48 @@ def _check_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
                 f"{tuple(t.shape)}; add the missing dims with {name}.view(...) or "
                 f"{name}[None]."
             )
+
+
+_FLOAT8 = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)
+
+
+def _widen_float8(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float8 key or value beside a wider floating query, in the query's dtype (exact):
+    torch's flex_attention takes them so and computes in the query's dtype."""
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return key, value
+    if not query.is_floating_point() or query.dtype in _FLOAT8:
+        return key, value
+    key, value = (t.to(query.dtype) if t.dtype in _FLOAT8 else t for t in (key, value))
+    return key, value
+
+
+def _score_function(
+    score_mod: object, q: torch.Tensor, batch: int, blocks: BlockTable | None
+) -> ScoreFunction | None:
+    """``score_mod`` as the strategies take it: None for torch's identity (any function that
+    returns its score unchanged); one valid only where the BlockMask keeps scores (a paged
+    table's) is checked at the first kept score."""
+    try:
+        score = ScoreFunction.of(score_mod, q, batch)
+    except Exception as err:
+        at = None if blocks is None or not out_of_bounds(err) else blocks.first_kept(q.device)
+        if at is None:
+            raise
+        score = ScoreFunction.of(score_mod, q, batch, at)
+    return None if score.identity else score.within(blocks)
 
 
 def _tiles(
@@ -90,6 +139,7 @@ class FlexCall:
     ) -> FlexCall:
         """Check `attngrad.flex_attention`'s arguments (after autocast's casts) and build it."""
         _check_layout(query, key, value)
+        key, value = _widen_float8(query, key, value)
         if (
             isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
             and key.shape[0] == 1 and query.shape[0] > 1 and value.shape[0] == 1
@@ -112,10 +162,14 @@ class FlexCall:
             lse, max_scores = bool(return_aux.lse), bool(return_aux.max_scores)  # type: ignore[attr-defined]
         validate_strategy(strategy, STRATEGIES)
         q, k, v = query, key, value
-        score = None if score_mod is None else ScoreFunction.of(score_mod, q, shapes.batch)
+        if is_no_mask(block_mask, shapes.seq_q, shapes.seq_k):
+            block_mask = None  # torch's stand-in for block_mask=None
         blocks = None
         if block_mask is not None:
             blocks = BlockTable.of(block_mask, q, k, shapes.batch)
+        score = None
+        if score_mod is not None:
+            score = _score_function(score_mod, q, shapes.batch, blocks)
         mods = ScoreMods(
             None, None, None, shapes.heads_kv, shapes.seq_q, shapes.seq_k, score=score,
             blocks=blocks,

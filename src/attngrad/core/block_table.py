@@ -26,12 +26,22 @@ line up with the blocks:
   windows, documents, prefix-LM (``mask_mod`` called on partial blocks only)
   -- else the rows' spans and the whole keep [B, H, Nq, Nk] (O(Nq * Nk)
   bytes: global tokens, dilated windows, masks that differ by head).
+
+torch's compiled kernel calls ``mask_mod`` on partial blocks only, and a score
+function on kept blocks only: a function that reads a table valid only there
+(paged attention's ``table[b, kv_idx // page]``) is valid for it.  Here a tile is
+evaluated whole, as long as that works; where it raises an index error
+(`out_of_bounds`), ``mask_mod`` runs again at the tile's partial blocks' scores
+alone, one vmap over those points (`over_points`), as the score function does at
+the kept scores (`attngrad.core.score_function`).  `is_no_mask` recognises
+torch's "no mask" BlockMask (``_create_empty_block_mask``), which stands for
+block_mask=None.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +59,17 @@ from attngrad.core.pointwise import (
     over_tile,
 )
 
-__all__ = ["EMPTY", "FULL", "MIXED", "PARTIAL", "BlockTable", "MaskFunction"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "MIXED",
+    "PARTIAL",
+    "BlockTable",
+    "MaskFunction",
+    "is_no_mask",
+    "out_of_bounds",
+    "over_points",
+]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 MIXED = 3  # a block whose status differs between (b, h)
@@ -63,6 +83,50 @@ def _status(
     idx = indices.long().clamp(0, blocks_k - 1)
     src = listed.to(torch.uint8) * value  # unlisted entries add nothing under max
     status.scatter_reduce_(-1, idx, src, reduce="amax")
+
+
+def out_of_bounds(err: BaseException) -> bool:
+    """Whether ``err`` is torch's index error: an index past a tensor's size (IndexError from
+    ``t[idx]``, RuntimeError from ``gather``, ``index_select`` and their kin)."""
+    if isinstance(err, IndexError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("out of bounds" in text or "out of range" in text)
+
+
+def over_points(
+    point: Callable[..., torch.Tensor],
+    points: Sequence[torch.Tensor],
+    whole: Sequence[torch.Tensor] = (),
+    elementwise: bool = False,
+) -> torch.Tensor:
+    """``point(*points, *whole)`` -- written for 0-d arguments -- at P scattered points: each
+    of ``points`` [P] (a score and b, h, q_idx, kv_idx), ``whole`` passed whole.  One vmap
+    over the points (an elementwise function: one call on the [P] tensors).  Returns [P]."""
+    if elementwise:
+        out = point(*points, *whole)
+    else:
+        dims = (0,) * len(points) + (None,) * len(whole)
+        out = torch.vmap(point, in_dims=dims)(*points, *whole)
+    return out.expand(points[0].shape)
+
+
+def is_no_mask(block_mask: object, seq_q: int, seq_k: int) -> bool:
+    """Whether ``block_mask`` keeps every score of [Nq, Nk]: torch's ``noop_mask`` over one
+    block each way at least Nq x Nk, listed everywhere -- what torch's flex_attention builds
+    for block_mask=None (``_create_empty_block_mask``, its seq_lengths (1, 1) whatever the
+    call's)."""
+    from torch.nn.attention.flex_attention import BlockMask, noop_mask
+
+    if not isinstance(block_mask, BlockMask) or block_mask.mask_mod is not noop_mask:
+        return False
+    bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
+    num = block_mask.kv_num_blocks
+    if bq < seq_q or bk < seq_k or num.shape[-1] != 1:
+        return False
+    if block_mask.full_kv_num_blocks is not None:
+        num = num + block_mask.full_kv_num_blocks
+    return bool((num >= 1).all())
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,11 +144,18 @@ class MaskFunction:
     elementwise: bool = False
 
     @staticmethod
-    def of(fn: object, device: torch.device, batch: int, heads: int) -> MaskFunction:
-        """Check ``fn``: four arguments, a bool result, no capture that requires grad."""
+    def of(
+        fn: object,
+        device: torch.device,
+        batch: int,
+        heads: int,
+        at: tuple[int, int, int, int] = (0, 0, 0, 0),
+    ) -> MaskFunction:
+        """Check ``fn``: four arguments, a bool result, no capture that requires grad; it is
+        called once, at (b, h, q_idx, kv_idx) = ``at``."""
         check_arity(fn, "mask_mod", 4, "mask_mod(b, h, q_idx, kv_idx) -> bool")
         assert callable(fn)
-        index = TileIndex.of(1, 1, 1, slice(0, 1), slice(0, 1), device)
+        index = TileIndex(*(torch.tensor([n], dtype=INDEX, device=device) for n in at))
         reads = Reads(tuple(index.__dict__.values()), None)
 
         def point(
@@ -146,6 +217,30 @@ class MaskFunction:
                 raise explain(err, "mask_mod") from err
         shape = (index.b.shape[0], index.h.shape[0], index.i.shape[0], index.j.shape[0])
         return keep.expand(shape)
+
+    def at(self, where: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+        """mask_mod at the scores ``where`` is True (bool [B, H, r, c] of the tile rows x cols,
+        B the folded batch), False elsewhere: bool [B, H, r, c]."""
+        folded, heads = where.shape[:2]
+        index = TileIndex.of(self.batch, folded, heads, rows, cols, where.device)
+        at = where.nonzero(as_tuple=True)
+        keep = torch.zeros(where.shape, dtype=torch.bool, device=where.device)
+        if at[0].numel() == 0:
+            return keep
+        fn = self.fn
+
+        def point(
+            b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+        ) -> torch.Tensor:
+            return fn(b, h, i, j)
+
+        points = (index.b[at[0]], index.h[at[1]], index.i[at[2]], index.j[at[3]])
+        with torch.no_grad():
+            try:
+                keep[at] = over_points(point, points, elementwise=self.elementwise)
+            except RuntimeError as err:
+                raise explain(err, "mask_mod") from err
+        return keep
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -211,7 +306,15 @@ class BlockTable:
             status = status[:, :, :blocks_q].contiguous()
             same = (status == status[:1, :1]).all(dim=1).all(dim=0)
             kinds = torch.where(same, status[0, 0], MIXED).tolist()
-        mask = MaskFunction.of(block_mask.mask_mod, q.device, batch, heads)
+        try:
+            mask = MaskFunction.of(block_mask.mask_mod, q.device, batch, heads)
+        except Exception as err:  # valid on partial blocks alone: checked at the first one's
+            partial = (status == PARTIAL).nonzero()
+            if not out_of_bounds(err) or partial.shape[0] == 0:
+                raise
+            b, h, i, j = partial[0].tolist()
+            at = (b, h, i * bq, j * bk)
+            mask = MaskFunction.of(block_mask.mask_mod, q.device, batch, heads, at)
         table = tuple(tuple(row) for row in kinds)
         return BlockTable(status, (bq, bk), nq, nk, mask, table)
 
@@ -258,22 +361,49 @@ class BlockTable:
         kinds = self._kinds(rows, cols)
         if kinds == {FULL}:
             return None
-        keep = self.mask.keep(folded, rows, cols, device)
-        if kinds == {PARTIAL}:
+        keep: torch.Tensor | None = None
+        try:
+            keep = self.mask.keep(folded, rows, cols, device)
+        except Exception as err:
+            if not out_of_bounds(err):
+                raise
+            # mask_mod is valid on partial blocks alone, as torch's kernel calls it: there only
+        if keep is not None and kinds == {PARTIAL}:
             return keep
+        status = self._score_status(folded, rows, cols, device)
+        if keep is None:
+            keep = self.mask.at(status == PARTIAL, rows, cols)
+        return (keep & (status != EMPTY)) | (status == FULL)
+
+    def _score_status(
+        self, folded: int, rows: slice, cols: slice, device: torch.device
+    ) -> torch.Tensor:
+        """Each score's block status, cut to the tile: uint8 [B, H, r, c] (B the folded batch)."""
         bq, bk = self.block
         r0, c0 = rows.start, cols.start
-        # each score's block status, cut to the tile
+        r, c = rows.stop - r0, cols.stop - c0
         blocks = self._blocks(rows, cols)
         status = blocks.repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)
-        status = status[:, :, r0 % bq : r0 % bq + keep.shape[2], c0 % bk : c0 % bk + keep.shape[3]]
-        status = status.to(device)
-        if status.shape[0] not in (
-            1,
-            keep.shape[0],
-        ):  # vmap's samples folded: entry n is b = n mod Bm
-            status = status.repeat(keep.shape[0] // status.shape[0], 1, 1, 1)
-        return (keep & (status != EMPTY)) | (status == FULL)
+        status = status[:, :, r0 % bq : r0 % bq + r, c0 % bk : c0 % bk + c].to(device)
+        if status.shape[0] not in (1, folded):  # vmap's samples folded: entry n is b = n mod Bm
+            status = status.repeat(folded // status.shape[0], 1, 1, 1)
+        return status.expand(folded, self.mask.heads, r, c)
+
+    def first_kept(self, device: torch.device) -> tuple[int, int, int, int] | None:
+        """(b, h, q_idx, kv_idx) of the first score the BlockMask keeps, in that order; None
+        when it keeps none."""
+        bq, bk = self.block
+        for b, h, qb, kb in self.status.nonzero().tolist():
+            rows = slice(qb * bq, min(self.seq_q, (qb + 1) * bq))
+            cols = slice(kb * bk, min(self.seq_k, (kb + 1) * bk))
+            keep = self.keep(self.mask.batch, rows, cols, device)
+            if keep is None:
+                return b, h, rows.start, cols.start
+            kept = keep[b, h].nonzero()
+            if kept.shape[0]:
+                i, j = kept[0].tolist()
+                return b, h, rows.start + i, cols.start + j
+        return None
 
     def _exact_rows(
         self, folded: int, rows: slice, device: torch.device
@@ -300,7 +430,12 @@ class BlockTable:
             count += sum(min(self.seq_k, (j + 1) * bk) - j * bk for j in full)
         if partial:  # mask_mod once over the partial blocks' keys side by side
             idx = torch.cat([torch.arange(j * bk, min(self.seq_k, (j + 1) * bk)) for j in partial])
-            keep = self.mask.keep(folded, rows, idx.to(INDEX), device)  # [B, H, r, c]
+            try:
+                keep = self.mask.keep(folded, rows, idx.to(INDEX), device)  # [B, H, r, c]
+            except Exception as err:
+                if not out_of_bounds(err):
+                    raise
+                return None  # the dense keep evaluates it on partial blocks alone
             if not bool((keep == keep[:1, :1]).all()):
                 return None
             kept = keep[0, 0].cpu()
@@ -388,7 +523,12 @@ class BlockTable:
             i = rows.clamp(max=nq - 1).to(device=device, dtype=INDEX)
             j = cols.clamp(max=nk - 1).to(device=device, dtype=INDEX)
             with torch.no_grad():
-                keep = self.mask.fn(b, h, i[None, None, :, :, None], j[None, None, :, None, :])
+                try:
+                    keep = self.mask.fn(b, h, i[None, None, :, :, None], j[None, None, :, None, :])
+                except Exception as err:
+                    if not out_of_bounds(err):
+                        raise
+                    return None  # the dense keep evaluates it on partial blocks alone
             keep = keep.expand(index.b.shape[0], index.h.shape[0], *rows.shape, bk)
             if not bool((keep == keep[:1, :1]).all()):
                 return None

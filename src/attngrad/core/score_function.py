@@ -28,6 +28,14 @@ Each tile's dtheta is formed on one thread and added in the tiles' fixed
 order, so captured gradients are bitwise the same for any thread count.
 Captures in 16-bit dtypes are read in float32 (the compute dtype), so their
 gradients accumulate in float32 and are cast back once.
+
+A function may be valid only where the call's BlockMask keeps scores, as torch's
+compiled kernel evaluates it: a paged-attention ``table[b, kv_idx - offset[b]]`` reads
+past its table in another batch entry's blocks.  Where a tile's evaluation raises an
+index error (`attngrad.core.block_table.out_of_bounds`), it is evaluated again at the tile's kept scores alone,
+one vmap over those points, the others left as they are (the mask makes them -inf and
+nothing flows back through them); every pass above does so, and the common path
+costs nothing more.
 """
 
 from __future__ import annotations
@@ -35,13 +43,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attngrad.core.block_table import out_of_bounds, over_points
 from attngrad.core.contract import ArgumentError, ArgumentTypeError
 from attngrad.core.ops import compute_dtype
 from attngrad.core.pointwise import (
+    INDEX,
     Reads,
     TileIndex,
     broadcast_tile,
@@ -51,6 +61,9 @@ from attngrad.core.pointwise import (
     over_tile,
 )
 from attngrad.core.toeplitz import diagonal_sums, toeplitz
+
+if TYPE_CHECKING:
+    from attngrad.core.block_table import BlockTable
 
 __all__ = ["ScoreFunction"]
 
@@ -68,7 +81,10 @@ class ScoreFunction:
     heads: Hq; elementwise: every op of it acts on each score alone
     (`attngrad.core.pointwise.Reads`), so a tile runs it once on broadcast indices
     instead of under vmap; relative: it is ``score + x(b, h, q_idx - kv_idx)``, so a tile
-    evaluates x at its r + c - 1 distances only (`attngrad.core.toeplitz`).
+    evaluates x at its r + c - 1 distances only (`attngrad.core.toeplitz`); identity: it
+    returns its score argument unchanged (torch's ``_identity``), so a call runs without
+    it; blocks: the call's BlockMask, whose kept scores a tile falls back to where the
+    whole tile raises an index error (module docstring).
     """
 
     fn: Callable[..., torch.Tensor]
@@ -79,16 +95,21 @@ class ScoreFunction:
     captured_originals: tuple[torch.Tensor, ...] = ()
     elementwise: bool = False
     relative: bool = False
+    identity: bool = False
+    blocks: BlockTable | None = None
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def of(fn: object, q: torch.Tensor, batch: int) -> ScoreFunction:
-        """Check ``fn`` on q's device and dtype and find its captures; q: [B, Hq, Nq, d]."""
+    def of(
+        fn: object, q: torch.Tensor, batch: int, at: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ) -> ScoreFunction:
+        """Check ``fn`` on q's device and dtype and find its captures; q: [B, Hq, Nq, d].
+        ``fn`` is called once, at (b, h, q_idx, kv_idx) = ``at``."""
         check_arity(fn, "score_mod", 5, "score_mod(score, b, h, q_idx, kv_idx) -> score")
         assert callable(fn)
         dtype = compute_dtype(q.dtype)
         score = torch.zeros(1, 1, 1, 1, dtype=dtype, device=q.device)
-        index = TileIndex.of(1, 1, 1, slice(0, 1), slice(0, 1), q.device)
+        index = TileIndex(*(torch.tensor([n], dtype=INDEX, device=q.device) for n in at))
         reads = Reads((score, *index.__dict__.values()), None)
 
         def point(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
@@ -100,9 +121,11 @@ class ScoreFunction:
                 out: torch.Tensor = fn(s, b, h, i, j)
             _check_score(out, s)
             relative.append(reads.relative(out))
+            identity.append(out is s)
             return out
 
         relative: list[bool] = []
+        identity: list[bool] = []
 
         try:
             over_tile(point, score, index)
@@ -117,8 +140,13 @@ class ScoreFunction:
                 )
         keys = tuple(id(t) for t in captured)
         return ScoreFunction(
-            fn, keys, captured, batch, q.shape[1], captured, reads.elementwise, relative[0]
-        )
+            fn, keys, captured, batch, q.shape[1], captured, reads.elementwise, relative[0],
+            identity[0],
+        )  # fmt: skip
+
+    def within(self, blocks: BlockTable | None) -> ScoreFunction:
+        """The same function under the call's BlockMask (``blocks``; None: no mask)."""
+        return replace(self, blocks=blocks, _cache={})
 
     def with_captured(self, captured: Sequence[torch.Tensor]) -> ScoreFunction:
         """The same function reading ``captured`` (saved, unwrapped or batched copies)."""
@@ -126,7 +154,8 @@ class ScoreFunction:
 
     def folded(self, batch: int) -> ScoreFunction:
         """For a call whose batch folds vmap's samples: entry b reads b mod ``batch``."""
-        return replace(self, batch=batch, _cache={})
+        blocks = None if self.blocks is None else self.blocks.folded(batch)
+        return replace(self, batch=batch, blocks=blocks, _cache={})
 
     @property
     def grads_wanted(self) -> tuple[bool, ...]:
@@ -142,10 +171,12 @@ class ScoreFunction:
             for t in self.captured
         )
 
-    def _tile_fn(self, index: TileIndex) -> Callable[..., torch.Tensor]:
-        """F(s [B, H, r, c], *captured) -> S' [B, H, r, c] on one tile."""
+    def _point(self) -> Callable[..., torch.Tensor]:
+        """f(s, b, h, q_idx, kv_idx, *captured) -> S', reading ``captured`` in the closure's
+        captures' place (s and the indices 0-d, or broadcasting for an elementwise f)."""
         fn, keys = self.fn, self.keys
         originals = self.captured_originals
+        elementwise = self.elementwise
 
         def point(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
                   j: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -157,8 +188,12 @@ class ScoreFunction:
             _check_score(out, s)
             return out.to(s.dtype)
 
-        elementwise = self.elementwise
-        run = broadcast_tile if elementwise else over_tile
+        return point
+
+    def _tile_fn(self, index: TileIndex) -> Callable[..., torch.Tensor]:
+        """F(s [B, H, r, c], *captured) -> S' [B, H, r, c] on one tile."""
+        point = self._point()
+        run = broadcast_tile if self.elementwise else over_tile
 
         def tile(s: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:
             if s.numel() == 0:  # a tile with no keys (or rows): nothing to evaluate
@@ -169,6 +204,44 @@ class ScoreFunction:
                 raise explain(err, "score_mod") from err
 
         return tile
+
+    def _evaluate(
+        self, x: torch.Tensor, rows: slice, cols: slice, theta: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """f(x, theta) on the tile x [B, H, r, c]; where the whole tile raises an index
+        error, at the BlockMask's kept scores alone (`_at_kept`)."""
+        index = TileIndex.of(self.batch, x.shape[0], x.shape[1], rows, cols, x.device)
+        try:
+            return self._tile_fn(index)(x, *theta)
+        except Exception as err:
+            if self.blocks is None or not out_of_bounds(err):
+                raise
+            keep = self.blocks.keep(x.shape[0], rows, cols, x.device)
+            if keep is None:  # it keeps every score of the tile: a real error
+                raise
+        return self._at_kept(x, keep, index, theta)
+
+    def _at_kept(
+        self, x: torch.Tensor, keep: torch.Tensor, index: TileIndex, theta: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """x with f(x, theta) at the scores ``keep`` [B, H, r, c] is True (one vmap over those
+        points), x itself elsewhere: those scores are masked, -inf whatever f gives."""
+        at = keep.nonzero(as_tuple=True)
+        if at[0].numel() == 0:
+            return x.clone()
+        points = (x[at], index.b[at[0]], index.h[at[1]], index.i[at[2]], index.j[at[3]])
+        try:
+            y = over_points(self._point(), points, theta, self.elementwise)
+        except RuntimeError as err:
+            raise explain(err, "score_mod") from err
+        return x.index_put(at, y)
+
+    def _fallback(self, err: Exception) -> ScoreFunction:
+        """A relative function whose distances raised ``err``: itself score by score, which
+        falls back to the BlockMask's kept scores (re-raises any other error)."""
+        if self.blocks is None or not out_of_bounds(err):
+            raise err
+        return self._pointwise
 
     def _index(self, s5: torch.Tensor, rows: slice, cols: slice) -> TileIndex:
         b, hkv, g = s5.shape[:3]
@@ -193,10 +266,18 @@ class ScoreFunction:
 
     @property
     def _pointwise(self) -> ScoreFunction:
-        """This function evaluated score by score: a relative one's term at its distances."""
+        """This function evaluated score by score (a relative one's fallback)."""
         if "pointwise" not in self._cache:
             self._cache["pointwise"] = replace(self, relative=False, _cache={})
         return self._cache["pointwise"]  # type: ignore[no-any-return]
+
+    @property
+    def _terms(self) -> ScoreFunction:
+        """A relative function's term at its distances: score by score, at no real position
+        (so no BlockMask to fall back to)."""
+        if "terms" not in self._cache:
+            self._cache["terms"] = replace(self, relative=False, blocks=None, _cache={})
+        return self._cache["terms"]  # type: ignore[no-any-return]
 
     def values_(
         self, s5: torch.Tensor, rows: slice, cols: slice, raw: torch.Tensor | None = None
@@ -211,8 +292,13 @@ class ScoreFunction:
             at = self._distances(s5, rows, cols)
             if at is not None:
                 z, d = at
-                with torch.no_grad():
-                    x = self._tile_fn(self._index(z, d, _KEY))(self._flat(z), *self._read(z.dtype))
+                try:
+                    with torch.no_grad():
+                        x = self._tile_fn(self._index(z, d, _KEY))(
+                            self._flat(z), *self._read(z.dtype)
+                        )
+                except Exception as err:
+                    return self._fallback(err).values_(s5, rows, cols)
                 b, hkv, g, r, c = s5.shape
                 s5 += toeplitz(x.view(b, hkv, g, -1), r, c)
             return s5
@@ -221,9 +307,8 @@ class ScoreFunction:
                 leaves = self._leaves(raw, rows, cols)
             self._cache["graph"] = ((rows.start, rows.stop, cols.start, cols.stop), leaves)
             return s5.copy_(leaves[2].detach().view(s5.shape))
-        f = self._tile_fn(self._index(s5, rows, cols))
         with torch.no_grad():
-            out = f(self._flat(s5), *self._read(s5.dtype))
+            out = self._evaluate(self._flat(s5), rows, cols, self._read(s5.dtype))
         return s5.copy_(out.view(s5.shape))
 
     def _leaves(
@@ -236,8 +321,7 @@ class ScoreFunction:
         theta = tuple(
             t.detach().requires_grad_(w) for t, w in zip(read, self.grads_wanted, strict=True)
         )
-        f = self._tile_fn(self._index(raw, rows, cols))
-        return x, theta, f(x, *theta)
+        return x, theta, self._evaluate(x, rows, cols, theta)
 
     def pullback_(
         self,
@@ -260,7 +344,10 @@ class ScoreFunction:
                 z, d = at
                 with one_thread():
                     dx = diagonal_sums(ds.reshape(raw.shape))
-                self._pointwise.pullback_(z, d, _KEY, dx.view(z.shape), dcaptured)
+                try:  # (it raises before it adds anything into dcaptured)
+                    self._terms.pullback_(z, d, _KEY, dx.view(z.shape), dcaptured)
+                except Exception as err:
+                    return self._fallback(err).pullback_(raw, rows, cols, ds, dcaptured)
             return ds
         kept = self._cache.pop("graph", None)
         with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
@@ -302,7 +389,10 @@ class ScoreFunction:
             at = self._distances(raw, rows, cols)
             if moving and at is not None:
                 z, d = at
-                x_dot = self._pointwise.push(z, d, _KEY, torch.zeros_like(z), captured_dot)
+                try:
+                    x_dot = self._terms.push(z, d, _KEY, torch.zeros_like(z), captured_dot)
+                except Exception as err:
+                    return self._fallback(err).push(raw, rows, cols, s_dot, captured_dot)
                 out = out + toeplitz(x_dot.view(b, hkv, gq, -1), r, c).reshape(out.shape)
             return out
         with torch.enable_grad():
@@ -357,7 +447,13 @@ class ScoreFunction:
                         for t in (ds, s_hat)
                     ]
                 assert sums[0] is not None
-                self._pointwise.second(z, d, _KEY, sums[0], sums[1], None, captured_dot, dcaptured)
+                try:  # (it raises before it adds anything into dcaptured)
+                    self._terms.second(z, d, _KEY, sums[0], sums[1], None, captured_dot, dcaptured)
+                except Exception as err:
+                    pointwise = self._fallback(err)
+                    return pointwise.second(
+                        raw, rows, cols, ds, s_hat, s_dot, captured_dot, dcaptured
+                    )
             return None if s_hat is None else s_hat.reshape(b, hkv, gq * r, c)
         with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
             x, theta, y = self._leaves(raw, rows, cols)
