@@ -32,10 +32,10 @@ gradients accumulate in float32 and are cast back once.
 A function may be valid only where the call's BlockMask keeps scores, as torch's
 compiled kernel evaluates it: a paged-attention ``table[b, kv_idx - offset[b]]`` reads
 past its table in another batch entry's blocks.  Where a tile's evaluation raises an
-index error (`attngrad.core.block_table.out_of_bounds`), it is evaluated again at the tile's kept scores alone,
-one vmap over those points, the others left as they are (the mask makes them -inf and
-nothing flows back through them); every pass above does so, and the common path
-costs nothing more.
+index error (`attngrad.core.block_table.out_of_bounds`), it is evaluated again at the
+tile's kept scores alone, one vmap over those points, the others left as they are (the
+mask makes them -inf and nothing flows back through them); every pass above does so,
+and the common path costs nothing more.
 """
 
 from __future__ import annotations
