@@ -236,6 +236,24 @@ def test_the_first_score_need_not_be_kept(name: str, strategy: str) -> None:
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("strategy", ["explicit", "recompute", "flash", "fused"])
+def test_a_mask_mod_valid_only_in_partial_blocks_without_a_score_mod(strategy: str) -> None:
+    """Every strategy runs the paged mask alone (fused reads it as a dense keep)."""
+    if strategy == "fused":
+        reason = REGISTRY["fused"].unavailable_reason(torch.device("cpu"))
+        if reason is not None:
+            pytest.skip(f"fused cannot run here: {reason[:200]}")
+    p = Paged(heads=1, page=4, nq=5, slots=(2, 1), free=1)
+    _, _, block_mask, ref_mask, _ = _paged_case("mask-too", p)
+    ours, theirs = _leaves(p, {}), _leaves(p, {})
+    out = attngrad.flex_attention(*ours, block_mask=block_mask, strategy=strategy)
+    want = reference_flex_attention(*theirs, block_mask=ref_mask)
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
+    got = torch.autograd.grad(out.sum(), ours)
+    for g, e in zip(got, torch.autograd.grad(want.sum(), theirs), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+
+
 def _paged_function(
     name: str, strategy: str
 ) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
