@@ -1,26 +1,30 @@
 """What FlexAttention's score and mask functions cost on attngrad's strategies, as ratios.
 
-    python benchmarks/benchmark_flex.py [--seq 4096] [--strategy flash] [--repeats 5]
+    python benchmarks/benchmark_flex.py [--seq 4096] [--strategy auto] [--repeats 5]
                                         [--memory-seq 16384] [--no-memory] [--no-torch]
                                         [--csv results/benchmark_flex.csv]
 
 Forward+backward (O, then dq, dk, dv and the captured tensors' gradients) of
-``attngrad.flex_attention`` on one strategy, B=1, H=8, d=64, float32, every variant timed
-once per round and the rounds interleaved (`attngrad.tools.timing.interleaved`), so the
-machine's noise falls on all alike; a ratio is the fastest round over its baseline's.
+``attngrad.flex_attention`` on one strategy ("auto": fused's kernels on CPU, with score
+functions compiled into them), B=1, H=8, d=64, float32, every variant timed once per
+round and the rounds interleaved (`attngrad.tools.timing.interleaved`), so the machine's
+noise falls on all alike; a ratio is the fastest round over its baseline's.
 
-    causal     attention(q, k, v, is_causal=True)                       the baseline
-    blockmask  flex_attention(block_mask=causal BlockMask)              target <= 1.15x causal
-    packed     flex_attention(block_mask=8 causal documents of N/8)     target <= 0.25x causal
-    alibi      flex_attention(score_mod=ALiBi, fixed slopes, causal)    target <= 1.5x blockmask
-    alibi-learn  the same with learnable slopes [H]                     (reported)
-    buckets    flex_attention(score_mod=learnable T5 bucket table [H, 32], causal)
-                                                                        target <= 2x blockmask
+    causal       attention(q, k, v, is_causal=True)                     the baseline
+    blockmask    flex_attention(block_mask=causal BlockMask)            target <= 1.15x causal
+    packed       flex_attention(block_mask=8 causal documents of N/8)   target <= 0.25x causal
+    alibi        score_mod=ALiBi, fixed slopes, causal                  (reported)
+    alibi-learn  ALiBi with learnable slopes [H]                        target <= 1.15x blockmask
+    relative     a learnable relative-position table [H, 2N-1]          target <= 1.15x blockmask
+    buckets      a learnable T5 bucket table [H, 32]                    target <= 1.15x blockmask
+    gate         score * sigmoid(g[h]), g learnable                     target <= 1.15x blockmask
+    softcap-mod  softcap written as a score_mod, c * tanh(s / c)        target <= 1.15x blockmask
 
-and beside them, reported without targets: the forward alone against torch's own
+Beside them: the forward alone with ALiBi and with the relative table against torch's own
 compiled CPU ``flex_attention`` (``torch.compile(flex_attention)``, the one CPU path torch
-has, forward only: it has no CPU backward), and forward+backward against SDPA's
-FLASH_ATTENTION kernel on the causal mask.
+has, forward only: it has no CPU backward), target <= 0.7x each; forward+backward against
+SDPA's FLASH_ATTENTION kernel on the causal mask (reported); and the first call of a new
+score function (its trace and programs) against a later call, target <= 20 s more.
 
 Memory (``--memory-seq``, default 16384; B=1, H=4, d=64): the peak bytes beyond the inputs
 of forward+backward and of double backward with a learnable relative-position table
@@ -34,6 +38,7 @@ import argparse
 import csv
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,8 +54,14 @@ from attngrad.tools.timing import interleaved, spreads
 
 DOCUMENTS = 8
 BUCKETS = 32
-TARGETS = {"blockmask": ("causal", 1.15), "packed": ("causal", 0.25),
-           "alibi": ("blockmask", 1.5), "buckets": ("blockmask", 2.0)}  # fmt: skip
+SCORE_TARGET = 1.15  # each learnable score function against the BlockMask alone
+TARGETS = {
+    "blockmask": ("causal", 1.15), "packed": ("causal", 0.25),
+    **{name: ("blockmask", SCORE_TARGET)
+       for name in ("alibi-learn", "relative", "buckets", "gate", "softcap-mod")},
+}  # fmt: skip
+FORWARD_TARGET = 0.7  # forward with ALiBi or the relative table against torch's compiled flex
+FIRST_CALL_TARGET = 20.0  # seconds a new score function's first call may add
 
 
 def _note(text: str) -> None:
@@ -91,6 +102,8 @@ def variants(n: int, heads: int, strategy: str) -> dict[str, Callable[..., torch
     fixed = torch.exp2(-8 * torch.arange(1, heads + 1) / heads)
     slopes = fixed.clone().requires_grad_()
     table = (0.1 * torch.randn(heads, BUCKETS)).requires_grad_()
+    relative_table = (0.1 * torch.randn(heads, 2 * n - 1)).requires_grad_()
+    gates = torch.randn(heads).requires_grad_()
 
     def alibi(s, b, h, i, j):  # type: ignore[no-untyped-def]
         return s - fixed[h] * (i - j)
@@ -98,8 +111,17 @@ def variants(n: int, heads: int, strategy: str) -> dict[str, Callable[..., torch
     def alibi_learn(s, b, h, i, j):  # type: ignore[no-untyped-def]
         return s - slopes[h] * (i - j)
 
+    def relative(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s + relative_table[h, i - j + n - 1]
+
     def buckets(s, b, h, i, j):  # type: ignore[no-untyped-def]
         return s + table[h, t5_bucket(i - j)]
+
+    def gate(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s * torch.sigmoid(gates[h])
+
+    def softcap(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return 20.0 * torch.tanh(s / 20.0)
 
     def flex(**kw: object) -> Callable[..., torch.Tensor]:
         return lambda q, k, v: attngrad.flex_attention(q, k, v, strategy=strategy, **kw)
@@ -110,7 +132,10 @@ def variants(n: int, heads: int, strategy: str) -> dict[str, Callable[..., torch
         "packed": flex(block_mask=docs),
         "alibi": flex(score_mod=alibi, block_mask=mask),
         "alibi-learn": flex(score_mod=alibi_learn, block_mask=mask),
+        "relative": flex(score_mod=relative, block_mask=mask),
         "buckets": flex(score_mod=buckets, block_mask=mask),
+        "gate": flex(score_mod=gate, block_mask=mask),
+        "softcap-mod": flex(score_mod=softcap, block_mask=mask),
         "sdpa-flash": _sdpa_flash,
     }
 
@@ -136,31 +161,59 @@ def time_variants(n: int, strategy: str, repeats: int) -> dict[str, float]:
     return {name: s.low for name, s in spreads(times).items()}
 
 
-def time_forward_vs_torch(n: int, strategy: str, repeats: int) -> tuple[float, float]:
-    """(attngrad, torch compiled) fastest forward of causal ALiBi, no grad, seconds."""
+def time_forward_vs_torch(n: int, strategy: str, repeats: int) -> dict[str, float]:
+    """{score function: attngrad's fastest forward over torch's compiled flex_attention's}
+    for causal ALiBi and a relative-position table [H, 2N-1], no grad."""
     heads, d = 8, 64
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, heads, n, d, generator=g) for _ in range(3))
     mask = create_block_mask(causal, None, None, n, n, device="cpu")
     fixed = torch.exp2(-8 * torch.arange(1, heads + 1) / heads)
+    table = 0.1 * torch.randn(heads, 2 * n - 1, generator=g)
 
     def alibi(s, b, h, i, j):  # type: ignore[no-untyped-def]
         return s - fixed[h] * (i - j)
 
+    def relative(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s + table[h, i - j + n - 1]
+
     compiled = torch.compile(torch_flex)
+    calls = {}
+    for name, fn in (("alibi", alibi), ("relative", relative)):
+        calls[f"ours {name}"] = torch.no_grad()(
+            lambda fn=fn: attngrad.flex_attention(q, k, v, fn, mask, strategy=strategy)
+        )
+        calls[f"torch {name}"] = torch.no_grad()(
+            lambda fn=fn: compiled(q, k, v, score_mod=fn, block_mask=mask)
+        )
+        _note(f"compiling torch's flex_attention for {name} (once)")
+        calls[f"torch {name}"]()
+    times = spreads(interleaved(calls, repeats=repeats, warmup=1))
+    return {
+        name: times[f"ours {name}"].low / times[f"torch {name}"].low
+        for name in ("alibi", "relative")
+    }
 
-    @torch.no_grad()
-    def ours() -> torch.Tensor:
-        return attngrad.flex_attention(q, k, v, alibi, mask, strategy=strategy)
 
-    @torch.no_grad()
-    def theirs() -> torch.Tensor:
-        return compiled(q, k, v, score_mod=alibi, block_mask=mask)
+def first_call(n: int, strategy: str) -> tuple[float, float]:
+    """(seconds, seconds): forward+backward of a score function never seen before in this
+    process (its trace and programs made on the way), and of the same call again."""
+    heads, d = 8, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, heads, n, d, generator=g).requires_grad_() for _ in range(3))
+    mask = create_block_mask(causal, None, None, n, n, device="cpu")
+    w = torch.randn(heads, 16, generator=g).requires_grad_()
 
-    _note("compiling torch's flex_attention (once)")
-    theirs()
-    times = spreads(interleaved({"ours": ours, "torch": theirs}, repeats=repeats, warmup=1))
-    return times["ours"].low, times["torch"].low
+    def fresh(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s * torch.sigmoid(w[h, (i - j).abs() % 16]) + torch.log(1 + torch.exp(-s.abs()))
+
+    def run() -> float:
+        start = time.perf_counter()
+        out = attngrad.flex_attention(q, k, v, fresh, mask, strategy=strategy)
+        torch.autograd.grad(out.sum(), (q, k, v, w))
+        return time.perf_counter() - start
+
+    return run(), run()
 
 
 def peaks(n: int, strategy: str) -> dict[str, int]:
@@ -206,7 +259,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--strategy", default="flash")
+    parser.add_argument("--strategy", default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory-seq", type=int, default=16384)
     parser.add_argument("--no-memory", action="store_true")
@@ -229,12 +282,22 @@ def main() -> int:
         ok = ratio <= target
         met = met and ok
         rows.append((name, base, ratio, target, "met" if ok else "MISSED"))
-    rows.append(("alibi-learn", "blockmask", best["alibi-learn"] / best["blockmask"], None, ""))
+    rows.append(("alibi", "blockmask", best["alibi"] / best["blockmask"], None, ""))
     rows.append(("causal", "sdpa-flash", best["causal"] / best["sdpa-flash"], None, ""))
     rows.append(("blockmask", "sdpa-flash", best["blockmask"] / best["sdpa-flash"], None, ""))
     if not args.no_torch:
-        ours, theirs = time_forward_vs_torch(args.seq, args.strategy, args.repeats)
-        rows.append(("alibi forward", "torch compiled flex", ours / theirs, None, ""))
+        for name, ratio in time_forward_vs_torch(args.seq, args.strategy, args.repeats).items():
+            ok = ratio <= FORWARD_TARGET
+            met = met and ok
+            rows.append((f"{name} forward", "torch compiled flex", ratio, FORWARD_TARGET,
+                         "met" if ok else "MISSED"))  # fmt: skip
+    first, again = first_call(args.seq, args.strategy)
+    added = first - again
+    ok = added <= FIRST_CALL_TARGET
+    met = met and ok
+    print(f"  a new score function: first call {first:.2f} s, again {again:.2f} s")
+    rows.append(("new score_mod, first call s - later call s", "-", added, FIRST_CALL_TARGET,
+                 "met" if ok else "MISSED"))  # fmt: skip
     if not args.no_memory:
         p = peaks(args.memory_seq, args.strategy)
         for order in ("first", "second"):

@@ -107,14 +107,27 @@ def test_a_bad_block_mask(name: str) -> None:
         attngrad.flex_attention(*_inputs(), block_mask=make())
 
 
-@pytest.mark.parametrize("strategy", ["fused", "triton"])
-def test_the_kernel_strategies_refuse_a_score_mod_naming_why(strategy: str) -> None:
-    """fused's and triton's kernels do not run a score function: the error names the
-    strategy, what it does not run, and the strategies that do."""
+@pytest.mark.parametrize(
+    ("strategy", "score_mod", "why"),
+    [
+        ("triton", lambda s, b, h, i, j: s * 2, "call a Python score_mod"),
+        ("fused", lambda s, b, h, i, j: torch.sin(s), "aten.sin"),  # outside its programs' ops
+    ],
+    ids=["triton", "fused"],
+)
+def test_the_kernel_strategies_refuse_a_score_mod_naming_why(
+    strategy: str, score_mod: object, why: str
+) -> None:
+    """triton's kernels run no score function, fused's those its programs can express: the
+    error names the strategy, what it does not run, and the strategies that do; "auto"
+    warns once with the same reason and runs it on the tensor-op tiles."""
     with pytest.raises(
-        ValueError, match=rf"strategy='{strategy}' cannot run this call: .*score_mod.*'flash'"
+        ValueError, match=rf"strategy='{strategy}' cannot run this call: .*{why}.*'flash'"
     ):
-        attngrad.flex_attention(*_inputs(), lambda s, b, h, i, j: s * 2, strategy=strategy)
+        attngrad.flex_attention(*_inputs(), score_mod, strategy=strategy)
+    if strategy == "fused":
+        with pytest.warns(RuntimeWarning, match=rf"instead of 'fused': .*{why}"):
+            attngrad.flex_attention(*_inputs(), score_mod)
 
 
 def test_other_bad_arguments() -> None:
@@ -138,7 +151,7 @@ def test_a_refused_call_changes_nothing() -> None:
     before = [t.detach().clone() for t in (q, k, v, slopes)]
     with pytest.raises(ValueError):
         attngrad.flex_attention(
-            q, k, v, lambda s, b, h, i, j: s + slopes[h] * (j - i), strategy="fused"
+            q, k, v, lambda s, b, h, i, j: s + slopes[h] * (j - i), strategy="triton"
         )
     assert all(t.grad is None for t in (q, k, v, slopes))
     assert all(torch.equal(t, b) for t, b in zip((q, k, v, slopes), before, strict=True))

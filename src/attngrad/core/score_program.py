@@ -27,14 +27,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from attngrad.core.pointwise import INDEX
 
-__all__ = ["Instruction", "Program", "ScoreProgram", "compile_score", "encode"]
+if TYPE_CHECKING:
+    from attngrad.core.score_function import ScoreFunction
+
+__all__ = ["Instruction", "Program", "ScoreProgram", "compile_score", "encode", "program_of"]
 
 F, I = "F", "I"  # noqa: E741 -- the two kinds of value: compute dtype, int64
 
@@ -63,7 +66,7 @@ class Instruction:
     uniform: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: the ops' encoding is cached per program
 class Program:
     """Instructions and the register holding the result (S' forward, dS backward)."""
 
@@ -563,6 +566,17 @@ def _scalar_cell(cell: Any) -> bool:
         return isinstance(cell.cell_contents, (bool, int, float, str))
     except ValueError:  # an empty cell
         return False
+
+
+def program_of(score: ScoreFunction, dtype: torch.dtype = torch.float32) -> ScoreProgram | str:
+    """The programs of a call's score function for scores in ``dtype`` (its captures'
+    gradients scattered where they can take one), or why the kernels cannot run it."""
+    if not score.elementwise:
+        return (
+            "it reads more than one score's worth at a time (chained indexing, a reduction "
+            "or a matmul), which only the tensor-op tiles run"
+        )
+    return compile_score(score.fn, score.captured_originals, dtype, score.grads_wanted)
 
 
 def compile_score(

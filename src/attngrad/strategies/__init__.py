@@ -138,7 +138,15 @@ def resolve_for(
         raise ArgumentError(f"strategy={strategy!r} cannot run this call: {reason}")
     scores = shapes.seq_q * shapes.seq_k
     threshold = AUTO_FLASH_SCORES_BANDED if mods.banded else AUTO_FLASH_SCORES
-    return "flash" if tiling_given or scores >= threshold else "explicit"
+    fallback = "flash" if tiling_given or scores >= threshold else "explicit"
+    if mods.score is not None and name == "fused":  # once per reason (Python's filter)
+        warnings.warn(
+            f"attngrad: strategy='auto' runs this score_mod on {fallback!r} (tensor ops, "
+            f"slower) instead of {name!r}: {reason}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return fallback
 
 
 def tiled_default(device: torch.device, head_dim: int, value_dim: int) -> str:

@@ -36,6 +36,7 @@ from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Backward, Declaration, Grads, Problem, Strategy
 from attngrad.core.probabilities import ProbabilityTiles, masked_scores, raw_scores
+from attngrad.core.score_program import program_of
 from attngrad.core.scores import ScoreMods, add_bias_gradient_
 
 __all__ = [
@@ -218,12 +219,21 @@ class KeepsOutput(Strategy[T]):
 # -- what the fused kernels read -------------------------------------------------
 
 
-def kernel_refusal(name: str, mods: ScoreMods, reads_blocks: bool) -> str | None:
-    """Why a fused-kernel strategy cannot run these mods, or None: its kernels cannot call
-    a FlexAttention score function, and read a BlockMask only when ``reads_blocks`` (as a
-    band and a keep mask, `attngrad.core.block_table.BlockTable.rows_of_keys`)."""
-    if mods.score is not None:
+def kernel_refusal(
+    name: str, mods: ScoreMods, reads_blocks: bool, runs_programs: bool = False
+) -> str | None:
+    """Why a fused-kernel strategy cannot run these mods, or None: it reads a BlockMask
+    only when ``reads_blocks`` (as a band and a keep mask,
+    `attngrad.core.block_table.BlockTable.rows_of_keys`), and a score function only when
+    ``runs_programs`` and the function compiles to a program
+    (`attngrad.core.score_program`; the reason names the op it lacks)."""
+    if mods.score is not None and not runs_programs:
         what = "call a Python score_mod"
+    elif mods.score is not None:
+        program = program_of(mods.score)
+        if not isinstance(program, str):
+            return None
+        what = f"run this score_mod: {program}"
     elif mods.blocks is not None and not reads_blocks:
         what = "read a BlockMask"
     else:

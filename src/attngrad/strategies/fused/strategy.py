@@ -15,8 +15,13 @@ through the shared tiled passes (`attngrad.autograd`), on P rebuilt from the
 saved statistics.
 
 A FlexAttention BlockMask reaches the kernels as their band and keep mask
-(`attngrad.core.block_table.BlockTable.rows_of_keys`); a score function
-they cannot call, and the strategy refuses it.
+(`attngrad.core.block_table.BlockTable.rows_of_keys`).  A score function runs
+inside them as a program (`attngrad.core.score_program`: the function traced once
+into row operations, and its pullback): forward applies it to each tile row after
+the softcap, backward recomputes it from the raw scores and takes dS and the
+captured tensors' gradients through it (summed per unit, then in unit order: the
+same bits for any thread count).  A function with an op outside the programs'
+table is refused, with the op named, and "auto" runs it on the tensor-op tiles.
 
 The kernels are compiled once per torch version and CPU
 (`attngrad.strategies.fused.build`); where they cannot be, the strategy says
@@ -25,6 +30,8 @@ what to install, and "auto" picks flash instead.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +40,7 @@ from attngrad.core import ops
 from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import compute_dtype
+from attngrad.core.score_program import Program, encode, program_of
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction
 from attngrad.strategies.common import (
@@ -77,6 +85,47 @@ def _mod_args(problem: Problem[Tiles]) -> tuple[list[object], list[object]]:
     return before, [0.0 if m.softcap is None else float(m.softcap), m.threshold, m.keep_scale]
 
 
+_ENCODED: weakref.WeakKeyDictionary[Program, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
+
+
+def _encoded(program: Program) -> tuple[torch.Tensor, ...]:
+    """A program's (code, constants, indices) as the ops take them, once per program."""
+    if program not in _ENCODED:
+        ops = {name: n for n, name in enumerate(torch.ops.attngrad_fused.program_ops())}
+        _ENCODED[program] = encode(program, ops)
+    return _ENCODED[program]
+
+
+def _program_args(problem: Problem[Tiles], dcaptured: Sequence[object] | None) -> dict[str, object]:
+    """The ops' score-program arguments (none without a score function): the forward
+    program, the captured tensors as the kernels read them (floating ones in the compute
+    dtype, the rest int64) and b's modulus; with ``dcaptured`` (backward) also the pullback
+    and which captures want a gradient (an entry not None)."""
+    score = problem.mods.score
+    if score is None:
+        return {}
+    program = program_of(score, problem.dtype)
+    assert not isinstance(program, str), program  # `Fused.refuses` said so first
+    captured = [
+        t.to(problem.dtype if t.is_floating_point() else torch.int64).contiguous()
+        for t in (*score.captured, *program.made)
+    ]
+    code, constants, indices = _encoded(program.forward)
+    args: dict[str, object] = {
+        "code": code, "constants": constants, "indices": indices,
+        "out": program.forward.out, "captured": captured, "batch": score.batch,
+    }  # fmt: skip
+    if dcaptured is not None:
+        code, constants, indices = _encoded(program.pullback)
+        wanted = [
+            n in program.wanted and n < len(dcaptured) and dcaptured[n] is not None
+            for n in range(len(captured))
+        ]
+        args.update(grad_code=code, grad_constants=constants, grad_indices=indices,
+                    grad_out=program.pullback.out, wanted=wanted)  # fmt: skip
+    return args
+
+
 class FusedAttention(AttentionFunction):
     """`AttentionFunction` of strategy "fused" (FusedAttentionBackward in the graph)."""
 
@@ -88,7 +137,7 @@ class Fused(KeepsOutput[Tiles]):
     function = FusedAttention
 
     def refuses(self, mods: ScoreMods) -> str | None:
-        return kernel_refusal(self.name, mods, reads_blocks=True)
+        return kernel_refusal(self.name, mods, reads_blocks=True, runs_programs=True)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why strategy "fused" cannot run on ``device`` tensors here, or None when it can."""
@@ -122,7 +171,7 @@ class Fused(KeepsOutput[Tiles]):
         tiles = problem.tiles
         o, stats = torch.ops.attngrad_fused.forward(
             qc, kc, vc, *before, problem.scale, *after, tiles.block_q, tiles.block_k,
-            library.engine_id,
+            library.engine_id, **_program_args(problem, None),
         )  # fmt: skip
         o = o.to(problem.q.dtype)
         return o, {"o": o, "stats": stats}
@@ -143,11 +192,16 @@ class Fused(KeepsOutput[Tiles]):
         delta = ops.delta(doc, saved["o"], backward.dlse, qc.dtype)
         before, after = _mod_args(problem)
         tiles = problem.tiles
-        dq, dk, dv, ds, _ = torch.ops.attngrad_fused.backward(
+        dcaptured = backward.dcaptured
+        dq, dk, dv, ds, sums = torch.ops.attngrad_fused.backward(
             doc, qc, kc, vc, stats, delta.contiguous(), *before, problem.scale, *after,
             tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
+            **_program_args(problem, dcaptured),
         )  # fmt: skip
         add_kernel_gradients(grads, (dq, dk, dv), ds)
+        for total, part in zip(dcaptured, sums, strict=False):  # sums also holds `made`'s
+            if total is not None:
+                total += part.view(total.shape)
 
 
 strategy = Fused()
