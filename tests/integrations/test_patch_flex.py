@@ -76,6 +76,7 @@ from torch import nn
 from torch.nn.attention import flex_attention as torch_flex
 
 import attngrad
+from attngrad.strategies import unavailable_reason
 from helpers import autograd_nodes
 
 # In a dict, not as a global: the patch rebinds every module global that is torch's function,
@@ -369,7 +370,10 @@ def train_step(model: nn.Module, impl: str, inputs: dict[str, object]) -> Step:
         loss = model(**inputs).loss
     if flex:
         nodes = autograd_nodes(loss)
-        assert "ExplicitAttentionBackward" in nodes, nodes  # "auto" at 24 x 24 scores
+        # "auto" takes fused's kernels where they build (softcap and the identity score_mod
+        # included), else explicit at 24 x 24 scores
+        fused = unavailable_reason("fused", torch.device("cpu")) is None
+        assert ("FusedAttentionBackward" if fused else "ExplicitAttentionBackward") in nodes, nodes
         assert not any("Flex" in n or "ScaledDotProduct" in n for n in nodes), nodes
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
