@@ -263,6 +263,10 @@ HARNESS_CASES = [
 @by_strategy
 @pytest.mark.parametrize("c", HARNESS_CASES, ids=lambda c: c.id)
 def test_conformance_harness_cases(strategy, c):
+    if strategy == "triton" and c.shapes.lead == (3,):
+        # Triton's interpreter pays per program (per batch entry and head): one batch entry
+        # keeps what the case is about (GQA 6:2, a float mask, Nq > Nk, d = 40)
+        c = dataclasses.replace(c, shapes=dataclasses.replace(c.shapes, lead=(1,)))
     result = run_case(strategy, c)
     assert result.passed, (result.message, result.errors, result.bounds)
     assert set(result.errors) == {"out", "dq", "dk", "dv", "lse"} | (
