@@ -23,9 +23,11 @@ check: $(STAMP)
 	$(BIN)/attngrad build
 	TRITON_INTERPRET=1 $(BIN)/attngrad check
 
+# --dist worksteal: a worker that runs out of tests takes the other's pending ones, so the
+# two end together although a few triton tests take a minute or more
 test: $(STAMP)
 	$(BIN)/attngrad build
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 # `make explore`: the property tests on fresh random examples, where `make test` draws the same
 # ones on every run (tests/conftest.py's profiles); SEED=N replays a run.  A failure prints the
