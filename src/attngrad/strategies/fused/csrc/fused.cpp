@@ -272,7 +272,7 @@ void program_gradient(const Problem<T>& pb, Runner<T>& grad, int64_t b, int64_t 
   const int64_t bk = pb.block_k;
   for (int64_t ii = 0; ii < r; ++ii) {
     T* ds = dS + ii * bk;
-    const T* out = grad.run(b, h, i0 + ii, j0, c, raw + ii * bk, ds);
+    const T* out = grad.run(b, h, i0 + ii, j0, c, raw + ii * bk, ds, ds);
     if (out != ds) std::copy(out, out + c, ds);
     zero_masked(pb, b, h, i0 + ii, j0, c, ds);
     if (!grad.oob.empty()) check_bounds(pb, grad, b, h, i0 + ii, j0, c);
@@ -705,10 +705,11 @@ std::tuple<Tensor, std::vector<Tensor>> program_rows(
           const int64_t row = ((b * H + h) * Nq + i) * Nk;
           const scalar_t* score = s.data_ptr<scalar_t>() + row;
           const scalar_t* gr = grad ? g.data_ptr<scalar_t>() + row : nullptr;
-          const scalar_t* o = run.run(b, h, i, 0, Nk, score, gr);
+          scalar_t* dest = result.data_ptr<scalar_t>() + row;
+          const scalar_t* o = run.run(b, h, i, 0, Nk, score, gr, dest);
           for (const auto& e : run.oob)
             TORCH_CHECK_INDEX(false, run.describe(e, b, h, i, e.column < 0 ? 0 : e.column));
-          std::copy(o, o + Nk, result.data_ptr<scalar_t>() + row);
+          if (o != dest) std::copy(o, o + Nk, dest);
         }
   });
   return {result, dcaptured};

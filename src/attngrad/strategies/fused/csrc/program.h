@@ -11,8 +11,11 @@
 //              of truth).  dst, a, b, c: register numbers (-1 where unused) or, for GATHER and
 //              SCATTER, other integers.  uniform (0/1): the value is the same in every column
 //              of a row (it depends on b, h, q_idx, constants and captures read at such
-//              indices only); the interpreter then evaluates lane 0 alone and, where some
-//              instruction reads the register per column, broadcasts it over the row.
+//              indices only); the interpreter then evaluates lane 0 alone.  Binary ops
+//              take such an operand as a scalar; where another op reads it per column
+//              (a gather's index, WHERE, a cast, SCATTER's value, out), it is broadcast
+//              over the row once.  A pure optimisation: a program evaluated with every
+//              flag 0 gives the same bits.
 //   constants  float64 [n]: instruction k's immediate (CONST_F / CONST_I), else unused.
 //   indices    int64 [m]: the index registers of GATHER / SCATTER, a list per instruction.
 //   out        the register holding the result (forward: S'; backward: dS).
@@ -65,8 +68,9 @@
 //
 // Evaluation: F ops through at::vec::Vectorized<T> (exp, log, tanh: Sleef through its
 // methods), so a uniform row's lane 0 and a full row give the same bits; I ops and the
-// casts as plain loops.  Scratch per thread: one row of ld values per register that needs
-// one (SCORE and GRAD alias the rows they load).
+// casts as plain loops the compiler vectorises.  Scratch per thread: one row of ld values
+// per register that needs one (SCORE and GRAD alias the rows they load); CONST_F, CONST_I
+// and KEY rows are kept from one row to the next while they hold (the same key block).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -75,6 +79,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -165,6 +170,11 @@ inline const OpInfo& op_info(Op op) {
   return table[static_cast<int64_t>(op)];
 }
 
+// Binary ops (F, F or I, I; comparisons too): they take a uniform operand as a scalar.
+inline bool broadcasts(const OpInfo& info) {
+  return (info.a == Kind::F || info.a == Kind::I) && info.b == info.a && info.c == Kind::N;
+}
+
 // The op names in enum order: what `program_ops()` returns.
 inline std::vector<std::string> program_op_names() {
   std::vector<std::string> names;
@@ -196,6 +206,11 @@ struct Program {
   std::vector<int64_t> indices;
   std::vector<Capture> captured;
   int64_t out = -1, batch = 1;
+  // The instruction that writes `out` may write the caller's row (`Runner::run`'s dest)
+  // in place of its register (direct_out); where dest is the SCORE or GRAD row, only when
+  // no later instruction reads those (last_load_read: the last instruction that does).
+  bool direct_out = false;
+  int64_t out_instr = -1, last_load_read = -1;
   std::vector<Kind> kind;
   std::vector<uint8_t> uniform, expand;
   std::vector<int64_t> slot;
@@ -320,8 +335,10 @@ inline Program make_program(const char* which, const at::Tensor& code,
         read(k, pg.indices[in.b + x], Kind::I, in.uniform, !in.uniform && !in.one_position);
       if (in.op == Op::SCATTER) read(k, in.dst, Kind::F, false, true);
     } else {
+      // a binary op reads a uniform operand's lane 0 itself: no broadcast over the row
+      const bool per_column = !in.uniform && !broadcasts(info);
       for (int x = 0; x < 3; ++x)
-        if (kinds[x] != Kind::N) read(k, ops[x], kinds[x], in.uniform, !in.uniform);
+        if (kinds[x] != Kind::N) read(k, ops[x], kinds[x], in.uniform, per_column);
     }
     if (info.result != Kind::N) {
       TORCH_CHECK_VALUE(in.dst >= 0 && pg.kind[in.dst] == Kind::N, where(k), " writes register ",
@@ -334,6 +351,26 @@ inline Program make_program(const char* which, const at::Tensor& code,
   TORCH_CHECK_VALUE(out >= 0 && out < regs && pg.kind[out] == Kind::F, "attngrad_fused: ", which,
                     " out = ", out, " must be an F register that the program writes");
   if (pg.uniform[out]) pg.expand[out] = 1;  // the result is a row
+  for (int64_t k = 0; k < n; ++k) {
+    const Instr& in = pg.code[k];
+    if (op_info(in.op).result != Kind::N && in.dst == out) pg.out_instr = k;
+    auto loads = [&](int64_t reg) {
+      if (reg < 0 || reg >= regs || pg.kind[reg] == Kind::N) return false;
+      for (const Instr& w : pg.code)
+        if ((w.op == Op::SCORE || w.op == Op::GRAD) && w.dst == reg) return true;
+      return false;
+    };
+    bool reads = in.op == Op::SCATTER && loads(in.dst);
+    const OpInfo& info = op_info(in.op);
+    if (info.a != Kind::X)
+      reads = reads || (info.a != Kind::N && loads(in.a)) || (info.b != Kind::N && loads(in.b)) ||
+              (info.c != Kind::N && loads(in.c));
+    if (reads) pg.last_load_read = k;
+  }
+  const Op writer = pg.code[pg.out_instr].op;
+  // not SCORE / GRAD (aliases), nor the rows kept from one row to the next
+  pg.direct_out = !pg.uniform[out] && writer != Op::SCORE && writer != Op::GRAD &&
+                  writer != Op::CONST_F && writer != Op::KEY;
   for (const Instr& in : pg.code) {
     if (in.op == Op::SCORE || in.op == Op::GRAD || op_info(in.op).result == Kind::N) continue;
     pg.slot[in.dst] = pg.kind[in.dst] == Kind::F ? pg.f_slots++ : pg.i_slots++;
@@ -421,6 +458,8 @@ class Runner {
     ibuf_.resize(pg.i_slots * ld_);
     f_.assign(pg.kind.size(), nullptr);
     i_.assign(pg.kind.size(), nullptr);
+    cached_.assign(pg.kind.size(), 0);
+    cached_from_.assign(pg.kind.size(), -1);
     for (size_t r = 0; r < pg.kind.size(); ++r) {
       if (pg.slot[r] < 0) continue;
       if (pg.kind[r] == Kind::F) f_[r] = fbuf_.data() + pg.slot[r] * ld_;
@@ -429,16 +468,29 @@ class Runner {
   }
 
   // The program on row (b, h, i) over columns j0 .. j0 + c (c <= ld): SCORE = score[0 .. c),
-  // GRAD = grad[0 .. c); returns the `out` register's row (score or grad itself when out is
-  // the register that loads it).
+  // GRAD = grad[0 .. c); returns the `out` register's row: dest itself where the program
+  // could write it there (dest may be score or grad; nullptr: none), else a row the caller
+  // copies (score or grad themselves when out is the register that loads them).
   const T* run(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t c, const T* score,
-               const T* grad) {
+               const T* grad, T* dest = nullptr) {
     using Vec = at::vec::Vectorized<T>;
     oob.clear();
+    if (pg_->direct_out) {
+      const bool alias = dest != nullptr && (dest == score || dest == grad);
+      const bool direct = dest != nullptr && (!alias || pg_->out_instr >= pg_->last_load_read);
+      f_[pg_->out] = direct ? dest : fbuf_.data() + pg_->slot[pg_->out] * ld_;
+    }
     const int64_t count = static_cast<int64_t>(pg_->code.size());
     for (int64_t k = 0; k < count; ++k) {
       const Instr& in = pg_->code[k];
       const int64_t n = in.uniform ? 1 : c;
+      if (in.op == Op::CONST_F || in.op == Op::CONST_I || in.op == Op::KEY) {
+        // the same values on every row: kept from an earlier row while they still fit
+        const int64_t from = in.op == Op::KEY ? j0 : 0;
+        if (cached_from_[in.dst] == from && cached_[in.dst] >= c) continue;
+        cached_from_[in.dst] = from;
+        cached_[in.dst] = in.uniform && !pg_->expand[in.dst] ? ld_ : c;
+      }
       switch (in.op) {
         // SCORE and GRAD alias the rows they load (registers are never written twice)
         case Op::SCORE: f_[in.dst] = const_cast<T*>(score); continue;
@@ -509,12 +561,7 @@ class Runner {
         case Op::NE_I: imap2(in, n, [](int64_t x, int64_t y) -> int64_t { return x != y; }); break;
         case Op::WHERE_F: where(in, n, f_[in.dst], f_[in.b], f_[in.c]); break;
         case Op::WHERE_I: where(in, n, i_[in.dst], i_[in.b], i_[in.c]); break;
-        case Op::TO_F: {
-          const int64_t* x = i_[in.a];
-          T* d = f_[in.dst];
-          for (int64_t j = 0; j < n; ++j) d[j] = static_cast<T>(x[j]);
-          break;
-        }
+        case Op::TO_F: to_float(i_[in.a], f_[in.dst], n); break;
         case Op::TO_I: {
           const T* x = f_[in.a];
           int64_t* d = i_[in.dst];
@@ -554,15 +601,45 @@ class Runner {
   void fmap1(const Instr& in, int64_t n, const Fn& fn) {
     at::vec::map(fn, f_[in.dst], f_[in.a], n);
   }
+  // A binary F op; a uniform operand (lane 0 alone) enters as a broadcast vector.
   template <typename Fn>
   void fmap2(const Instr& in, int64_t n, const Fn& fn) {
-    at::vec::map2(fn, f_[in.dst], f_[in.a], f_[in.b], n);
+    using Vec = at::vec::Vectorized<T>;
+    const T *x = f_[in.a], *y = f_[in.b];
+    T* d = f_[in.dst];
+    const bool ux = pg_->uniform[in.a], uy = pg_->uniform[in.b];
+    if (ux && uy) {
+      const Vec r = fn(Vec(x[0]), Vec(y[0]));  // every lane the same
+      for (int64_t j = 0; j < n; j += Vec::size()) r.store(d + j, std::min<int64_t>(Vec::size(), n - j));
+    } else if (ux) {
+      const Vec a(x[0]);
+      at::vec::map([&](Vec b) { return fn(a, b); }, d, y, n);
+    } else if (uy) {
+      const Vec b(y[0]);
+      at::vec::map([&](Vec a) { return fn(a, b); }, d, x, n);
+    } else {
+      at::vec::map2(fn, d, x, y, n);
+    }
+  }
+  // A binary op of plain loops (I ops, comparisons), a uniform operand read as a scalar.
+  template <typename V, typename Fn>
+  void binary(const Instr& in, int64_t n, const V* x, const V* y, int64_t* d, const Fn& fn) {
+    const bool ux = pg_->uniform[in.a], uy = pg_->uniform[in.b];
+    if (ux && uy) {
+      std::fill_n(d, n, static_cast<int64_t>(fn(x[0], y[0])));
+    } else if (ux) {
+      const V a = x[0];
+      for (int64_t j = 0; j < n; ++j) d[j] = fn(a, y[j]);
+    } else if (uy) {
+      const V b = y[0];
+      for (int64_t j = 0; j < n; ++j) d[j] = fn(x[j], b);
+    } else {
+      for (int64_t j = 0; j < n; ++j) d[j] = fn(x[j], y[j]);
+    }
   }
   template <typename Fn>
   void fcompare(const Instr& in, int64_t n, const Fn& fn) {
-    const T *x = f_[in.a], *y = f_[in.b];
-    int64_t* d = i_[in.dst];
-    for (int64_t j = 0; j < n; ++j) d[j] = fn(x[j], y[j]);
+    binary(in, n, f_[in.a], f_[in.b], i_[in.dst], fn);
   }
   template <typename Fn>
   void imap1(const Instr& in, int64_t n, const Fn& fn) {
@@ -572,9 +649,23 @@ class Runner {
   }
   template <typename Fn>
   void imap2(const Instr& in, int64_t n, const Fn& fn) {
-    const int64_t *x = i_[in.a], *y = i_[in.b];
-    int64_t* d = i_[in.dst];
-    for (int64_t j = 0; j < n; ++j) d[j] = fn(x[j], y[j]);
+    binary(in, n, i_[in.a], i_[in.b], i_[in.dst], fn);
+  }
+  // int64 -> T rounded to nearest, as static_cast, in a form compilers vectorise (AVX2 has
+  // no int64 -> float instruction): within [-2^51, 2^51) the bits of 1.5 * 2^52 plus the
+  // int are the double 1.5 * 2^52 + x, exactly; minus 1.5 * 2^52 is x, then one rounding to T.
+  static void to_float(const int64_t* x, T* d, int64_t n) {
+    constexpr uint64_t half = uint64_t(1) << 51, magic = 0x4338000000000000ull;  // 1.5 * 2^52
+    uint64_t outside = 0;  // bits at 2^52 and up of x + 2^51: some x beyond the range
+    for (int64_t j = 0; j < n; ++j) {
+      outside |= (bits(x[j]) + half) & ~(2 * half - 1);
+      const uint64_t u = bits(x[j]) + magic;
+      double v;
+      std::memcpy(&v, &u, sizeof v);
+      d[j] = static_cast<T>(v - 6755399441055744.0);
+    }
+    if (outside != 0)
+      for (int64_t j = 0; j < n; ++j) d[j] = static_cast<T>(x[j]);
   }
   template <typename V>
   void where(const Instr& in, int64_t n, V* d, const V* x, const V* y) {
@@ -583,6 +674,7 @@ class Runner {
   }
   void nonzero(int64_t k, const Instr& in, int64_t n) const {
     const int64_t* y = i_[in.b];
+    if (pg_->uniform[in.b]) n = 1;
     for (int64_t j = 0; j < n; ++j)
       TORCH_CHECK(y[j] != 0, "attngrad_fused: ZeroDivisionError: score_mod's instruction ", k,
                   " (", op_info(in.op).name, ") divides an integer by zero");
@@ -649,6 +741,9 @@ class Runner {
 
   const Program* pg_;
   int64_t ld_;
+  // CONST_F, CONST_I, KEY: the columns their register holds from an earlier row (cached_)
+  // and, for KEY, the key they start at (cached_from_)
+  std::vector<int64_t> cached_, cached_from_;
   std::vector<T> fbuf_;
   std::vector<int64_t> ibuf_;
   std::vector<T*> f_;        // per register: its row

@@ -277,7 +277,7 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
         std::copy(s, s + c, raw + ii * ld);
         score = raw + ii * ld;
       }
-      const T* out = run->run(b, h, i, j0, c, score, nullptr);
+      const T* out = run->run(b, h, i, j0, c, score, nullptr, s);
       if (out != s) std::copy(out, out + c, s);
     }
     if (pb.bias != nullptr) {
