@@ -503,7 +503,7 @@ def _register_fakes() -> None:
         # rest: stats .. engine (15), need_ds, then the score programs' arguments, by position
         # or by name, the trailing ones left at their defaults
         need_ds = bool(rest[15])
-        named = dict(zip(_BACKWARD_PROGRAM_ARGS, rest[16:])) | program
+        named = dict(zip(_BACKWARD_PROGRAM_ARGS, rest[16:], strict=False)) | program
         ds = q.new_empty(*q.shape[:3], k.shape[2]) if need_ds else q.new_empty(0)
         dcaptured = _fake_captured_gradients(
             q, named.get("captured"), named.get("wanted"), named.get("grad_code") is not None
