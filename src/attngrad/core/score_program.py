@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd import forward_ad
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from attngrad.core.pointwise import INDEX
@@ -249,6 +250,8 @@ class _Lowering:
     def gather(self, view: _View, index: list[int]) -> int:
         t = view.tensor
         registers = [self.b.const(v, I) for v in view.prefix] + index
+        if not index and t.numel() == 1:  # a one-element tensor used whole: broadcast
+            registers = [self.b.const(0, I)] * t.dim()
         if len(registers) != t.dim():
             raise Unsupported(
                 f"a captured tensor of shape {tuple(t.shape)} read at {len(registers)} indices "
@@ -617,7 +620,8 @@ def _compile(
         return fn(s, b_, h, i, j)
 
     try:
-        with torch.no_grad():
+        # no autograd of either mode recorded into the trace (a call under jvp runs here too)
+        with torch.no_grad(), forward_ad._set_fwd_grad_enabled(False):
             gm = make_fx(traced)(score, *index)
         lowering = _Lowering(captured, gm)
         out = lowering.run(_placeholders(gm))
