@@ -167,8 +167,11 @@ class _Builder:
 
 # -- tracing: aten ops -> instructions ----------------------------------------
 
-_aten = torch.ops.aten
-_BINARY_F = {"add": "ADD", "sub": "SUB", "mul": "MUL", "minimum": "MIN", "maximum": "MAX"}
+# aten op -> the stem of its F and I opcodes (``ADD`` -> ADD_F, ADD_I)
+_BINARY = {
+    "add": "ADD", "sub": "SUB", "mul": "MUL", "minimum": "MIN", "maximum": "MAX",
+    "floor_divide": "FLOORDIV", "remainder": "REMAINDER",
+}  # fmt: skip
 _UNARY_F = {
     "neg": "NEG_F", "abs": "ABS_F", "exp": "EXP_F", "log": "LOG_F", "tanh": "TANH_F",
     "sigmoid": "SIGMOID_F", "sqrt": "SQRT_F", "floor": "FLOOR_F",
@@ -320,7 +323,7 @@ class _Lowering:
             return self.binary(name, args[0], scaled, kind)
         if name == "rsub":
             return self.binary("sub", args[1], args[0], kind)
-        if name in _BINARY_F:
+        if name in _BINARY:
             return self.binary(name, args[0], args[1], kind)
         if name == "div":
             mode = kwargs.get("rounding_mode")
@@ -329,8 +332,6 @@ class _Lowering:
             if mode != "floor":
                 raise Unsupported(f"div with rounding_mode={mode!r}")
             return self.binary("floor_divide", args[0], args[1], kind)
-        if name in ("floor_divide", "remainder"):
-            return self.binary(name, args[0], args[1], kind)
         if name in _UNARY_F and kind == F:
             return b.emit(_UNARY_F[name], self.operand(args[0], F))
         if name in ("neg", "abs") and kind == I:
@@ -380,10 +381,7 @@ class _Lowering:
         return self.b.emit(f"NE_{k}", r, self.b.const(0, k))
 
     def binary(self, name: str, x: Any, y: Any, kind: str) -> int:
-        op = {
-            "add": "ADD", "sub": "SUB", "mul": "MUL", "minimum": "MIN", "maximum": "MAX",
-            "floor_divide": "FLOORDIV", "remainder": "REMAINDER",
-        }[name]  # fmt: skip
+        op = _BINARY[name]
         return self.b.emit(f"{op}_{kind}", self.operand(x, kind), self.operand(y, kind))
 
     def clamp(self, x: int, low: Any, high: Any, kind: str) -> int:
