@@ -65,6 +65,14 @@ FUNCTIONS: dict[str, tuple[Callable[..., torch.Tensor], list[torch.Tensor]]] = {
         ),
         [table],
     ),
+    "alpha": (
+        lambda s, b, h, i, j: (
+            torch.add(s, g[h], alpha=0.5)
+            - torch.sub(s, slope[h], alpha=2.0)
+            + torch.rsub(s, g[h], alpha=3.0)
+        ),
+        [g, slope],
+    ),
     "int_capture": (lambda s, b, h, i, j: s + table[h, keys[h, j]], [table, keys]),
     "scalars": (
         lambda s, b, h, i, j: s * scale0 + torch.tensor(2.0) * g[0][()] + table[0][h],
@@ -119,7 +127,9 @@ def _errors(name: str) -> tuple[float, float, float]:
 @pytest.mark.parametrize("name", FUNCTIONS)
 def test_programs_and_pullbacks_match_autograd(name: str) -> None:
     values, ds, dtheta = _errors(name)
-    assert values == 0.0  # the same ops in the same order on the same values
+    # the same ops in the same order on the same values; torch's add and sub with alpha may
+    # round x + alpha y once (a fused multiply-add), the program rounds alpha y first
+    assert values == 0.0 or (name == "alpha" and values <= 1e-14), values
     assert ds <= 1e-12 and dtheta <= 1e-12, (ds, dtheta)
 
 

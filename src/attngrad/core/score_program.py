@@ -318,9 +318,11 @@ class _Lowering:
                 zero = b.const(0, b.kind[x])
                 return b.emit("NE_F" if b.kind[x] == F else "NE_I", x, zero)
             return b.as_kind(x, _kind_of(dtype))
-        if name in ("add", "sub", "rsub") and "alpha" in kwargs:
-            scaled = self.binary("mul", args[1], kwargs["alpha"], kind)
-            return self.binary(name, args[0], scaled, kind)
+        if name in ("add", "sub", "rsub") and "alpha" in kwargs:  # x +- alpha y
+            x, y = (args[1], args[0]) if name == "rsub" else (args[0], args[1])
+            scaled = self.binary("mul", y, kwargs["alpha"], kind)
+            stem = "ADD" if name == "add" else "SUB"
+            return b.emit(f"{stem}_{kind}", self.operand(x, kind), scaled)
         if name == "rsub":
             return self.binary("sub", args[1], args[0], kind)
         if name in _BINARY:
