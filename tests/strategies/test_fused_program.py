@@ -411,7 +411,7 @@ def fused_with_program(q, k, v, dout, slopes, programs, causal, tiles=(16, 8)):
         q, k, v, *mods, scale, 0.0, 0, 1.0, *tiles, engine, *fwd.tensors(), out, [slopes], 1
     )
     delta = (o * dout).sum(-1)
-    dq, dk, dv, _, (dslope,) = torch.ops.attngrad_fused.backward(
+    dq, dk, dv, _, (dslope,), _ = torch.ops.attngrad_fused.backward(
         dout, q, k, v, stats, delta, *mods, scale, 0.0, 0, 1.0, *tiles, engine, False,
         *fwd.tensors(), out, [slopes], 1, *bwd.tensors(), grad_out, [True],
     )  # fmt: skip

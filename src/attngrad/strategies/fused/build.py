@@ -463,6 +463,7 @@ def _engine(directory: Path) -> tuple[str, dict[str, float], float]:
 _BACKWARD_PROGRAM_ARGS = (
     "code", "constants", "indices", "out", "captured", "batch",
     "grad_code", "grad_constants", "grad_indices", "grad_out", "wanted",
+    "diagonal", "need_ddiagonal",
 )  # fmt: skip
 
 
@@ -500,15 +501,22 @@ def _register_fakes() -> None:
         *rest: object,
         **program: object,
     ) -> tuple[object, ...]:
-        # rest: stats .. engine (15), need_ds, then the score programs' arguments, by position
-        # or by name, the trailing ones left at their defaults
+        # rest: stats .. engine (15), need_ds, then the score function's arguments (a program
+        # or a diagonal), by position or by name, the trailing ones left at their defaults
         need_ds = bool(rest[15])
         named = dict(zip(_BACKWARD_PROGRAM_ARGS, rest[16:], strict=False)) | program
         ds = q.new_empty(*q.shape[:3], k.shape[2]) if need_ds else q.new_empty(0)
         dcaptured = _fake_captured_gradients(
             q, named.get("captured"), named.get("wanted"), named.get("grad_code") is not None
         )
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds, dcaptured
+        diagonal = named.get("diagonal")
+        ddiagonal = (
+            torch.empty_like(diagonal)
+            if named.get("need_ddiagonal") and isinstance(diagonal, torch.Tensor)
+            else q.new_empty(0)
+        )
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return *grads, ds, dcaptured, ddiagonal
 
     @torch.library.register_fake("attngrad_fused::program_rows")  # type: ignore[untyped-decorator]
     def _program_rows(

@@ -15,8 +15,10 @@ through the shared tiled passes (`attngrad.autograd`), on P rebuilt from the
 saved statistics.
 
 A FlexAttention BlockMask reaches the kernels as their band and keep mask
-(`attngrad.core.block_table.BlockTable.rows_of_keys`).  A score function runs
-inside them as a program (`attngrad.core.score_program`: the function traced once
+(`attngrad.core.block_table.BlockTable.rows_of_keys`).  A relative score function
+(``S + t(b, h, q_idx - kv_idx)``) reaches them as its term along the diagonals
+(`attngrad.strategies.fused.diagonal`), added to each row like a bias row.  Any other
+score function runs inside them as a program (`attngrad.core.score_program`: the function traced once
 into row operations, and its pullback): forward applies it to each tile row after
 the softcap, backward recomputes it from the raw scores and takes dS and the
 captured tensors' gradients through it (summed per unit, then in unit order: the
@@ -50,6 +52,7 @@ from attngrad.strategies.common import (
     kernel_refusal,
 )
 from attngrad.strategies.fused import build
+from attngrad.strategies.fused.diagonal import Diagonal
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "Fused", "FusedAttention", "Tiles", "strategy"]
 
@@ -94,6 +97,30 @@ def _encoded(program: Program) -> tuple[torch.Tensor, ...]:
         ops = {name: n for n, name in enumerate(torch.ops.attngrad_fused.program_ops())}
         _ENCODED[program] = encode(program, ops)
     return _ENCODED[program]
+
+
+def _diagonal(problem: Problem[Tiles]) -> tuple[Diagonal, torch.Tensor] | None:
+    """A relative score function's diagonal and its D, or None (`Diagonal.of`)."""
+    score = problem.mods.score
+    if score is None:
+        return None
+    q, k = problem.q, problem.k
+    return Diagonal.of(score, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), problem.dtype)
+
+
+def _score_args(
+    problem: Problem[Tiles], diagonal: tuple[Diagonal, torch.Tensor] | None,
+    dcaptured: Sequence[object] | None,
+) -> dict[str, object]:  # fmt: skip
+    """The ops' arguments for the score function (none without one): D where the function
+    is relative (``diagonal``), else its program (`_program_args`); with ``dcaptured``
+    (backward) also whether dD is wanted."""
+    if diagonal is None:
+        return _program_args(problem, dcaptured)
+    args: dict[str, object] = {"diagonal": diagonal[1]}
+    if dcaptured is not None:
+        args["need_ddiagonal"] = any(d is not None for d in dcaptured)
+    return args
 
 
 def _program_args(problem: Problem[Tiles], dcaptured: Sequence[object] | None) -> dict[str, object]:
@@ -171,7 +198,7 @@ class Fused(KeepsOutput[Tiles]):
         tiles = problem.tiles
         o, stats = torch.ops.attngrad_fused.forward(
             qc, kc, vc, *before, problem.scale, *after, tiles.block_q, tiles.block_k,
-            library.engine_id, **_program_args(problem, None),
+            library.engine_id, **_score_args(problem, _diagonal(problem), None),
         )  # fmt: skip
         o = o.to(problem.q.dtype)
         return o, {"o": o, "stats": stats}
@@ -193,12 +220,15 @@ class Fused(KeepsOutput[Tiles]):
         before, after = _mod_args(problem)
         tiles = problem.tiles
         dcaptured = backward.dcaptured
-        dq, dk, dv, ds, sums = torch.ops.attngrad_fused.backward(
+        diagonal = _diagonal(problem)
+        dq, dk, dv, ds, sums, dd = torch.ops.attngrad_fused.backward(
             doc, qc, kc, vc, stats, delta.contiguous(), *before, problem.scale, *after,
             tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
-            **_program_args(problem, dcaptured),
+            **_score_args(problem, diagonal, dcaptured),
         )  # fmt: skip
         add_kernel_gradients(grads, (dq, dk, dv), ds)
+        if diagonal is not None and dd.numel() > 0:
+            diagonal[0].pullback(dd, dcaptured)
         for total, part in zip(dcaptured, sums, strict=False):  # sums also holds `made`'s
             if total is not None:
                 total += part.view(total.shape)

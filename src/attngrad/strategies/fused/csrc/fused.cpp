@@ -23,6 +23,10 @@
 // program per row into dS, before the softcap's slope.  Its SCATTERs add captured tensors'
 // gradients into buffers of the unit's own, summed in unit order afterwards: bitwise the
 // same for any thread count too.
+//
+// A relative score_mod (S' = S + t(b, h, i - j)) arrives instead as its term along the
+// diagonals, D (`Problem::diagonal`), added to each row like a bias; backward sums dS' along
+// the diagonals into dD per unit, and the units' sums join in unit order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -264,6 +268,15 @@ void store_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t 
     std::copy(dS + ii * pb.block_k, dS + ii * pb.block_k + c, dst + ii * pb.Nk);
 }
 
+// dS' of a tile summed along its diagonals into dD's rows of head g of the group (dd: the
+// unit's [G, Nq + Nk - 1] sums), row by row, each row one vector pass.
+template <typename T>
+void diagonal_gradient(const Problem<T>& pb, int64_t g, int64_t i0, int64_t r, int64_t j0,
+                       int64_t c, const T* dS, T* dd) {
+  T* base = dd + g * pb.diagonals() + (j0 + pb.Nq - 1);
+  for (int64_t ii = 0; ii < r; ++ii) add_row(base - (i0 + ii), dS + ii * pb.block_k, c);
+}
+
 // The backward program on each row of the tile: SCORE = the capped row (raw), GRAD = dS'
 // (in dS), its out into dS, zero where the mask drops a key; then the bounds check.
 template <typename T>
@@ -290,6 +303,7 @@ struct KeyScratch {  // one block of keys: its panels, one tile's operands and i
   Buffer<T> kt, vt, q, dout, s, ds, slope, t, dk, dv;
   Buffer<T> raw;                        // the capped scores, the backward program's SCORE
   std::unique_ptr<Runner<T>> run, grad;  // the score program's forward and backward runners
+  T* ddiagonal = nullptr;  // dD's sums of this unit, [G, Nq + Nk - 1], when wanted
 };
 
 template <typename T>
@@ -357,6 +371,7 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
       product_transposed_a(engine, ca, dvd, r, w.s.data(), bk, w.dout.data(), dvd,
                            w.dv.data() + a * dvd, dvd, true, w.t.data());
       store_score_gradient(pb, bh, i0, r, ja, ca, w.ds.data(), ds_out);
+      if (w.ddiagonal != nullptr) diagonal_gradient(pb, g, i0, r, ja, ca, w.ds.data(), w.ddiagonal);
       if (w.grad != nullptr) program_gradient(pb, *w.grad, b, h, i0, r, ja, ca, w.raw.data(),
                                               w.ds.data());
       if (slope != nullptr) slope_(r, ca, w.ds.data(), slope, bk);
@@ -411,10 +426,11 @@ std::vector<int64_t> slab_edges(const Problem<T>& pb, const Spans<T>& spans, int
 //
 // With a backward program, `dcaptured` holds one buffer per captured tensor (nullptr: not
 // wanted); each unit adds into zeroed buffers of its own (`Runner::dcaptured`, the wanted
-// captures side by side), which join the results in unit order afterwards.
+// captures side by side), which join the results in unit order afterwards.  dD
+// (`ddiagonal`, [B, Hq, Nq + Nk - 1], nullptr: not wanted) likewise, per unit [G, Nq + Nk - 1].
 template <typename T>
 void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* dk,
-                   T* dv, T* ds_out, const std::vector<T*>& dcaptured) {
+                   T* dv, T* ds_out, const std::vector<T*>& dcaptured, T* ddiagonal) {
   const Spans<T> spans(pb);
   const int64_t slabs = slab_count(pb), group = pb.G * pb.Nq * pb.d;
   const std::vector<int64_t> edge = slab_edges(pb, spans, slabs);
@@ -428,6 +444,8 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
     wanted += pb.grad_program->captured[a].numel;
   }
   Buffer<T> captured(units * wanted);  // each unit zeroes its own
+  const int64_t diagonal = ddiagonal == nullptr ? 0 : pb.G * pb.diagonals();
+  Buffer<T> diagonal_sums(units * diagonal);  // likewise
   for_each_unit<KeyScratch<T>>(
       units, engine, [&] { return key_scratch(pb); },
       [&](int64_t u, KeyScratch<T>& w) {
@@ -437,6 +455,10 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
           std::fill(own, own + wanted, T(0));
           for (size_t a = 0; a < offset.size(); ++a)
             w.grad->dcaptured[a] = offset[a] < 0 ? nullptr : own + offset[a];
+        }
+        if (diagonal > 0) {
+          w.ddiagonal = diagonal_sums.data() + u * diagonal;
+          std::fill(w.ddiagonal, w.ddiagonal + diagonal, T(0));
         }
         T* target = s == 0 ? dq : partial.data() + (s - 1) * size;
         T* rows = target + (b * pb.Hq + hk * pb.G) * pb.Nq * pb.d;  // the group's rows
@@ -449,6 +471,15 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
       T sum = dq[e];
       for (int64_t s = 1; s < slabs; ++s) sum += partial[(s - 1) * size + e];
       dq[e] = sum * pb.scale;
+    }
+  });
+  // units u = (b * Hkv + hk) * slabs + s: dD of (b, hk)'s heads sums its slabs in order
+  at::parallel_for(0, units / slabs * diagonal, 1 << 12, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t group = e / diagonal, at = e % diagonal;
+      T sum = T(0);
+      for (int64_t s = 0; s < slabs; ++s) sum += diagonal_sums[(group * slabs + s) * diagonal + at];
+      ddiagonal[e] = sum;
     }
   });
   for (size_t a = 0; a < offset.size(); ++a) {
@@ -550,6 +581,17 @@ Tensor panels(const Tensor& k, int64_t block) {
   return out;
 }
 
+// D (`Problem::diagonal`), when given: [B, Hq, Nq + Nk - 1] contiguous in q's dtype, and no
+// score program beside it (it is the score_mod's).
+void check_diagonal(const Tensor& q, const Tensor& k, const std::optional<Tensor>& code,
+                    const std::optional<Tensor>& diagonal) {
+  if (!diagonal) return;
+  TORCH_CHECK_VALUE(!code, "attngrad_fused: a score_mod comes as a program (code) or as its ",
+                    "diagonal term, not both");
+  check_optional(diagonal, "diagonal", q.scalar_type(),
+                 q.size(0) * q.size(1) * (q.size(2) + k.size(2) - 1));
+}
+
 // The ops' score program (code None: none), checked against the compute dtype of q.
 std::optional<Program> program_of(const char* which, const Tensor& q,
                                   const std::optional<Tensor>& code,
@@ -573,9 +615,11 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                                    const std::optional<Tensor>& code,
                                    const std::optional<Tensor>& constants,
                                    const std::optional<Tensor>& indices, int64_t out,
-                                   std::optional<at::TensorList> captured, int64_t batch) {
+                                   std::optional<at::TensorList> captured, int64_t batch,
+                                   const std::optional<Tensor>& diagonal) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  check_diagonal(q, k, code, diagonal);
   const std::optional<Program> program =
       program_of("code", q, code, constants, indices, out, captured, batch, false);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
@@ -585,6 +629,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
     auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
                                 threshold, keep_scale, block_q, block_k);
     pb.program = program ? &*program : nullptr;
+    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
     forward_impl<scalar_t>(pb, static_cast<Engine>(engine), q.data_ptr<scalar_t>(),
                            kt.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                            o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>());
@@ -615,7 +660,7 @@ std::vector<Tensor> captured_gradients(const Program* grad_program,
   return out;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> backward(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
     const Tensor& delta, const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
     const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
@@ -625,9 +670,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
     const std::optional<Tensor>& constants, const std::optional<Tensor>& indices, int64_t out,
     std::optional<at::TensorList> captured, int64_t batch, const std::optional<Tensor>& grad_code,
     const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
-    int64_t grad_out, const std::optional<c10::List<bool>>& wanted) {
+    int64_t grad_out, const std::optional<c10::List<bool>>& wanted,
+    const std::optional<Tensor>& diagonal, bool need_ddiagonal) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  check_diagonal(q, k, code, diagonal);
+  TORCH_CHECK_VALUE(diagonal || !need_ddiagonal, "attngrad_fused: need_ddiagonal without a ",
+                    "diagonal");
   TORCH_CHECK_VALUE(code.has_value() == grad_code.has_value(), "attngrad_fused: backward takes ",
                     "a score program's code and grad_code together (grad_code: its backward ",
                     "program), got ", code ? "code alone" : "grad_code alone");
@@ -649,6 +698,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Tensor ds = need_ds ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options())
                       : at::empty({0}, q.options());
+  Tensor ddiagonal = need_ddiagonal ? at::empty_like(*diagonal) : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::backward", [&] {
     auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
                                 threshold, keep_scale, block_q, block_k);
@@ -657,13 +707,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> backward(
                          stats.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>()};
     pb.program = program ? &*program : nullptr;
     pb.grad_program = grad_program ? &*grad_program : nullptr;
+    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
     std::vector<scalar_t*> into;
     for (Tensor& t : dcaptured) into.push_back(t.numel() > 0 ? t.data_ptr<scalar_t>() : nullptr);
     backward_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dq.data_ptr<scalar_t>(),
                             dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            need_ds ? ds.data_ptr<scalar_t>() : nullptr, into);
+                            need_ds ? ds.data_ptr<scalar_t>() : nullptr, into,
+                            need_ddiagonal ? ddiagonal.data_ptr<scalar_t>() : nullptr);
   });
-  return {dq, dk, dv, ds, dcaptured};
+  return {dq, dk, dv, ds, dcaptured, ddiagonal};
 }
 
 // The test op: a program on every row (b, h, i) of scores [B, H, Nq, Nk] over all Nk
@@ -739,7 +791,7 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "Tensor? row_words, Tensor? col_words, float scale, float cap, int threshold, "
       "float keep_scale, int block_q, int block_k, int engine, Tensor? code=None, "
       "Tensor? constants=None, Tensor? indices=None, int out=-1, Tensor[]? captured=None, "
-      "int batch=1) -> (Tensor, Tensor)");
+      "int batch=1, Tensor? diagonal=None) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor delta, "
       "Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, Tensor? row_words, Tensor? col_words, "
@@ -747,7 +799,8 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int engine, bool need_ds, Tensor? code=None, Tensor? constants=None, "
       "Tensor? indices=None, int out=-1, Tensor[]? captured=None, int batch=1, "
       "Tensor? grad_code=None, Tensor? grad_constants=None, Tensor? grad_indices=None, "
-      "int grad_out=-1, bool[]? wanted=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])");
+      "int grad_out=-1, bool[]? wanted=None, Tensor? diagonal=None, bool need_ddiagonal=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)");
   m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
       "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");

@@ -98,6 +98,15 @@ struct Problem {
   const int32_t* col_words = nullptr;
   const Program* program = nullptr;       // the score_mod's forward program, or none
   const Program* grad_program = nullptr;  // its backward program (the backward op's)
+  // A relative score_mod, S' = S + t(b, h, i - j), as its term along the diagonals:
+  // D[b, h, j - i + Nq - 1] = t(b, h, i - j), [B, Hq, Nq + Nk - 1] contiguous, or none.
+  const T* diagonal = nullptr;
+
+  int64_t diagonals() const { return Nq + Nk - 1; }
+  // D's entries for row (b, h, i), keys j0 .. : ascending with j.
+  const T* diagonal_row(int64_t b, int64_t h, int64_t i, int64_t j0) const {
+    return diagonal + (b * Hq + h) * diagonals() + (j0 - i + Nq - 1);
+  }
 
   int64_t row_blocks() const { return (Nq + block_q - 1) / block_q; }
   int64_t key_blocks() const { return (Nk + block_k - 1) / block_k; }
@@ -247,8 +256,15 @@ void zero_masked(const Problem<T>& pb, int64_t b, int64_t h, int64_t i, int64_t 
   }
 }
 
-// Cap, run the score program, bias and mask the tile in place; with a softcap, `slope` (like
-// S) gets 1 - tanh^2.  `run`: the forward program's runner, or nullptr (no program: no work
+// x[0 .. c) += y[0 .. c).
+template <typename T>
+inline void add_row(T* x, const T* y, int64_t c) {
+  using Vec = at::vec::Vectorized<T>;
+  at::vec::map2([](Vec a, Vec b) { return a + b; }, x, x, y, c);
+}
+
+// Cap, run the score program or add the diagonal term, bias and mask the tile in place;
+// with a softcap, `slope` (like S) gets 1 - tanh^2.  `run`: the forward program's runner, or nullptr (no program: no work
 // per score beyond a test per row); `raw`: where backward keeps the capped rows (like S) for
 // its backward program's SCORE, or nullptr.
 template <typename T>
@@ -280,14 +296,12 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
       const T* out = run->run(b, h, i, j0, c, score, nullptr, s);
       if (out != s) std::copy(out, out + c, s);
     }
+    if (pb.diagonal != nullptr) add_row(s, pb.diagonal_row(b, h, i, j0), c);
     if (pb.bias != nullptr) {
       const T* bias = pb.bias + b * pb.sb[0] + h * pb.sb[1] + i * pb.sb[2] + j0 * pb.sb[3];
       const int64_t step = pb.sb[3];
       if (step == 1) {
-        for (int64_t j = 0; j < c; j += W) {
-          int64_t n = std::min(W, c - j);
-          (Vec::loadu(s + j, n) + Vec::loadu(bias + j, n)).store(s + j, n);
-        }
+        add_row(s, bias, c);
       } else {
         for (int64_t j = 0; j < c; ++j) s[j] += bias[j * step];
       }
