@@ -174,3 +174,34 @@ def test_programs_are_cached_per_closure_constant() -> None:
     assert compile_score(f, [], torch.float64, []) is compile_score(f, [], torch.float64, [])
     a, b = (_compiled(softcap(c), []) for c in (2.0, 3.0))
     assert {i.imm for i in a.forward.instructions} != {i.imm for i in b.forward.instructions}
+
+
+@pytest.mark.parametrize(
+    ("fn", "cap"),
+    [
+        (lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0), 30.0),
+        (lambda s, b, h, i, j: torch.tanh(s / 7.5) * 7.5, 7.5),
+        (lambda s, b, h, i, j: s.div(2.0).tanh().mul(2.0), 2.0),
+        (lambda s, b, h, i, j: 30.0 * torch.tanh(s / 20.0), None),
+        (lambda s, b, h, i, j: -3.0 * torch.tanh(s / -3.0), None),
+        (lambda s, b, h, i, j: 30.0 * torch.tanh(s * (1 / 30.0)), None),
+        (lambda s, b, h, i, j: 30.0 * torch.tanh((s + 1) / 30.0), None),
+        (lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0) + 1, None),
+        (lambda s, b, h, i, j: (s + i - j) * torch.tanh(s / 30.0), None),
+    ],
+    ids=[
+        "c*tanh(s/c)",
+        "tanh(s/c)*c",
+        "methods",
+        "two-caps",
+        "negative",
+        "times-inverse",
+        "shifted",
+        "plus-one",
+        "not-constant",
+    ],
+)
+def test_softcap_of_finds_exactly_the_softcap(
+    fn: Callable[..., torch.Tensor], cap: float | None
+) -> None:
+    assert score_program.softcap_of(_compiled(fn, []).forward) == cap

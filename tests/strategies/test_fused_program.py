@@ -484,3 +484,41 @@ def test_the_kernels_raise_index_error_only_where_the_mask_keeps_an_out_of_bound
     torch.testing.assert_close(o, want, rtol=2e-5, atol=2e-5)
     with pytest.raises(IndexError, match=r"captured tensor 0 of shape \[37\] at index \(-\d+\)"):
         torch.ops.attngrad_fused.forward(q, k, v, *(None,) * 6, *args)
+
+
+def test_tanh_is_within_3_ulp_over_float32():
+    """TANH_F (and the softcap: `tanh_vec`) on a sweep of float32 bit patterns, every
+    exponent, both signs and the specials, against tanh in float64."""
+    bits = torch.arange(0, 0x7F800000, 997, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    specials = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 0.625, -0.625, 44.0])
+    x = torch.cat([x, -x, specials])
+    p = Program()
+    out = p.op("TANH_F", p.op("SCORE"))
+    got = rows(p, out, x.reshape(1, 1, 1, -1))[0].reshape(-1)
+    want = torch.tanh(x.double())
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()].float())
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+    w = want[finite].float().abs()
+    ulp = (torch.nextafter(w, torch.tensor(math.inf)) - w).double()
+    assert float(((got[finite].double() - want[finite]).abs() / ulp).max()) <= 3.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_softcap_score_mod_runs_as_the_kernels_softcap(dtype):
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 2, 70, 8, generator=g, dtype=dtype) * 4 for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    results = []
+    for call in (
+        lambda: attngrad.flex_attention(
+            q, k, v, lambda s, b, h, i, j: 3.0 * torch.tanh(s / 3.0), strategy="fused"
+        ),
+        lambda: attngrad.attention(q, k, v, softcap=3.0, strategy="fused"),
+    ):
+        o = call()
+        results.append((o, *torch.autograd.grad(o.sum(), (q, k, v))))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)

@@ -24,6 +24,7 @@ function, compute dtype, captured shapes and the Python scalars its closure hold
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -569,6 +570,29 @@ def _scalar_cell(cell: Any) -> bool:
         return isinstance(cell.cell_contents, (bool, int, float, str))
     except ValueError:  # an empty cell
         return False
+
+
+def softcap_of(program: Program) -> float | None:
+    """c where ``program`` is a softcap, S' = c * tanh(S / c) for a constant c > 0 (in either
+    order of the product), else None: what the kernels' own softcap computes, in the same
+    three roundings, so they may run it in its place."""
+    at = {ins.dst: ins for ins in program.instructions}
+    out = at[program.out]
+    if out.op != "MUL_F":
+        return None
+    for t, c in (out.args, out.args[::-1]):
+        tanh, cap = at[t], at[c]
+        if tanh.op != "TANH_F" or cap.op != "CONST_F" or not 0 < cap.imm < math.inf:
+            continue
+        div = at[tanh.args[0]]
+        if (
+            div.op == "DIV_F"
+            and at[div.args[0]].op == "SCORE"
+            and at[div.args[1]].op == "CONST_F"
+            and at[div.args[1]].imm == cap.imm
+        ):
+            return cap.imm
+    return None
 
 
 def program_of(score: ScoreFunction, dtype: torch.dtype = torch.float32) -> ScoreProgram | str:

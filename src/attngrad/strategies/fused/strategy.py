@@ -42,7 +42,7 @@ from attngrad.core import ops
 from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import compute_dtype
-from attngrad.core.score_program import Program, encode, program_of
+from attngrad.core.score_program import Program, encode, program_of, softcap_of
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction
 from attngrad.strategies.common import (
@@ -85,7 +85,18 @@ def _mod_args(problem: Problem[Tiles]) -> tuple[list[object], list[object]]:
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     m = KernelMods.of(problem.mods, shape, torch.device("cpu"), problem.dtype)
     before: list[object] = [m.bias, m.keep, m.lo, m.hi, m.row_words, m.col_words]
-    return before, [0.0 if m.softcap is None else float(m.softcap), m.threshold, m.keep_scale]
+    cap = m.softcap if m.softcap is not None else _softcap_mod(problem)
+    return before, [0.0 if cap is None else float(cap), m.threshold, m.keep_scale]
+
+
+def _softcap_mod(problem: Problem[Tiles]) -> float | None:
+    """c where the score function is a softcap, c * tanh(S / c), and the call has no softcap
+    of its own: the kernels' softcap runs it then (`softcap_of`), no program."""
+    score = problem.mods.score
+    if score is None or problem.mods.softcap is not None:
+        return None
+    program = program_of(score, problem.dtype)
+    return None if isinstance(program, str) else softcap_of(program.forward)
 
 
 _ENCODED: weakref.WeakKeyDictionary[Program, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
@@ -112,9 +123,11 @@ def _score_args(
     problem: Problem[Tiles], diagonal: tuple[Diagonal, torch.Tensor] | None,
     dcaptured: Sequence[object] | None,
 ) -> dict[str, object]:  # fmt: skip
-    """The ops' arguments for the score function (none without one): D where the function
-    is relative (``diagonal``), else its program (`_program_args`); with ``dcaptured``
-    (backward) also whether dD is wanted."""
+    """The ops' arguments for the score function (none without one, or where it is a
+    softcap, `_softcap_mod`): D where the function is relative (``diagonal``), else its
+    program (`_program_args`); with ``dcaptured`` (backward) also whether dD is wanted."""
+    if _softcap_mod(problem) is not None:
+        return {}
     if diagonal is None:
         return _program_args(problem, dcaptured)
     args: dict[str, object] = {"diagonal": diagonal[1]}

@@ -66,8 +66,8 @@
 //   register not marked uniform; SCORE, GRAD or KEY marked uniform; GRAD or SCATTER in a
 //   forward program; a capture's rank or dtype that does not fit its op.
 //
-// Evaluation: F ops through at::vec::Vectorized<T> (exp, log, tanh: Sleef through its
-// methods), so a uniform row's lane 0 and a full row give the same bits; I ops and the
+// Evaluation: F ops through at::vec::Vectorized<T> (exp, log: Sleef through its methods;
+// tanh: `tanh_vec`), so a uniform row's lane 0 and a full row give the same bits; I ops and the
 // casts as plain loops the compiler vectorises.  Scratch per thread: one row of ld values
 // per register that needs one (SCORE and GRAD alias the rows they load); CONST_F, CONST_I
 // and KEY rows are kept from one row to the next while they hold (the same key block).
@@ -84,6 +84,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "elementary.h"
 
 namespace attngrad_fused {
 
@@ -522,7 +524,7 @@ class Runner {
         case Op::ABS_F: fmap1(in, n, [](Vec x) { return x.abs(); }); break;
         case Op::EXP_F: fmap1(in, n, [](Vec x) { return x.exp(); }); break;
         case Op::LOG_F: fmap1(in, n, [](Vec x) { return x.log(); }); break;
-        case Op::TANH_F: fmap1(in, n, [](Vec x) { return x.tanh(); }); break;
+        case Op::TANH_F: fmap1(in, n, [](Vec x) { return tanh_vec(x); }); break;
         case Op::SIGMOID_F:  // as torch's CPU sigmoid: 1 / (1 + e^-x)
           fmap1(in, n, [](Vec x) { return Vec(T(1)) / (Vec(T(1)) + x.neg().exp()); });
           break;

@@ -22,6 +22,7 @@
 #include <new>
 #include <vector>
 
+#include "elementary.h"
 #include "program.h"
 
 namespace attngrad_fused {
@@ -48,37 +49,6 @@ struct Aligned {
 
 template <typename T>
 using Buffer = std::vector<T, Aligned<T>>;
-
-// How e^x of a float32 vector is taken (float64 always takes Sleef's exp):
-// * kFast: ATen's polynomial exp (`exp_u20`, the one SDPA's own CPU kernels use: range
-//   reduction, a degree-5 polynomial, fewer instructions than Sleef's exp).  It forms
-//   2^(n - 1), n = round(x / ln 2), from the exponent bits: below -125.5 ln 2 (n = -126, a
-//   zero exponent field) it returns 0 where e^x is a subnormal number or one of the smallest
-//   normal ones, and it clamps a NaN to a finite number.
-// * kTiny: kFast, but a vector with a lane below -125 ln 2 (a score 87 below its row's max,
-//   or -inf) takes the polynomial at x + 44, where it does not flush, times e^-44: one
-//   rounding of a normal number into the subnormal range (x + 44 is exact: a finer grid
-//   than x's), -inf still 0.  For rows whose shift or statistics are finite: no lane is NaN
-//   there (the row's max, or m, would be).
-// * kExact: Sleef's exp, which keeps NaN: rows whose shift or statistics are NaN or infinite.
-enum class Exp { kFast, kTiny, kExact };
-
-template <Exp kHow, typename T>
-inline at::vec::Vectorized<T> exp_vec(const at::vec::Vectorized<T>& x) {
-  using Vec = at::vec::Vectorized<T>;
-  if constexpr (!std::is_same_v<T, float> || kHow == Exp::kExact) {
-    return x.exp();
-  } else if constexpr (kHow == Exp::kFast) {
-    return x.exp_u20();
-  } else {
-    const Vec low(-86.643394f);  // -125 ln 2
-    const Vec below = x < low;   // all ones where true
-    constexpr int none = (1 << Vec::size()) - 1;  // zero_mask: a bit per lane that is 0
-    if (below.zero_mask() == none) return x.exp_u20();
-    const Vec lift(44.0f), fall(7.78113224e-20f);  // fall = e^-44
-    return (x + (below & lift)).exp_u20() * Vec::blendv(Vec(1.0f), fall, below);
-  }
-}
 
 // The call: sizes, the score modifiers and the tiles, as the ops receive them.
 template <typename T>
@@ -282,7 +252,7 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
       T* sl = slope == nullptr ? nullptr : slope + ii * ld;
       for (int64_t j = 0; j < c; j += W) {
         int64_t n = std::min(W, c - j);
-        Vec t = (Vec::loadu(s + j, n) / cap).tanh();
+        Vec t = tanh_vec(Vec::loadu(s + j, n) / cap);
         if (sl != nullptr) (one - t * t).store(sl + j, n);
         (t * cap).store(s + j, n);
       }
