@@ -14,10 +14,12 @@ What each result is judged against:
   torch.func's transforms against the same transforms of `dense_flex`;
 * 16-bit results by the 2x rule of DESIGN.md against a plain dense run in the dtype.
 
-``RUNS``: the three strategies that run a score_mod, each at its own tiles, plus flash at
-small tiles and recompute at 16-row chunks (at these lengths their own tiles and chunks are
-one, and the merges across tiles -- the running max's rescale, each tile's share of a
-captured gradient -- would not run).
+``RUNS``: the strategies that run a score_mod, each at its own tiles, plus flash at small
+tiles and recompute at 16-row chunks (at these lengths their own tiles and chunks are one,
+and the merges across tiles -- the running max's rescale, each tile's share of a captured
+gradient -- would not run).  fused runs each score function in its kernels the way it
+would at any size: a relative one as its term along the diagonals, a softcap as the
+kernels' own, any other as a program.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ import attngrad
 import attngrad.call.flex
 import attngrad.strategies.common
 import attngrad.strategies.flash
+from attngrad.core.interface import Backward
 from attngrad.core.score_function import ScoreFunction
 from attngrad.core.tiling import tile_sizes
+from attngrad.strategies.fused.strategy import Fused
 
 F64 = torch.float64
 ScoreMod = Callable[..., torch.Tensor]
@@ -52,7 +56,7 @@ MaskMod = Callable[..., torch.Tensor]
 # torch's eager flex_attention warns on every call that it is not compiled
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-RUNS = ("explicit", "recompute", "recompute-chunks", "flash", "flash-tiles")
+RUNS = ("explicit", "recompute", "recompute-chunks", "flash", "flash-tiles", "fused")
 
 
 @pytest.fixture(params=RUNS)
@@ -886,10 +890,19 @@ def assert_16_bit_rule(name: str, dtype: torch.dtype, run: Callable[..., Any]) -
 
 @pytest.fixture
 def planted(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
-    """plant(factor): each tile's share of every captured gradient is scaled by ``factor``."""
+    """plant(factor): each tile's share of every captured gradient is scaled by ``factor``;
+    on fused, also the kernels' (a program's scatters: no tile share reaches Python)."""
 
     def plant(factor: float) -> None:
         real = ScoreFunction.pullback_
+        real_fused = Fused.backward_into
+
+        def backward_into(self: Fused, backward: Backward[Any]) -> None:
+            fresh = tuple(None if d is None else torch.zeros_like(d) for d in backward.dcaptured)
+            real_fused(self, replace(backward, dcaptured=fresh))
+            for acc, share in zip(backward.dcaptured, fresh, strict=True):
+                if acc is not None:
+                    acc += factor * share
 
         def pullback_(
             self: ScoreFunction, raw: Any, rows: Any, cols: Any, ds: Any, dcaptured: Any
@@ -902,6 +915,7 @@ def planted(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
             return out
 
         monkeypatch.setattr(ScoreFunction, "pullback_", pullback_)
+        monkeypatch.setattr(Fused, "backward_into", backward_into)
 
     return plant
 

@@ -205,3 +205,26 @@ def test_softcap_of_finds_exactly_the_softcap(
     fn: Callable[..., torch.Tensor], cap: float | None
 ) -> None:
     assert score_program.softcap_of(_compiled(fn, []).forward) == cap
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap"])
+def test_a_capture_under_a_torch_func_transform_is_read_as_the_capture(transform: str) -> None:
+    """The transform's wrapper of a captured tensor is the closure's tensor to the program:
+    read as capture 0, the score as SCORE (not a constant the trace copied)."""
+    seen: list[ScoreProgram] = []
+
+    def f(cap: torch.Tensor) -> torch.Tensor:
+        fn = lambda s, b, h, i, j: cap * torch.tanh(s / cap)  # noqa: E731
+        seen.append(_compiled(fn, [cap]))
+        return cap * 2
+
+    cap = torch.tensor([1.5], dtype=torch.float64)
+    if transform == "grad":
+        torch.func.grad(lambda c: f(c).sum())(cap)
+    elif transform == "jvp":
+        torch.func.jvp(f, (cap,), (torch.ones_like(cap),))
+    else:
+        torch.func.vmap(f)(cap.expand(3, 1))
+    (program,) = seen
+    ops = {(i.op, i.capture) for i in program.forward.instructions}
+    assert ("SCORE", -1) in ops and ("GATHER_F", 0) in ops and not program.made

@@ -24,6 +24,7 @@ function, compute dtype, captured shapes and the Python scalars its closure hold
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from attngrad.core.pointwise import INDEX
+from attngrad.core.pointwise import INDEX, Reads
 
 if TYPE_CHECKING:
     from attngrad.core.score_function import ScoreFunction
@@ -636,18 +638,29 @@ def _compile(
     dtype: torch.dtype,
     wanted: Sequence[bool],
 ) -> ScoreProgram | str:
-    score = torch.zeros(1, 1, 1, 1, dtype=dtype)
-    index = [torch.zeros(1, 1, 1, 1, dtype=INDEX) for _ in range(4)]
+    swap: dict[int, torch.Tensor] = {}
 
     def traced(s: torch.Tensor, b_: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
                j: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        return fn(s, b_, h, i, j)
+        with Reads((), swap) if swap else contextlib.nullcontext():
+            return fn(s, b_, h, i, j)
 
     try:
-        # no autograd of either mode recorded into the trace (a call under jvp runs here too)
-        with torch.no_grad(), forward_ad._set_fwd_grad_enabled(False):
+        # no autograd of either mode, and no torch.func transform, recorded into the trace
+        # (a call under jvp or torch.func.grad runs here too); the tensors made in it
+        with (
+            torch.no_grad(),
+            forward_ad._set_fwd_grad_enabled(False),
+            temporarily_clear_interpreter_stack(),
+        ):
+            # the captures as plain tensors: under a transform they are its wrappers, which
+            # the trace would copy, no longer the closure's tensors
+            plain = [_plain(t) for t in captured]
+            swap.update((id(t), p) for t, p in zip(captured, plain, strict=True) if p is not t)
+            score = torch.zeros(1, 1, 1, 1, dtype=dtype)
+            index = [torch.zeros(1, 1, 1, 1, dtype=INDEX) for _ in range(4)]
             gm = make_fx(traced)(score, *index)
-        lowering = _Lowering(captured, gm)
+        lowering = _Lowering(plain, gm)
         out = lowering.run(_placeholders(gm))
     except Unsupported as err:
         return str(err)
@@ -660,6 +673,14 @@ def _compile(
     chosen = {n for n, w in enumerate(wanted) if w}
     pullback = _pullback(b, list(b.code), out, chosen)
     return ScoreProgram(forward, pullback, tuple(lowering.made), tuple(sorted(chosen)))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a torch.func wrapper (grad, jvp, vmap) a plain tensor of its
+    shape and dtype: the trace reads a capture's shape and dtype, never its values."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> dict[str, str]:
