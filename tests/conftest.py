@@ -11,9 +11,8 @@
 * Triton's kernels run on CPU tensors in its interpreter: TRITON_INTERPRET=1
   unless the environment says otherwise (the GPU script sets 0).  Triton
   reads it when the kernels are first imported, so it is set here, first.
-  Its interpreter patches triton.language once per launch here, not again at
-  every call of a ``@triton.jit`` helper (`interpreter_patch`: the same
-  kernels, computed the same way, in about half the time).
+  (The kernels' module trims the interpreter's dead work when it is imported:
+  `attngrad.strategies.triton.interpreter`.)
 * Inductor compiles into a cache of this session's own: its FX-graph cache keys
   a graph by the custom ops' schemas, not by what their fake kernels return, so a
   cache left by another version of attngrad could hand back a graph compiled for
@@ -52,11 +51,6 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis.internal.conjecture import providers as _hypothesis_providers
-
-import interpreter_patch
-
-if os.environ["TRITON_INTERPRET"] == "1":
-    interpreter_patch.install()
 
 settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, database=None, print_blob=True)

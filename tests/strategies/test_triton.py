@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
 from attngrad.core.interface import Backward, Problem
 from attngrad.strategies import available, resolve, unavailable_reason
-from attngrad.strategies.triton import configs
+from attngrad.strategies.triton import configs, interpreter
 from attngrad.strategies.triton import strategy as triton_strategy
 from attngrad.tools import kernel_report
 from attngrad.tools.ledger import ledger_row
@@ -630,3 +631,56 @@ def test_what_the_oldest_triton_cannot_compile_is_refused_by_name(monkeypatch):
         v.dtype == "float64" and v.mask in ("bool", "masks", "all") for v in variants
     )
     assert any(v.dtype == "float64" for v in variants)
+
+
+# -- the interpreter without its dead work (attngrad.strategies.triton.interpreter) ---------
+
+
+def test_the_kernels_run_in_an_interpreter_without_its_dead_work():
+    from triton.runtime import interpreter as triton_interpreter
+
+    # installed when the kernels' module found itself interpreted; installing again is a no-op
+    assert kernels.INTERPRETED
+    patched = triton_interpreter._patch_lang
+    assert getattr(patched, "_once_per_launch", False)
+    assert not triton_interpreter.interpreter_builder.options.sanitize_overflow
+    assert not triton_interpreter.interpreter_builder.options.debug
+    assert interpreter.install() == {"patch_once_per_launch": True, "skip_unchecked_overflow": True}
+    assert triton_interpreter._patch_lang is patched
+
+
+def test_an_interpreter_unlike_the_one_it_knows_is_left_as_it_is(monkeypatch):
+    # no launch class to hook: no patch of _patch_lang
+    bare = SimpleNamespace(_patch_lang=lambda fn: None)
+    assert not interpreter._patch_once_per_launch(bare, tl)
+    # options without the fields, or with debug on (device_assert then checks): untouched
+    options = SimpleNamespace(debug=False, sanitize_overflow=True)
+    assert not interpreter._skip_unchecked_overflow(SimpleNamespace())
+    assert not interpreter._skip_unchecked_overflow(
+        SimpleNamespace(interpreter_builder=SimpleNamespace(options=options))
+    )
+    debug = _Options(debug=True)
+    builder = SimpleNamespace(options=debug)
+    assert not interpreter._skip_unchecked_overflow(SimpleNamespace(interpreter_builder=builder))
+    assert builder.options is debug
+    # a device_assert that checks whatever the debug flag: the overflow checks stay on
+    from triton.language.semantic import TritonSemantic
+
+    def device_assert(self, cond, msg, mask):
+        return self.make_tensor(self.builder.create_assert(cond.handle, msg), tl.void)
+
+    builder = SimpleNamespace(options=_Options())
+    monkeypatch.setattr(TritonSemantic, "device_assert", device_assert)
+    assert not interpreter._skip_unchecked_overflow(SimpleNamespace(interpreter_builder=builder))
+    assert builder.options.sanitize_overflow
+    monkeypatch.undo()
+    assert interpreter._skip_unchecked_overflow(SimpleNamespace(interpreter_builder=builder))
+    assert not builder.options.sanitize_overflow and builder.options == _Options(False, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The two fields of Triton's InterpreterOptions that `interpreter` reads."""
+
+    debug: bool = False
+    sanitize_overflow: bool = True
