@@ -7,7 +7,11 @@
   ``fill_uninitialized_memory``), as flash-linear-attention's conftest does:
   a kernel that reads memory it never wrote then fails loudly with NaN
   instead of passing on whatever zeros the allocator happened to hand out.
-* One intra-op thread for the session (see below).
+* One intra-op thread for the session (see below), and one BLAS thread for
+  numpy (OPENBLAS_NUM_THREADS, where the environment does not say otherwise),
+  whose matmuls run Triton's tl.dot in its interpreter: two workers on two
+  cores would otherwise spin-wait on each other's threads there too (the long
+  float16 case of the check grid: a third more time).
 * Triton's kernels run on CPU tensors in its interpreter: TRITON_INTERPRET=1
   unless the environment says otherwise (the GPU script sets 0).  Triton
   reads it when the kernels are first imported, so it is set here, first.
@@ -34,6 +38,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# one BLAS thread for numpy (Triton's interpreter runs tl.dot as numpy matmuls), as for torch
+# below; set before numpy is first imported, which reads it then
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import atexit
 import shutil

@@ -293,12 +293,22 @@ def compile_all(
     cache_dir: Path | None,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Resources]:
-    """Each bound launch's resources by its compile key, on ``jobs`` processes (default: one
-    per core), read from ``cache_dir`` where compiled before; ``progress`` hears each one done."""
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
+    """Each bound launch's resources by its compile key, read from ``cache_dir`` where
+    compiled before, the others compiled on ``jobs`` processes (default: one per core; none
+    started for fewer than two); ``progress`` hears each one done."""
+    results: dict[str, Resources] = {}
+    todo = []
+    for bound, what in work:
+        found = ptxas.cached(bound, cache_dir)
+        if found is None:
+            todo.append((bound, what))
+            continue
+        results[bound.key] = found
+        if progress:
+            progress(what)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
     if jobs == 1:
-        results = {}
-        for bound, what in work:
+        for bound, what in todo:
             results[bound.key] = ptxas.compile_bound(bound, cache_dir)
             if progress:
                 progress(what)
@@ -308,9 +318,8 @@ def compile_all(
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         futures = {
             pool.submit(ptxas.compile_bound, bound, cache_dir): (bound.key, what)
-            for bound, what in work
+            for bound, what in todo
         }
-        results = {}
         for future in concurrent.futures.as_completed(futures):
             key, what = futures[future]
             results[key] = future.result()

@@ -39,6 +39,7 @@ __all__ = [
     "Resources",
     "UnsupportedTriton",
     "bind",
+    "cached",
     "compile_bound",
     "default_cache_dir",
     "parse_ptxas_log",
@@ -137,17 +138,27 @@ def parse_ptxas_log(log: str) -> tuple[int, int, int, int]:
     return int(registers.group(1)), stores, loads, stack
 
 
+def cached(bound: Bound, cache_dir: Path | None) -> Resources | None:
+    """What `compile_bound` found for ``bound`` before, read from ``cache_dir``; None if
+    it never compiled it there."""
+    path = None if cache_dir is None else cache_dir / f"{bound.key}.json"
+    if path is None or not path.is_file():
+        return None
+    return Resources(**json.loads(path.read_text()))
+
+
 def compile_bound(bound: Bound, cache_dir: Path | None) -> Resources:
     """Compile ``bound`` to a cubin (or read the cached result) and say what it uses."""
-    cached = None if cache_dir is None else cache_dir / f"{bound.key}.json"
-    if cached is not None and cached.is_file():
-        return Resources(**json.loads(cached.read_text()))
+    found = cached(bound, cache_dir)
+    if found is not None:
+        return found
     resources = _compile(bound)
-    if cached is not None and not resources.error:
-        cache_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+    if cache_dir is not None and not resources.error:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        path = cache_dir / f"{bound.key}.json"
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(asdict(resources)))
-        partial.replace(cached)  # atomic: parallel reports never read half a file
+        partial.replace(path)  # atomic: parallel reports never read half a file
     return resources
 
 
