@@ -2,9 +2,19 @@
 
 The suite runs in Triton's interpreter, so what needs the compiler runs in a
 child process with TRITON_INTERPRET=0: the report over the quick grid for
-each target, once per run, whichever xdist worker asks first (compiled results
-are cached under a directory of the run, so a second report compiles nothing),
-and one known-spilling configuration, which must be reported as such.
+each target, once per run, whichever xdist worker asks first, and one
+known-spilling configuration, which must be reported as such.
+
+Compiled results go to the cache `attngrad kernels` keeps for its users
+(`attngrad.core.cache.cache_root` / kernels: ATTNGRAD_CACHE_DIR, else
+~/.cache/attngrad, beside the fused kernels `attngrad build` keeps there),
+filed under Triton's own compile key: the kernel's source and everything it
+calls, the signature and its specializations, the options, the target and
+the ptxas version.  A run whose kernels, tables or Triton changed compiles
+what changed (about two minutes of CPU for both quick reports from nothing);
+one where nothing did reads the verdicts of the binaries it would build
+again.  That the cache is read back, and nothing compiles when every binary
+is in it, is tested (`test_a_second_report_compiles_nothing`).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import torch
 from filelock import FileLock
 
 from attngrad.cli import app as cli
-from attngrad.strategies.triton import configs
+from attngrad.strategies.triton import configs, ptxas
 from attngrad.strategies.triton.ptxas import Resources, parse_ptxas_log
 from attngrad.tools.kernel_report import (
     FLOAT64_SPILL_BYTES,
@@ -43,45 +53,46 @@ def _kind(dtype: str, precision: str) -> str:
     return configs.dot_kind(size, precision == "tf32")
 
 
-def _compiled_env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "TRITON_INTERPRET": "0", "ATTNGRAD_CACHE_DIR": str(cache)}
+def _compiled_env() -> dict[str, str]:
+    return {**os.environ, "TRITON_INTERPRET": "0"}
 
 
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory of this run that every xdist worker shares (the workers' base temp's
-    parent), so that each report compiles once in the run, not once per worker."""
+    parent), so that each report runs once in the run, not once per worker."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
 
 
 @pytest.fixture(scope="session")
-def cache_dir(shared_dir: Path) -> Path:
-    cache = shared_dir / "attngrad-cache"
-    cache.mkdir(exist_ok=True)
-    return cache
+def cache_dir() -> Path:
+    """Where `attngrad kernels` files its compiled results, kept between runs (docstring)."""
+    return ptxas.default_cache_dir()
 
 
-def _kernels_report(target: str, cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "attngrad", "kernels", "--target", target, "--quick"]
+def _kernels_report(
+    target: str, out: Path, *options: str, script: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``attngrad kernels --target T --quick --json OUT [options]`` in a child with the
+    compiler on, after the Python code ``script`` (in the child)."""
+    argv = ["kernels", "--target", target, "--quick", "--json", str(out), *options]
+    run = f"{script}\nfrom attngrad.cli import app\nraise SystemExit(app.main({argv!r}))"
     return subprocess.run(
-        [*command, "--json", str(out)],
-        env=_compiled_env(cache),
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", run], env=_compiled_env(), capture_output=True, text=True,
         timeout=900,
-    )
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session", params=["sm_90", "sm_80"])
-def quick_report(request, shared_dir, cache_dir):
+def quick_report(request, shared_dir):
     """(target, exit status, output, JSON) of ``attngrad kernels --target T --quick``: run by
     the first worker that asks, under a lock, and read back by the other."""
     target = request.param
     out, run = shared_dir / f"report-{target}.json", shared_dir / f"report-{target}.run.json"
     with FileLock(f"{run}.lock"):
         if not run.exists():
-            done = _kernels_report(target, cache_dir, out)
+            done = _kernels_report(target, out)
             fields = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
             run.write_text(json.dumps(fields))
     done = subprocess.CompletedProcess(target, **json.loads(run.read_text()))
@@ -128,15 +139,25 @@ def test_quick_report_covers_every_kernel_dtype_and_head_dim(quick_report):
 
 # one target: the cache is the same code for both
 @pytest.mark.parametrize("quick_report", ["sm_80"], indirect=True)
-def test_a_second_report_is_served_from_the_cache(quick_report, cache_dir, tmp_path):
-    target, first, _ = quick_report
-    again = _kernels_report(target, cache_dir, tmp_path / "again.json")
-    assert again.returncode == first.returncode
-    assert json.loads((tmp_path / "again.json").read_text())["configs"]
-    assert len(list((cache_dir / "kernels").glob("*.json"))) > 0
+def test_a_second_report_compiles_nothing(quick_report, cache_dir, tmp_path):
+    # every binary of the first report is in the cache now: the second reads each one back
+    # and compiles none (a compile would raise: --jobs 1 compiles in the child, patched)
+    target, first, payload = quick_report
+    assert payload is not None, first.stderr
+    refuse = (
+        "from attngrad.strategies.triton import ptxas\n"
+        "def _compile(bound):\n"
+        "    raise AssertionError(f'compiled {bound.kernel} again')\n"
+        "ptxas._compile = _compile"
+    )
+    out = tmp_path / "again.json"
+    again = _kernels_report(target, out, "--jobs", "1", script=refuse)
+    assert again.returncode == first.returncode == 0, again.stderr
+    assert json.loads(out.read_text())["configs"] == payload["configs"]
+    assert any(cache_dir.glob("*.json"))
 
 
-def test_a_spilling_configuration_is_reported_as_not_ok(cache_dir):
+def test_a_spilling_configuration_is_reported_as_not_ok():
     # float16, d = 64, every mask feature, with 128 x 64 tiles on 4 warps: the forward
     # kernel needs more than 255 registers a thread and spills (not a shape the table takes)
     script = textwrap.dedent(
@@ -146,14 +167,14 @@ def test_a_spilling_configuration_is_reported_as_not_ok(cache_dir):
         variant = kr.Variant("float16", "ieee", 64, "all", 4)
         name, args, fn = kr.launches(variant, 90)[0]
         args = {**args, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-        got = ptxas.compile_bound(ptxas.bind(fn, args, 90), None)
+        got = ptxas.compile_bound(ptxas.bind(fn, args, 90), ptxas.default_cache_dir())
         row = kr.Row("forward", variant, 128, 64, 4, 3, got, kr.TARGETS["sm_90"])
         print(name, got.spill_stores, got.registers, row.ok, row.verdict)
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
-        env=_compiled_env(cache_dir),
+        env=_compiled_env(),
         capture_output=True,
         text=True,
         timeout=600,
