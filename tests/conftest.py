@@ -17,6 +17,8 @@
   reads it when the kernels are first imported, so it is set here, first.
   (The kernels' module trims the interpreter's dead work when it is imported:
   `attngrad.strategies.triton.interpreter`.)
+* The tests marked slow run first (`pytest_collection_modifyitems`), so that
+  the two workers end together.
 * Inductor compiles into a cache of this session's own: its FX-graph cache keys
   a graph by the custom ops' schemas, not by what their fake kernels return, so a
   cache left by another version of attngrad could hand back a graph compiled for
@@ -92,3 +94,10 @@ def _nan_filled_allocations() -> Iterator[None]:
     torch.set_num_threads(threads)
     torch.utils.deterministic.fill_uninitialized_memory = was_filling  # type: ignore[attr-defined]
     torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked slow first, each group in its own order: `make test`'s workers
+    (``--dist worksteal``) take the run in two halves and steal from each other's ends, so a
+    long test that started last would keep one core busy after the other has finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

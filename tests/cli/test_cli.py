@@ -8,6 +8,7 @@ of the command's plumbing run ``check`` on `SMALL_GRID`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -71,10 +72,17 @@ FULL_GRID_RUNS = [
 ]
 
 
+# What each case is judged against (the float64 reference, the plain run in the case's dtype
+# and the bounds), computed once per worker and case: `check` shares it across the strategies
+# of one run, these tests across their runs (each check runs one strategy).
+_expected = functools.cache(check_command.expect_case)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "one_case"), FULL_GRID_RUNS)
 def test_check_runs_the_full_grid_end_to_end(strategy, one_case, tmp_path, monkeypatch, capsys):
     cases = default_cases() + flex_cases() if one_case is None else [one_case]
+    monkeypatch.setattr(check_command, "expect_case", _expected)
     if one_case is not None:
         monkeypatch.setattr(check_command, "default_cases", lambda: list(cases))
         monkeypatch.setattr(check_command, "flex_cases", lambda: [])

@@ -11,6 +11,7 @@ matrix (plain torch ops, autograd for the gradients).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -463,37 +464,52 @@ def test_without_triton_installed_the_error_says_how_to_get_it(monkeypatch):
     assert resolve("auto", shapes, False, device=torch.device("cuda")) == "explicit"
 
 
-def test_cpu_tensors_without_the_interpreter_are_refused():
-    code = (
-        "import torch, attngrad\n"
-        "q = torch.randn(1, 1, 4, 16)\n"
-        "try:\n"
-        "    attngrad.attention(q, q, q, strategy='triton')\n"
-        "except RuntimeError as e:\n"
-        "    print(e)\n"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert "CUDA" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+# What the strategy and the commands say without the interpreter, from one child process with
+# TRITON_INTERPRET=0 (Triton reads it when the kernels are first imported): attention's error
+# on CPU tensors, then each command's exit status, its stderr apart.
+_UNINTERPRETED = """
+import contextlib, io, json, torch, attngrad
+from attngrad import cli
+q = torch.randn(1, 1, 4, 16)
+try:
+    attngrad.attention(q, q, q, strategy="triton")
+    error = ""
+except RuntimeError as e:
+    error = str(e)
+commands = []
+for argv in (["check", "--strategy", "triton"], ["explain", "--strategy", "triton"],
+             ["bench", "--strategy", "triton", "--seq", "16"],
+             ["ledger", "--strategy", "triton", "--seq-q", "16"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        commands.append((argv[0], cli.main(argv), err.getvalue()))
+print(json.dumps({"error": error, "commands": commands}))
+"""
 
 
-def test_commands_refuse_triton_cleanly_where_it_cannot_run():
-    code = (
-        "from attngrad import cli\n"
-        "for argv in (['check', '--strategy', 'triton'], ['explain', '--strategy', 'triton'],\n"
-        "             ['bench', '--strategy', 'triton', '--seq', '16'],\n"
-        "             ['ledger', '--strategy', 'triton', '--seq-q', '16']):\n"
-        "    print(argv[0], cli.main(argv))\n"
-    )
+@pytest.fixture(scope="module")
+def uninterpreted() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == ["check", "2", "explain", "2", "bench", "2", "ledger", "2"]
-    assert out.stderr.count("TRITON_INTERPRET=1") == 4
-    assert "Traceback" not in out.stderr
+        [sys.executable, "-c", _UNINTERPRETED], env=env, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(uninterpreted):
+    assert "CUDA" in uninterpreted["error"] and "TRITON_INTERPRET=1" in uninterpreted["error"]
+
+
+def test_commands_refuse_triton_cleanly_where_it_cannot_run(uninterpreted):
+    commands = uninterpreted["commands"]
+    assert [(name, status) for name, status, _ in commands] == [
+        ("check", 2), ("explain", 2), ("bench", 2), ("ledger", 2),
+    ]  # fmt: skip
+    for name, _, err in commands:
+        assert err.count("TRITON_INTERPRET=1") == 1, (name, err)
+        assert "Traceback" not in err, (name, err)
 
 
 def test_ledger_leaves_out_the_interpreters_peak():

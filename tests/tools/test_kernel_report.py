@@ -100,6 +100,8 @@ def quick_report(request, shared_dir):
     return target, done, payload
 
 
+# slow: the report compiles for a minute or two where the cache lacks its binaries
+@pytest.mark.slow
 def test_quick_report_has_no_spill_and_no_shared_overrun(quick_report):
     target, done, payload = quick_report
     assert payload is not None, done.stderr
