@@ -28,18 +28,18 @@ by_tensor_strategy = pytest.mark.parametrize("strategy", TENSOR_STRATEGIES)
 # gradcheck in float64: each case takes code the others do not
 
 # (Hq, Hkv, Nq, Nk, d, mask, fast_mode).  Full gradcheck perturbs every input element one at
-# a time and builds the Jacobian row by row: fine for d = 8 and N <= 7, minutes for N = 97 or
-# d = 59, where fast_mode checks a random projection instead.  Every mask kind runs in full
-# mode, with and without GQA; the fast cases take sizes that no vector width divides (Nk = 97,
-# d = 59), where the fused kernels' products end in a partial vector.
+# a time and builds the Jacobian row by row: seconds for d = 4 and N <= 7 (the time goes with
+# d), minutes for N = 97 or d = 59, where fast_mode checks a random projection instead.  Every
+# mask kind runs in full mode, with and without GQA; the fast cases take sizes that no vector
+# width divides (Nk = 97, d = 59), where the fused kernels' products end in a partial vector.
 GRADCHECK_CASES = [
-    (2, 2, 7, 7, 8, "none", False),  # the plain path
+    (2, 2, 7, 7, 4, "none", False),  # the plain path
     # one bias per query head: under GQA its gradient must not be summed per group
-    (4, 2, 7, 7, 8, "float", False),
-    (4, 2, 7, 7, 8, "bool", False),  # the keep mask shared by a group, a dead row
-    (2, 2, 1, 7, 8, "causal", False),  # a single query row: top-left, it sees key 0 alone
+    (4, 2, 7, 7, 4, "float", False),
+    (4, 2, 7, 7, 4, "bool", False),  # the keep mask shared by a group, a dead row
+    (2, 2, 1, 7, 4, "causal", False),  # a single query row: top-left, it sees key 0 alone
     # a single key: every live row puts all its weight on it (P = 1, dS = 0, dmask = 0)
-    (4, 2, 7, 1, 8, "float", False),
+    (4, 2, 7, 1, 4, "float", False),
     (4, 2, 7, 97, 8, "bool", True),  # Nq < Nk, keys past a vector width, a dead row
     (4, 2, 97, 7, 59, "causal", True),  # Nq > Nk: with is_causal, rows 7.. attend every key
     (2, 2, 97, 97, 59, "float", True),  # every size odd and wide, the bias at [Hq, Nq, Nk]
