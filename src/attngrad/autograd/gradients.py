@@ -15,33 +15,45 @@ their derivative in x is the Hessian of <c, f>, symmetric, so
 is the first-order backward on the cotangents' tangents plus `SecondOrder`
 with the inputs' tangents as its cotangents.  Third derivatives raise.
 
-Argument layout (tensors first, so vmap can fold them; see
-`attngrad.autograd.batching`)::
+Their arguments, tensors first (so vmap can fold them; see
+`attngrad.autograd.batching`), are named once (`attngrad.autograd.layout`)::
 
-    AttentionGradients.apply(dout, dlse, q, k, v, bias, keep, o, *saved, *captured, plan, need)
-        -> (dq, dk, dv, dbias, *dcaptured)
-    SecondOrder.apply(g_q, g_k, g_v, g_bias, *g_captured, <the same>, need)
+    AttentionGradients.apply(*GRADIENTS, plan, need) -> GRADIENTS_OUT
+        (dout, dlse, q, k, v, bias, keep, o, *saved, *captured) -> (dq, dk, dv, dbias, *dcaptured)
+    SecondOrder.apply(*SECOND, plan, need) -> SECOND_OUT
+        (a_q, a_k, a_v, a_bias, *a_captured, <GRADIENTS>)
         -> (grad dout, grad dlse, grad q, grad k, grad v, grad bias, *grad captured)
 
 ``plan`` (`attngrad.core.interface.Plan`) is the call's strategy, mods, scale
 and tiles, with the names of the saved tensors; ``captured`` are a score
 function's captured tensors (`attngrad.core.score_function`), as many as
-``plan.n_captured``.
+``plan.n_captured``; ``need`` says which outputs are wanted.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from attngrad.autograd import batching
+from attngrad.autograd.layout import Args, Layout, roles
 from attngrad.autograd.linearized import Terminal
 from attngrad.autograd.second_order import second_order
 from attngrad.core.amp import no_autocast
 from attngrad.core.interface import Backward, Plan, Problem, Saved, Strategy
 
-__all__ = ["AttentionGradients", "SecondOrder", "first_order", "in_dtypes_of"]
+__all__ = [
+    "GRADIENTS",
+    "GRADIENTS_OUT",
+    "SECOND",
+    "SECOND_OUT",
+    "AttentionGradients",
+    "SecondOrder",
+    "first_order",
+    "in_dtypes_of",
+]
 
 
 def in_dtypes_of(
@@ -81,11 +93,10 @@ def first_order(
     return in_dtypes_of(grads, likes)
 
 
-def _unpack(plan: Plan[Any], tensors: tuple[Any, ...]) -> tuple[Problem[Any], Saved]:
-    """The problem and the saved mapping from (q, k, v, bias, keep, o, *saved, *captured)."""
-    q, k, v, bias, keep, o, *rest = tensors
-    n = len(plan.names)
-    return plan.problem(q, k, v, bias, keep, tuple(rest[n:])), plan.saved(o, tuple(rest[:n]))
+GRADIENTS = Layout(("dout", "dlse", "q", "k", "v", "bias", "keep", "o", "saved", "captured"))
+GRADIENTS_OUT = Layout(("q", "k", "v", "bias", "captured"))
+SECOND = Layout(("a_q", "a_k", "a_v", "a_bias", "a_captured", *GRADIENTS.names))
+SECOND_OUT = Layout(("dout", "dlse", *GRADIENTS_OUT.names))
 
 
 class AttentionGradients(torch.autograd.Function):
@@ -97,14 +108,13 @@ class AttentionGradients(torch.autograd.Function):
     @staticmethod
     def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
         """(masks: bias, keep; captured; {dbias: bias}) positions for vmap."""
-        first = 8 + len(plan.names)
-        return (5, 6), tuple(range(first, first + plan.n_captured)), {3: 5}
+        return roles(GRADIENTS, GRADIENTS_OUT, plan)
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
-        dout, dlse, *tensors, plan, need = args
-        problem, saved = _unpack(plan, tuple(tensors))
-        return first_order(plan.strategy, problem, saved, dout, dlse, need)
+        *tensors, plan, need = args
+        x = GRADIENTS.split(plan, tuple(tensors))
+        return first_order(plan.strategy, x.problem(plan), x.saved_map(plan), x.dout, x.dlse, need)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -118,35 +128,30 @@ class AttentionGradients(torch.autograd.Function):
     @no_autocast
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         tensors, plan = ctx.saved_tensors, ctx.plan
-        n, first = plan.n_captured, 8 + len(plan.names)
-        wants = (*ctx.needs_input_grad[:6], *ctx.needs_input_grad[first : first + n])
-        grads: tuple[torch.Tensor | None, ...] = (None,) * (6 + n)
+        wants = GRADIENTS.pick(plan, ctx.needs_input_grad[:-2], SECOND_OUT)
+        grads = Args()
         if any(c is not None for c in cotangents) and any(wants):
-            grads = batching.apply(SecondOrder, *cotangents, *tensors, plan, wants)
-        middle = (None for _ in tensors[6:first])  # keep, o, saved
-        return (*grads[:6], *middle, *grads[6:], None, None)
+            out = batching.apply(SecondOrder, *cotangents, *tensors, plan, wants)
+            grads = SECOND_OUT.split(plan, out)
+        return (*GRADIENTS.join(plan, grads), None, None)
 
     @staticmethod
     @no_autocast
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         tensors, plan, need = ctx.saved_tensors, ctx.plan, ctx.need
-        n, first = plan.n_captured, 8 + len(plan.names)
-        t_dout, t_dlse, t_q, t_k, t_v, t_bias = tangents[:6]
-        t_captured = tangents[first : first + n]
-        out: list[torch.Tensor | None] = [None] * (4 + n)
-        if t_dout is not None or t_dlse is not None:
-            first_part = batching.apply(
-                AttentionGradients, t_dout, t_dlse, *tensors[2:], plan, need
-            )
-            out = list(first_part)
-        direction = (t_q, t_k, t_v, t_bias, *t_captured)
-        if any(t is not None for t in direction):
-            second = batching.apply(SecondOrder, *direction, *tensors, plan, (False, False, *need))[
-                2:
-            ]
+        t = GRADIENTS.split(plan, tangents[:-2])
+        out: list[torch.Tensor | None] = [None] * len(need)
+        if t.dout is not None or t.dlse is not None:
+            x = replace(GRADIENTS.split(plan, tensors), dout=t.dout, dlse=t.dlse)
+            out = list(batching.apply(AttentionGradients, *GRADIENTS.join(plan, x), plan, need))
+        direction = GRADIENTS_OUT.join(plan, t)  # the tangents of q, k, v, bias, *captured
+        if any(a is not None for a in direction):
+            wanted = (False, False, *need)  # not the gradients of dout and dlse
+            second = batching.apply(SecondOrder, *direction, *tensors, plan, wanted)
+            more = SECOND_OUT.pick(plan, second, GRADIENTS_OUT)
             out = [
                 a if b is None else (b if a is None else a + b)
-                for a, b in zip(out, second, strict=True)
+                for a, b in zip(out, more, strict=True)
             ]
         return tuple(out)
 
@@ -156,7 +161,7 @@ class AttentionGradients(torch.autograd.Function):
 
 
 class SecondOrder(Terminal):
-    """Gradients of <g, (dq, dk, dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias,
+    """Gradients of <a, (dq, dk, dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias,
     *captured); not differentiable."""
 
     GRADIENTS_OF_CAPTURED = True
@@ -167,26 +172,20 @@ class SecondOrder(Terminal):
 
     @staticmethod
     def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
-        """(masks: g_bias, bias, keep; g_captured and captured; {grad bias: bias})."""
-        n = plan.n_captured
-        bias = 4 + n + 5
-        last = bias + 3 + len(plan.names)  # after keep, o, saved
-        captured = (*range(4, 4 + n), *range(last, last + n))
-        return (3, bias, bias + 1), captured, {5: bias}
+        """(masks: a_bias, bias, keep; a_captured and captured; {grad bias: bias})."""
+        return roles(SECOND, SECOND_OUT, plan)
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor | None, ...]:
         *tensors, plan, need = args
-        n = plan.n_captured
-        g_q, g_k, g_v, g_bias = tensors[:4]
-        g_captured = tuple(tensors[4 : 4 + n])
-        dout, dlse, *rest = tensors[4 + n :]
-        problem, saved = _unpack(plan, tuple(rest))
+        x = SECOND.split(plan, tuple(tensors))
+        problem = x.problem(plan)
+        assert x.dout is not None
         grads = second_order(
-            plan.strategy, problem, saved, (g_q, g_k, g_v, g_bias, *g_captured), dout, dlse, need
+            plan.strategy, problem, x.saved_map(plan), x.direction, x.dout, x.dlse, need
         )
         m = problem.mods
-        likes = (dout, dlse, problem.q, problem.k, problem.v, m.bias, *m.captured)
+        likes = (x.dout, x.dlse, problem.q, problem.k, problem.v, m.bias, *m.captured)
         return in_dtypes_of(grads, likes)
 
     @staticmethod

@@ -34,18 +34,20 @@ accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from attngrad.autograd import batching
+from attngrad.autograd.layout import Layout, roles
 from attngrad.autograd.linearized import Terminal, tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Plan, Problem, Saved, Strategy
 from attngrad.core.probabilities import raw_scores
 from attngrad.core.tiling import schedule
 
-__all__ = ["OutputTangent", "output_tangent"]
+__all__ = ["TANGENT", "TANGENT_OUT", "OutputTangent", "output_tangent"]
 
 
 def output_tangent(
@@ -96,11 +98,19 @@ def output_tangent(
     return out.view(b, hq, nq, dv_dim).to(q.dtype), mu.view(b, hq, nq)
 
 
+# the order `attngrad.strategies.base.AttentionFunction.jvp` passes them in
+TANGENT = Layout(
+    ("a_q", "a_k", "a_v", "a_bias", "a_captured", "q", "k", "v", "o", "bias", "keep", "saved",
+     "captured")
+)  # fmt: skip
+TANGENT_OUT = Layout(("o", "lse"))
+
+
 class OutputTangent(Terminal):
     """`output_tangent` as a Function, so that forward mode composes with vmap (jacfwd).
 
-    OutputTangent.apply(t_q, t_k, t_v, t_bias, *t_captured, q, k, v, o, bias, keep, *saved,
-    *captured, plan) -> (O', lse').
+    OutputTangent.apply(*TANGENT, plan) -> (O', lse'): the direction (a_q, a_k, a_v,
+    a_bias, *a_captured) is the inputs' tangents (`attngrad.autograd.layout`).
     """
 
     GRADIENTS_OF_CAPTURED = False
@@ -112,22 +122,16 @@ class OutputTangent(Terminal):
 
     @staticmethod
     def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
-        """(masks: t_bias, bias, keep; t_captured and captured; no mask outputs)."""
-        n = plan.n_captured
-        bias = 4 + n + 4
-        last = bias + 2 + len(plan.names)
-        return (3, bias, bias + 1), (*range(4, 4 + n), *range(last, last + n)), {}
+        """(masks: a_bias, bias, keep; a_captured and captured; no mask outputs)."""
+        return roles(TANGENT, TANGENT_OUT, plan)
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         *tensors, plan = args
-        n, n_saved = plan.n_captured, len(plan.names)
-        t_q, t_k, t_v, t_bias, *t_captured = tensors[: 4 + n]
-        q, k, v, o, bias, keep, *rest = tensors[4 + n :]
-        problem = plan.problem(q, k, v, bias, keep, tuple(rest[n_saved:]))
-        saved_map = plan.saved(None, tuple(rest[:n_saved]))  # O is an output, passed on its own
-        tangents = (t_q, t_k, t_v, t_bias, *t_captured)
-        return output_tangent(plan.strategy, problem, saved_map, tangents, o)
+        x = TANGENT.split(plan, tuple(tensors))
+        assert x.o is not None
+        saved = replace(x, o=None).saved_map(plan)  # O is an output, passed on its own
+        return output_tangent(plan.strategy, x.problem(plan), saved, x.direction, x.o)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
