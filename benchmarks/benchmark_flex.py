@@ -2,6 +2,7 @@
 
     python benchmarks/benchmark_flex.py [--seq 4096] [--strategy auto] [--repeats 5]
                                         [--memory-seq 16384] [--no-memory] [--no-torch]
+                                        [--mask-seq 2048] [--masks-only]
                                         [--csv results/benchmark_flex.csv]
 
 Forward+backward (O, then dq, dk, dv and the captured tensors' gradients) of
@@ -26,6 +27,15 @@ has, forward only: it has no CPU backward), target <= 0.7x each; forward+backwar
 SDPA's FLASH_ATTENTION kernel on the causal mask (reported); and the first call of a new
 score function (its trace and programs) against a later call, target <= 20 s more.
 
+Masks that are no band (``--mask-seq``, default 2048; B=1, H=8, d=64, float32,
+forward+backward; ``--masks-only`` runs this part alone), time and peak bytes beyond the
+inputs, each against the same BlockMask read as a dense keep [B, H, Nq, Nk] (its mask
+program turned off: fused's path before mask programs; reported):
+
+    dilated      (kv_idx % 3 == 0) & causal: every block below the diagonal partial
+    global       16 global tokens and a causal window of 512: empty blocks inside each
+                 row's span, skipped
+
 Memory (``--memory-seq``, default 16384; B=1, H=4, d=64): the peak bytes beyond the inputs
 of forward+backward and of double backward with a learnable relative-position table
 [H, 2N-1], against the same strategy without a score function (both causal); target
@@ -35,12 +45,14 @@ within 2x.  Exit 1 when a target is missed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +61,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 import attngrad
+from attngrad.strategies.fused import strategy as fused_strategy
 from attngrad.tools.memory import format_bytes, measure_peak_bytes
 from attngrad.tools.timing import interleaved, spreads
 
@@ -62,6 +75,7 @@ TARGETS = {
 }  # fmt: skip
 FORWARD_TARGET = 0.7  # forward with ALiBi or the relative table against torch's compiled flex
 FIRST_CALL_TARGET = 20.0  # seconds a new score function's first call may add
+GLOBAL_TOKENS, WINDOW = 16, 512  # the "global" mask: Longformer's shape, made causal
 
 
 def _note(text: str) -> None:
@@ -138,6 +152,84 @@ def variants(n: int, heads: int, strategy: str) -> dict[str, Callable[..., torch
         "softcap-mod": flex(score_mod=softcap, block_mask=mask),
         "sdpa-flash": _sdpa_flash,
     }
+
+
+def dilated(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return (j % 3 == 0) & (i >= j)
+
+
+def global_window(
+    b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+) -> torch.Tensor:
+    return (i < GLOBAL_TOKENS) | (j < GLOBAL_TOKENS) | ((i >= j) & (i - j < WINDOW))
+
+
+MASKS = {"dilated": dilated, "global": global_window}
+
+
+@contextlib.contextmanager
+def dense_keep() -> Iterator[None]:
+    """fused reads a BlockMask that is no band as a dense keep [B, H, Nq, Nk], as before mask
+    programs (its mask_mod taken for one that does not compile)."""
+    with mock.patch.object(fused_strategy, "_mask_program", lambda blocks: None):
+        yield
+
+
+def mask_calls(n: int, strategy: str) -> dict[str, Callable[[], object]]:
+    """{variant: forward+backward}: the causal BlockMask, each of `MASKS` through its mask
+    program and as a dense keep ("<name>-dense"); B=1, H=8, d=64, float32."""
+    heads, d = 8, 64
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, heads, n, d, generator=g).requires_grad_() for _ in range(3))
+    do = torch.randn(1, heads, n, d, generator=g)
+    blocks = {name: create_block_mask(fn, None, None, n, n, device="cpu")
+              for name, fn in {"blockmask": causal, **MASKS}.items()}  # fmt: skip
+
+    def call(mask: object, dense: bool = False) -> Callable[[], object]:
+        def run() -> object:
+            with dense_keep() if dense else contextlib.nullcontext():
+                out = attngrad.flex_attention(q, k, v, block_mask=mask, strategy=strategy)
+                return torch.autograd.grad(out, (q, k, v), do)
+
+        return run
+
+    calls = {"blockmask": call(blocks["blockmask"])}
+    for name in MASKS:
+        calls[name] = call(blocks[name])
+        calls[f"{name}-dense"] = call(blocks[name], dense=True)
+    return calls
+
+
+def time_masks(n: int, strategy: str, repeats: int) -> dict[str, float]:
+    """Fastest forward+backward round of each of `mask_calls`, seconds."""
+    times = interleaved(mask_calls(n, strategy), repeats=repeats, warmup=1)
+    return {name: s.low for name, s in spreads(times).items()}
+
+
+def mask_peaks(n: int, strategy: str) -> dict[str, int]:
+    """Peak bytes beyond the inputs of each of `mask_calls`."""
+    out = {}
+    for name, run in mask_calls(n, strategy).items():
+        _note(f"memory: {name} at N={n}")
+        out[name] = measure_peak_bytes(run)
+    return out
+
+
+def report_masks(
+    n: int, strategy: str, repeats: int
+) -> list[tuple[str, str, float, float | None, str]]:
+    """Rows (what, against, ratio, target, verdict) of the masks that are no band."""
+    best, peak = time_masks(n, strategy, repeats), mask_peaks(n, strategy)
+    print(f"\nmasks that are no band, forward+backward, {strategy}, B=1 H=8 N={n} d=64 "
+          f"float32, fastest of {repeats} interleaved rounds; peak bytes beyond the inputs")  # fmt: skip
+    for name, seconds in best.items():
+        print(f"  {name:14s} {seconds * 1e3:9.1f} ms  {format_bytes(peak[name]):>12s}")
+    rows: list[tuple[str, str, float, float | None, str]] = []
+    for name in MASKS:
+        rows.append((f"{name} time", f"{name}-dense", best[name] / best[f"{name}-dense"], None, ""))
+        rows.append((f"{name} peak", f"{name}-dense", peak[name] / peak[f"{name}-dense"], None, ""))
+        rows.append((f"{name} time", "blockmask", best[name] / best["blockmask"], None, ""))
+    return rows
 
 
 def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -264,13 +356,33 @@ def main() -> int:
     parser.add_argument("--memory-seq", type=int, default=16384)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's compiled flex")
+    parser.add_argument("--mask-seq", type=int, default=2048)
+    parser.add_argument("--masks-only", action="store_true", help="only the masks of no band")
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args()
     if args.seq % DOCUMENTS:
         parser.error(f"--seq must be a multiple of {DOCUMENTS} (the packed documents)")
-    rows: list[
-        tuple[str, str, float, float | None, str]
-    ] = []  # what, against, ratio, target, verdict
+    rows: list[tuple[str, str, float, float | None, str]] = []  # what, against, ratio, ...
+    met = True if args.masks_only else _other_variants(args, rows)
+    rows += report_masks(args.mask_seq, args.strategy, args.repeats)
+    print("\nratios (fastest rounds):")
+    for what, against, ratio, target, verdict in rows:
+        goal = "" if target is None else f"  target <= {target}: {verdict}"
+        print(f"  {what} / {against}: {ratio:.3f}{goal}")
+    if args.csv is not None:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["variant", "baseline", "ratio", "target", "verdict"])
+            w.writerows(rows)
+    return 0 if met else 1
+
+
+def _other_variants(
+    args: argparse.Namespace, rows: list[tuple[str, str, float, float | None, str]]
+) -> bool:
+    """The score functions' variants, torch's compiled flex, the first call and memory
+    (module docstring), their rows added to ``rows``; whether every target was met."""
     best = time_variants(args.seq, args.strategy, args.repeats)
     print(f"\nforward+backward, {args.strategy}, B=1 H=8 N={args.seq} d=64 float32, fastest of "
           f"{args.repeats} interleaved rounds")  # fmt: skip
@@ -308,17 +420,7 @@ def main() -> int:
                   f"plain {format_bytes(p[f'{order} plain'])}")  # fmt: skip
             rows.append((f"peak {order} order, table [H, 2N-1], N={args.memory_seq}",
                          "no score_mod", ratio, 2.0, "met" if ok else "MISSED"))  # fmt: skip
-    print("\nratios (fastest rounds):")
-    for what, against, ratio, target, verdict in rows:
-        goal = "" if target is None else f"  target <= {target}: {verdict}"
-        print(f"  {what} / {against}: {ratio:.3f}{goal}")
-    if args.csv is not None:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["variant", "baseline", "ratio", "target", "verdict"])
-            w.writerows(rows)
-    return 0 if met else 1
+    return met
 
 
 if __name__ == "__main__":

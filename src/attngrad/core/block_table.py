@@ -20,12 +20,15 @@ line up with the blocks:
 * `keep`: the tile's bool mask [B, H, r, c] -- ``mask_mod`` on the scores
   of partial blocks, True in full blocks, False in empty ones -- or None
   when every block the tile touches is full for every (b, h);
-* `rows_of_keys`: for the fused kernels, which read a band of keys per row
-  ([lo, hi) int64 [Nq]) and a dense keep: the band alone when every row
-  keeps one interval of keys, the same for every (b, h) -- causal, sliding
-  windows, documents, prefix-LM (``mask_mod`` called on partial blocks only)
-  -- else the rows' spans and the whole keep [B, H, Nq, Nk] (O(Nq * Nk)
-  bytes: global tokens, dilated windows, masks that differ by head).
+* `rows_of_blocks`: for the fused kernels, which read a band of keys per row
+  ([lo, hi) int64 [Nq]): the band alone when every row keeps one interval of
+  keys, the same for every (b, h) -- causal, sliding windows, documents,
+  prefix-LM (``mask_mod`` called on partial blocks only) -- else the rows'
+  spans of non-empty blocks and the status, which the kernels read block by
+  block, running ``mask_mod`` compiled (`attngrad.core.score_program.compile_mask`)
+  on partial blocks: global tokens, dilated windows, masks that differ by head;
+* `rows_of_keys`: the same band, or the spans and the whole keep
+  [B, H, Nq, Nk] (O(Nq * Nk) bytes), for a ``mask_mod`` that does not compile.
 
 torch's compiled kernel calls ``mask_mod`` on partial blocks only, and a score
 function on kept blocks only: a function that reads a table valid only there
@@ -135,13 +138,15 @@ class MaskFunction:
 
     batch: B of the call (a folded batch entry b reads b mod batch); heads: Hq;
     elementwise: every op of it acts on each score alone (`attngrad.core.pointwise.Reads`),
-    so a tile runs it once on broadcast indices instead of under vmap.
+    so a tile runs it once on broadcast indices instead of under vmap; captured: the
+    tensors it reads that it did not make (what its compiled program reads).
     """
 
     fn: Callable[..., torch.Tensor]
     batch: int
     heads: int
     elementwise: bool = False
+    captured: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def of(
@@ -184,7 +189,7 @@ class MaskFunction:
                     "mask is not differentiable. Pass it detached (t.detach()), or put a "
                     "learnable term into score_mod."
                 )
-        return MaskFunction(fn, batch, heads, reads.elementwise)
+        return MaskFunction(fn, batch, heads, reads.elementwise, tuple(reads.read.values()))
 
     def folded(self, batch: int) -> MaskFunction:
         return replace(self, batch=batch)
@@ -257,7 +262,7 @@ class BlockTable:
     seq_k: int
     mask: MaskFunction
     kinds: tuple[tuple[int, ...], ...]
-    _cache: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict[tuple[str, int], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def of(block_mask: object, q: torch.Tensor, k: torch.Tensor, batch: int) -> BlockTable:
@@ -447,51 +452,70 @@ class BlockTable:
             return None
         return torch.where(live, first, 0), torch.where(live, last + 1, 0)
 
+    def rows_of_blocks(
+        self, folded: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(lo, hi, status) for a fused kernel that runs ``mask_mod`` itself (module
+        docstring): int64 [Nq] bounds of each row's keys, and None when they are exact, else
+        the rows' spans of non-empty blocks and ``status`` [Bm, Hm, QB, KB] (the host's)."""
+        band = self._band(folded, device)
+        if band is not None:
+            return *band, None
+        return *self._spans(device), self.status
+
     def rows_of_keys(
         self, folded: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(lo, hi, keep) for a fused kernel (module docstring): int64 [Nq] bounds of each
         row's keys, and None when they are exact, else the bool keep [B, H, Nq, Nk]."""
-        cached = self._cache.get(folded)
-        if cached is not None:
-            return cached  # type: ignore[no-any-return]
-        small = not self.mask.elementwise  # block by block: small host-side ops
-        with one_thread() if small else contextlib.nullcontext():
-            out = self._rows_of_keys(folded, device)
-        self._cache[folded] = out
-        return out
+        lo, hi, status = self.rows_of_blocks(folded, device)
+        if status is None:
+            return lo, hi, None
+        dense = self._cache.get(("dense", folded))
+        if dense is None:
+            dense = self._cache["dense", folded] = self._dense(folded, device)
+        return lo, hi, dense
 
-    def _rows_of_keys(
-        self, folded: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _band(self, folded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's exact [lo, hi) of keys on ``device``, or None where a row keeps more
+        than one interval or (b, h) differ; found once per ``folded``."""
+        key = ("band", folded)
+        if key not in self._cache:
+            small = not self.mask.elementwise  # block by block: small host-side ops
+            with one_thread() if small else contextlib.nullcontext():
+                band = self._exact(folded, device)
+            self._cache[key] = None if band is None else (band[0].to(device), band[1].to(device))
+        return self._cache[key]  # type: ignore[no-any-return]
+
+    def _exact(self, folded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.mask.elementwise:  # every partial block at once
+            return self._exact_all_rows(folded, device)
         nq, bq = self.seq_q, self.block[0]
         lo = torch.zeros(nq, dtype=torch.int64)
         hi = torch.zeros(nq, dtype=torch.int64)
-        row_blocks = [slice(r0, min(r0 + bq, nq)) for r0 in range(0, nq, bq)]
-        dense = None
-        if self.mask.elementwise:  # every partial block at once
-            bounds = self._exact_all_rows(folded, device)
+        for r0 in range(0, nq, bq):
+            rows = slice(r0, min(r0 + bq, nq))
+            bounds = self._exact_rows(folded, rows, device)
             if bounds is None:
-                dense = self._dense(folded, device)
-            else:
-                lo, hi = bounds
-        else:
-            for rows in row_blocks:
-                bounds = self._exact_rows(folded, rows, device)
-                if bounds is None:
-                    dense = self._dense(folded, device)
-                    break
-                lo[rows], hi[rows] = bounds
-        if dense is not None:  # each row's span of blocks as its band, the keep inside it
-            for rows in row_blocks:
-                lo[rows], hi[rows] = self.key_span(rows)
-        return lo.to(device), hi.to(device), dense
+                return None
+            lo[rows], hi[rows] = bounds
+        return lo, hi
+
+    def _spans(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's span of keys, from its block row's first to last non-empty block."""
+        nq, bq = self.seq_q, self.block[0]
+        lo = torch.zeros(nq, dtype=torch.int64)
+        hi = torch.zeros(nq, dtype=torch.int64)
+        for r0 in range(0, nq, bq):
+            rows = slice(r0, min(r0 + bq, nq))
+            lo[rows], hi[rows] = self.key_span(rows)
+        return lo.to(device), hi.to(device)
 
     def _exact_all_rows(
         self, folded: int, device: torch.device, chunk: int = 64
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`_exact_rows` of every row at once, for an elementwise ``mask_mod``: it runs on the
-        partial blocks side by side, ``chunk`` blocks per call (a bounded buffer)."""
+        partial blocks side by side, at most ``chunk`` blocks per call (a bounded buffer)."""
         (bq, bk), nq, nk = self.block, self.seq_q, self.seq_k
         if any(MIXED in row for row in self.kinds):
             return None
@@ -515,8 +539,20 @@ class BlockTable:
             self.mask.batch, folded, self.mask.heads, slice(0, 0), slice(0, 0), device
         )
         b, h = index.b.view(-1, 1, 1, 1, 1), index.h.view(1, -1, 1, 1, 1)
-        for c0 in range(0, len(pairs), chunk):
-            part = torch.tensor(pairs[c0 : c0 + chunk], dtype=torch.int64)  # [P, 2]
+
+        def intervals(rows: slice) -> bool:
+            live = count[rows] > 0
+            return bool((~live | (last[rows] - first[rows] + 1 == count[rows])).all())
+
+        c0, step = 0, 1
+        while c0 < len(pairs):
+            # the row blocks before this chunk's first are done: one that keeps more than
+            # one interval of keys ends the search, so the first chunks are small (a
+            # dilated mask's first rows end it after one block)
+            if not intervals(slice(0, pairs[c0][0] * bq)):
+                return None
+            part = torch.tensor(pairs[c0 : c0 + step], dtype=torch.int64)  # [P, 2]
+            c0, step = c0 + step, min(chunk, 2 * step)
             qb, kb = part[:, 0], part[:, 1]
             rows = qb[:, None] * bq + torch.arange(bq)  # [P, bq]
             cols = kb[:, None] * bk + torch.arange(bk)  # [P, bk]
@@ -543,9 +579,9 @@ class BlockTable:
                 0, target, torch.where(kept, at, -1).amax(-1).flatten()[real], "amax"
             )
             count.scatter_add_(0, target, kept.sum(-1).flatten()[real])
-        live = count > 0
-        if not bool((~live | (last - first + 1 == count)).all()):
+        if not intervals(slice(0, nq)):
             return None
+        live = count > 0
         return torch.where(live, first, 0), torch.where(live, last + 1, 0)
 
     def _dense(self, folded: int, device: torch.device) -> torch.Tensor:

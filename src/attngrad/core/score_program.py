@@ -17,9 +17,15 @@ the indices it was read at.  The derivative rules are torch's (``where`` routes 
 branch taken, ``clamp`` passes the gradient inside its bounds, ties of ``minimum`` and
 ``maximum`` split it in half).
 
-A function with an op outside the table is not compiled: `compile_score` returns the
-reason, naming the op, and the call runs on the tensor-op tiles.  Programs are cached per
-function, compute dtype, captured shapes and the Python scalars its closure holds.
+A BlockMask's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` compiles the same way
+(`compile_mask`): the four indices are its loads, its result an I register (1 = the score
+is kept), and it has no pullback.  The kernels run it on the partial blocks of the mask
+alone, as torch's compiled kernel calls it.
+
+A function with an op outside the table is not compiled: `compile_score` (`compile_mask`)
+returns the reason, naming the op, and the call runs on the tensor-op tiles (a mask: as a
+dense keep mask).  Programs are cached per function, compute dtype, captured shapes and
+the Python scalars its closure holds.
 """
 
 from __future__ import annotations
@@ -41,7 +47,16 @@ from attngrad.core.pointwise import INDEX, Reads
 if TYPE_CHECKING:
     from attngrad.core.score_function import ScoreFunction
 
-__all__ = ["Instruction", "Program", "ScoreProgram", "compile_score", "encode", "program_of"]
+__all__ = [
+    "Instruction",
+    "MaskProgram",
+    "Program",
+    "ScoreProgram",
+    "compile_mask",
+    "compile_score",
+    "encode",
+    "program_of",
+]
 
 F, I = "F", "I"  # noqa: E741 -- the two kinds of value: compute dtype, int64
 
@@ -91,6 +106,17 @@ class ScoreProgram:
     pullback: Program
     made: tuple[torch.Tensor, ...]
     wanted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MaskProgram:
+    """A mask function's program: ``program.out`` an I register, 1 where the score is kept.
+
+    made: tensors the function built itself, read as captures after the real ones.
+    """
+
+    program: Program
+    made: tuple[torch.Tensor, ...]
 
 
 class Unsupported(Exception):
@@ -266,7 +292,8 @@ class _Lowering:
         op = "GATHER_F" if t.is_floating_point() else "GATHER_I"
         return self.b.emit(op, *registers, capture=view.capture)
 
-    def run(self, placeholders: dict[str, str]) -> int:
+    def run(self, placeholders: dict[str, str]) -> Any:
+        """Lower every node; the graph's output argument (a node, or a Python number)."""
         out: Any = None
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -278,8 +305,7 @@ class _Lowering:
                 self.value[node] = self.call(node)
             elif node.op == "output":
                 out = node.args[0]
-        assert isinstance(out, torch.fx.Node)
-        return self.operand(out, F)
+        return out
 
     def call(self, node: torch.fx.Node) -> Any:
         target = node.target
@@ -380,7 +406,8 @@ class _Lowering:
     def truth(self, x: Any) -> int:
         """A 0/1 register: x itself when it is a bool, else x != 0."""
         r = self.operand(x, self.kind(x))
-        if isinstance(x, torch.fx.Node) and x.meta["val"].dtype == torch.bool:
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bool:
             return r
         k = self.b.kind[r]
         return self.b.emit(f"NE_{k}", r, self.b.const(0, k))
@@ -551,7 +578,7 @@ def _pullback(b: _Builder, forward: list[Instruction], out: int, wanted: set[int
 
 # -- compiling, cached ----------------------------------------------------------
 
-_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ScoreProgram | str]] = (
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ScoreProgram | MaskProgram | str]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -629,7 +656,9 @@ def compile_score(
         known = {}
     if key not in known:
         known[key] = _compile(fn, captured, dtype, wanted)
-    return known[key]
+    found = known[key]
+    assert not isinstance(found, MaskProgram)  # a mask's key differs
+    return found
 
 
 def _compile(
@@ -638,12 +667,76 @@ def _compile(
     dtype: torch.dtype,
     wanted: Sequence[bool],
 ) -> ScoreProgram | str:
+    def example() -> tuple[torch.Tensor, ...]:
+        return torch.zeros(1, 1, 1, 1, dtype=dtype), *_indices()
+
+    lowered = _lower(fn, captured, example, ("SCORE", "BATCH", "HEAD", "QUERY", "KEY"))
+    if isinstance(lowered, str):
+        return lowered
+    lowering, result = lowered
+    try:
+        out = lowering.operand(result, F)
+    except Unsupported as err:
+        return str(err)
+    b = lowering.b
+    forward = b.program(out)
+    chosen = {n for n, w in enumerate(wanted) if w}
+    pullback = _pullback(b, list(b.code), out, chosen)
+    return ScoreProgram(forward, pullback, tuple(lowering.made), tuple(sorted(chosen)))
+
+
+def compile_mask(
+    fn: Callable[..., torch.Tensor], captured: Sequence[torch.Tensor]
+) -> MaskProgram | str:
+    """``fn``'s program, a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` reading ``captured`` (the
+    tensors its closure holds, by identity), its out an I register (1 = kept); or why it
+    cannot be compiled (the op the kernels lack).  Cached like `compile_score`."""
+    key = ("mask", tuple((tuple(t.shape), t.dtype) for t in captured), _closure_key(fn))
+    try:
+        known = _CACHE.setdefault(fn, {})
+    except TypeError:  # a callable that takes no weak reference: compiled each call
+        known = {}
+    if key not in known:
+        known[key] = _compile_mask(fn, captured)
+    found = known[key]
+    assert not isinstance(found, ScoreProgram)  # a score function's key differs
+    return found
+
+
+def _compile_mask(
+    fn: Callable[..., torch.Tensor], captured: Sequence[torch.Tensor]
+) -> MaskProgram | str:
+    lowered = _lower(fn, captured, _indices, ("BATCH", "HEAD", "QUERY", "KEY"))
+    if isinstance(lowered, str):
+        return lowered
+    lowering, result = lowered
+    try:
+        out = lowering.truth(result)  # the kept scores as 0/1, whatever dtype fn returns
+    except Unsupported as err:
+        return str(err)
+    return MaskProgram(lowering.b.program(out), tuple(lowering.made))
+
+
+def _indices() -> tuple[torch.Tensor, ...]:
+    """b, h, q_idx, kv_idx as a trace takes them: 4-d, so indexing is a gather."""
+    return tuple(torch.zeros(1, 1, 1, 1, dtype=INDEX) for _ in range(4))
+
+
+def _lower(
+    fn: Callable[..., torch.Tensor],
+    captured: Sequence[torch.Tensor],
+    example: Callable[[], tuple[torch.Tensor, ...]],
+    loads: Sequence[str],
+) -> tuple[_Lowering, Any] | str:
+    """``fn`` traced on the tensors ``example()`` makes (inside the trace's context: made
+    under a torch.func transform they would be its wrappers) and lowered, its arguments the
+    ``loads``: the lowering and the graph's output argument, or why it cannot be (the op the
+    kernels lack)."""
     swap: dict[int, torch.Tensor] = {}
 
-    def traced(s: torch.Tensor, b_: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
-               j: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def traced(*args: torch.Tensor) -> torch.Tensor:
         with Reads((), swap) if swap else contextlib.nullcontext():
-            return fn(s, b_, h, i, j)
+            return fn(*args)
 
     try:
         # no autograd of either mode, and no torch.func transform, recorded into the trace
@@ -657,22 +750,17 @@ def _compile(
             # the trace would copy, no longer the closure's tensors
             plain = [_plain(t) for t in captured]
             swap.update((id(t), p) for t, p in zip(captured, plain, strict=True) if p is not t)
-            score = torch.zeros(1, 1, 1, 1, dtype=dtype)
-            index = [torch.zeros(1, 1, 1, 1, dtype=INDEX) for _ in range(4)]
-            gm = make_fx(traced)(score, *index)
+            gm = make_fx(traced)(*example())
         lowering = _Lowering(plain, gm)
-        out = lowering.run(_placeholders(gm))
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        out = lowering.run(dict(zip(names, loads, strict=True)))
     except Unsupported as err:
         return str(err)
     except Exception as err:
         return (
             f"tracing failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         )
-    b = lowering.b
-    forward = b.program(out)
-    chosen = {n for n, w in enumerate(wanted) if w}
-    pullback = _pullback(b, list(b.code), out, chosen)
-    return ScoreProgram(forward, pullback, tuple(lowering.made), tuple(sorted(chosen)))
+    return lowering, out
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -681,11 +769,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     if not torch._C._functorch.is_functorch_wrapped_tensor(t):
         return t
     return torch.empty(t.shape, dtype=t.dtype)
-
-
-def _placeholders(gm: torch.fx.GraphModule) -> dict[str, str]:
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return dict(zip(names, ("SCORE", "BATCH", "HEAD", "QUERY", "KEY"), strict=True))
 
 
 # -- encoding -----------------------------------------------------------------------

@@ -459,11 +459,14 @@ def _engine(directory: Path) -> tuple[str, dict[str, float], float]:
     return chosen, rates, peak
 
 
-# The backward op's score-program arguments after need_ds, in the schema's order.
+# The backward op's arguments after need_ds, in the schema's order: the score function's
+# (a program or a diagonal), then the BlockMask's read by blocks (its mask program, status).
 _BACKWARD_PROGRAM_ARGS = (
     "code", "constants", "indices", "out", "captured", "batch",
     "grad_code", "grad_constants", "grad_indices", "grad_out", "wanted",
     "diagonal", "need_ddiagonal",
+    "mask_code", "mask_constants", "mask_indices", "mask_out", "mask_captured", "mask_batch",
+    "status", "mask_block_q", "mask_block_k",
 )  # fmt: skip
 
 
@@ -502,7 +505,8 @@ def _register_fakes() -> None:
         **program: object,
     ) -> tuple[object, ...]:
         # rest: stats .. engine (15), need_ds, then the score function's arguments (a program
-        # or a diagonal), by position or by name, the trailing ones left at their defaults
+        # or a diagonal) and the BlockMask's, by position or by name, the trailing ones left at
+        # their defaults (the BlockMask's change no result's shape)
         need_ds = bool(rest[15])
         named = dict(zip(_BACKWARD_PROGRAM_ARGS, rest[16:], strict=False)) | program
         ds = q.new_empty(*q.shape[:3], k.shape[2]) if need_ds else q.new_empty(0)

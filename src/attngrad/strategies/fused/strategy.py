@@ -14,8 +14,13 @@ gradient costs O(Nq * Nk) memory).  Double backward and forward mode run
 through the shared tiled passes (`attngrad.autograd`), on P rebuilt from the
 saved statistics.
 
-A FlexAttention BlockMask reaches the kernels as their band and keep mask
-(`attngrad.core.block_table.BlockTable.rows_of_keys`).  A relative score function
+A FlexAttention BlockMask reaches the kernels as their band when each row keeps one
+interval of keys; else as the band of its rows' non-empty blocks, its block status and
+its ``mask_mod`` compiled into a mask program (`attngrad.core.score_program.compile_mask`),
+which the kernels run on the partial blocks alone
+(`attngrad.core.block_table.BlockTable.rows_of_blocks`); a ``mask_mod`` with an op outside
+the programs' table arrives as a dense keep mask [B, Hq, Nq, Nk] instead
+(`BlockTable.rows_of_keys`).  A relative score function
 (``S + t(b, h, q_idx - kv_idx)``) reaches them as its term along the diagonals
 (`attngrad.strategies.fused.diagonal`), added to each row like a bias row.  Any other
 score function runs inside them as a program (`attngrad.core.score_program`: the function traced once
@@ -34,15 +39,23 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from attngrad.core import ops
+from attngrad.core.block_table import BlockTable
 from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import compute_dtype
-from attngrad.core.score_program import Program, encode, program_of, softcap_of
+from attngrad.core.score_program import (
+    MaskProgram,
+    Program,
+    compile_mask,
+    encode,
+    program_of,
+    softcap_of,
+)
 from attngrad.core.scores import ScoreMods
 from attngrad.strategies.base import AttentionFunction
 from attngrad.strategies.common import (
@@ -76,17 +89,63 @@ def _operands(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(compute_dtype(t.dtype)).contiguous() for t in tensors]
 
 
-def _mod_args(problem: Problem[Tiles]) -> tuple[list[object], list[object]]:
+def _mod_args(
+    problem: Problem[Tiles],
+) -> tuple[list[object], list[object], dict[str, object]]:
     """The ops' arguments from the mods, before and after the scale: (bias, keep (at the
     scores' [B, Hq, Nq, Nk], the bias in the compute dtype), the band's lo and hi,
-    dropout's row and column words) and (the softcap (0: none), the threshold,
-    1 / (1 - p))."""
-    q, k = problem.q, problem.k
+    dropout's row and column words), (the softcap (0: none), the threshold,
+    1 / (1 - p)) and, by name, a BlockMask's read by blocks (`_block_args`)."""
+    q, k, mods = problem.q, problem.k, problem.mods
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    m = KernelMods.of(problem.mods, shape, torch.device("cpu"), problem.dtype)
-    before: list[object] = [m.bias, m.keep, m.lo, m.hi, m.row_words, m.col_words]
+    # the BlockMask is read here, not by KernelMods (which would make it a dense keep)
+    m = KernelMods.of(replace(mods, blocks=None), shape, torch.device("cpu"), problem.dtype)
+    lo, hi, keep = m.lo, m.hi, m.keep
+    blocks: dict[str, object] = {}
+    if mods.blocks is not None:
+        lo, hi, keep, blocks = _block_args(mods.blocks, shape, problem.dtype)
+    before: list[object] = [m.bias, keep, lo, hi, m.row_words, m.col_words]
     cap = m.softcap if m.softcap is not None else _softcap_mod(problem)
-    return before, [0.0 if cap is None else float(cap), m.threshold, m.keep_scale]
+    return before, [0.0 if cap is None else float(cap), m.threshold, m.keep_scale], blocks
+
+
+def _block_args(
+    blocks: BlockTable, shape: tuple[int, int, int, int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, object]]:
+    """(lo, hi, keep, by name) for a BlockMask over scores ``shape`` [B, Hq, Nq, Nk]: its
+    exact band alone where it is one; else the band of its rows' blocks with its status and
+    mask program (the ops' ``mask_*`` and ``status``), or, for a ``mask_mod`` that does not
+    compile, the dense keep at ``shape``."""
+    cpu = torch.device("cpu")
+    lo, hi, status = blocks.rows_of_blocks(shape[0], cpu)
+    if status is None:
+        return lo, hi, None, {}
+    mask = _mask_program(blocks)
+    if mask is None:
+        lo, hi, dense = blocks.rows_of_keys(shape[0], cpu)
+        return lo, hi, None if dense is None else dense.expand(shape), {}
+    code, constants, indices = _encoded(mask.program)
+    captured = [
+        t.to(dtype if t.is_floating_point() else torch.int64).contiguous()
+        for t in (*blocks.mask.captured, *mask.made)
+    ]
+    bq, bk = blocks.block
+    args: dict[str, object] = {
+        "mask_code": code, "mask_constants": constants, "mask_indices": indices,
+        "mask_out": mask.program.out, "mask_captured": captured, "mask_batch": blocks.mask.batch,
+        "status": status, "mask_block_q": bq, "mask_block_k": bk,
+    }  # fmt: skip
+    return lo, hi, None, args
+
+
+def _mask_program(blocks: BlockTable) -> MaskProgram | None:
+    """The BlockMask's ``mask_mod`` compiled, or None where it does not compile (an op
+    outside the programs' table, or one that reads more than one score's worth at once)."""
+    mask = blocks.mask
+    if not mask.elementwise:
+        return None
+    program = compile_mask(mask.fn, mask.captured)
+    return None if isinstance(program, str) else program
 
 
 def _softcap_mod(problem: Problem[Tiles]) -> float | None:
@@ -207,11 +266,11 @@ class Fused(KeepsOutput[Tiles]):
         """O: [B, Hq, Nq, dv] (input dtype) and {"o": O, "stats": [B, Hq, Nq, 2]} (compute dtype)."""
         library = build.load()
         qc, kc, vc = _operands(problem.q, problem.k, problem.v)
-        before, after = _mod_args(problem)
+        before, after, blocks = _mod_args(problem)
         tiles = problem.tiles
         o, stats = torch.ops.attngrad_fused.forward(
             qc, kc, vc, *before, problem.scale, *after, tiles.block_q, tiles.block_k,
-            library.engine_id, **_score_args(problem, _diagonal(problem), None),
+            library.engine_id, **_score_args(problem, _diagonal(problem), None), **blocks,
         )  # fmt: skip
         o = o.to(problem.q.dtype)
         return o, {"o": o, "stats": stats}
@@ -230,14 +289,14 @@ class Fused(KeepsOutput[Tiles]):
         stats = saved["stats"].to(qc.dtype).contiguous()
         # Delta = rowsum(dO * O) - dlse: lse's cotangent joins Delta, dS = P * (dP - Delta + dlse)
         delta = ops.delta(doc, saved["o"], backward.dlse, qc.dtype)
-        before, after = _mod_args(problem)
+        before, after, blocks = _mod_args(problem)
         tiles = problem.tiles
         dcaptured = backward.dcaptured
         diagonal = _diagonal(problem)
         dq, dk, dv, ds, sums, dd = torch.ops.attngrad_fused.backward(
             doc, qc, kc, vc, stats, delta.contiguous(), *before, problem.scale, *after,
             tiles.block_q, tiles.block_k, library.engine_id, grads[3] is not None,
-            **_score_args(problem, diagonal, dcaptured),
+            **_score_args(problem, diagonal, dcaptured), **blocks,
         )  # fmt: skip
         add_kernel_gradients(grads, (dq, dk, dv), ds)
         if diagonal is not None and dd.numel() > 0:

@@ -27,6 +27,14 @@
 // A relative score_mod (S' = S + t(b, h, i - j)) arrives instead as its term along the
 // diagonals, D (`Problem::diagonal`), added to each row like a bias; backward sums dS' along
 // the diagonals into dD per unit, and the units' sums join in unit order.
+//
+// A BlockMask arrives as a band (lo, hi) when each row keeps one interval of keys; else as
+// the band of its rows' non-empty blocks, its block status [Bm, Hm, QB, KB] and its mask_mod
+// as a mask program (`tile.h`, `mask_blocks`): both passes skip a tile whose blocks are all
+// empty for its head, mask empty blocks, keep full ones and run the mask program on the rows'
+// segments in partial ones, whatever the tile and block sizes.  A score program's bounds
+// checks and backward's zeroing of dS read the tile's verdicts.  (A dense keep [B, Hq, Nq,
+// Nk] remains for a mask_mod that does not compile.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -73,8 +81,16 @@ void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
 template <typename T>
 struct RowScratch {  // forward: one block of query rows
   Buffer<T> q, s, acc, m, l, shift;
-  std::unique_ptr<Runner<T>> run;  // the score program's registers, when there is one
+  std::unique_ptr<Runner<T>> run;   // the score program's registers, when there is one
+  std::unique_ptr<Runner<T>> mask;  // the mask program's, likewise
+  Buffer<uint8_t> blocks;           // the tile's BlockMask verdicts, for run's bounds checks
 };
+
+// A BlockMask's verdicts per score of a tile are kept where a score program reads them.
+template <typename T>
+bool wants_verdicts(const Problem<T>& pb) {
+  return pb.status != nullptr && (pb.program != nullptr || pb.grad_program != nullptr);
+}
 
 template <typename T>
 Problem<T> problem(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -147,6 +163,8 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
         s.l.resize(bq);
         s.shift.resize(bq);
         if (pb.program != nullptr) s.run = std::make_unique<Runner<T>>(*pb.program, bk);
+        if (pb.mask_program != nullptr) s.mask = std::make_unique<Runner<T>>(*pb.mask_program, bk);
+        if (wants_verdicts(pb)) s.blocks.resize(bq * bk);
         return s;
       },
       [&](int64_t u, RowScratch<T>& w) {
@@ -170,9 +188,12 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
             pb.tile_columns(i0, i0 + r, kb * bk, std::min(bk, nk - kb * bk), a, e);
             if (a == e) continue;
             const int64_t j0 = kb * bk + a, c = e - a;
+            if (pb.tile_empty(b, h, i0, i0 + r, j0, j0 + c)) continue;
             T* S = w.s.data();
             product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk + a, bk, S, bk, false);
-            mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr), w.run.get());
+            mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr), w.run.get(),
+                      static_cast<T*>(nullptr), w.mask.get(),
+                      w.blocks.empty() ? nullptr : w.blocks.data());
             for (int64_t ii = 0; ii < r; ++ii) {
               T* srow = S + ii * bk;
               const T mx = row_max(srow, c);  // NaN if any score is, and then m stays NaN
@@ -243,10 +264,11 @@ struct Operands {  // what the backward pass reads
 template <typename T>
 void tile_gradient(const Problem<T>& pb, Engine engine, const Operands<T>& x, int64_t b, int64_t h,
                    int64_t i0, int64_t r, int64_t j0, int64_t c, const T* qs, const T* dos,
-                   const T* kt, const T* vt, T* S, T* dS, T* slope, Runner<T>* run, T* raw) {
+                   const T* kt, const T* vt, T* S, T* dS, T* slope, Runner<T>* run, T* raw,
+                   Runner<T>* mask, uint8_t* blocks) {
   const int64_t bk = pb.block_k, bh = b * pb.Hq + h;
   product(engine, r, c, pb.d, qs, pb.d, kt, bk, S, bk, false);
-  mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope, run, raw);
+  mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope, run, raw, mask, blocks);
   probabilities(r, c, S, bk, x.stats + (bh * pb.Nq + i0) * 2);
   product(engine, r, c, pb.dv, dos, pb.dv, vt, bk, dS, bk, false);
   score_gradient(pb, bh, i0, r, j0, c, S, dS, bk, x.delta + bh * pb.Nq + i0);
@@ -279,16 +301,19 @@ void diagonal_gradient(const Problem<T>& pb, int64_t g, int64_t i0, int64_t r, i
 
 // The backward program on each row of the tile: SCORE = the capped row (raw), GRAD = dS'
 // (in dS), its out into dS, zero where the mask drops a key; then the bounds check.
+// `blocks`: the tile's BlockMask verdicts (`mask_tile`), or nullptr.
 template <typename T>
 void program_gradient(const Problem<T>& pb, Runner<T>& grad, int64_t b, int64_t h, int64_t i0,
-                      int64_t r, int64_t j0, int64_t c, const T* raw, T* dS) {
+                      int64_t r, int64_t j0, int64_t c, const T* raw, const uint8_t* blocks,
+                      T* dS) {
   const int64_t bk = pb.block_k;
   for (int64_t ii = 0; ii < r; ++ii) {
     T* ds = dS + ii * bk;
+    const uint8_t* verdicts = blocks == nullptr ? nullptr : blocks + ii * bk;
     const T* out = grad.run(b, h, i0 + ii, j0, c, raw + ii * bk, ds, ds);
     if (out != ds) std::copy(out, out + c, ds);
-    zero_masked(pb, b, h, i0 + ii, j0, c, ds);
-    if (!grad.oob.empty()) check_bounds(pb, grad, b, h, i0 + ii, j0, c);
+    zero_masked(pb, b, h, i0 + ii, j0, c, verdicts, ds);
+    if (!grad.oob.empty()) check_bounds(pb, grad, b, h, i0 + ii, j0, c, verdicts);
   }
 }
 
@@ -303,6 +328,8 @@ struct KeyScratch {  // one block of keys: its panels, one tile's operands and i
   Buffer<T> kt, vt, q, dout, s, ds, slope, t, dk, dv;
   Buffer<T> raw;                        // the capped scores, the backward program's SCORE
   std::unique_ptr<Runner<T>> run, grad;  // the score program's forward and backward runners
+  std::unique_ptr<Runner<T>> mask;       // the mask program's
+  Buffer<uint8_t> blocks;                // the tile's BlockMask verdicts, for the programs
   T* ddiagonal = nullptr;  // dD's sums of this unit, [G, Nq + Nk - 1], when wanted
 };
 
@@ -325,6 +352,8 @@ KeyScratch<T> key_scratch(const Problem<T>& pb) {
     s.raw.resize(bq * bk);
     s.grad = std::make_unique<Runner<T>>(*pb.grad_program, bk);
   }
+  if (pb.mask_program != nullptr) s.mask = std::make_unique<Runner<T>>(*pb.mask_program, bk);
+  if (wants_verdicts(pb)) s.blocks.resize(bq * bk);
   return s;
 }
 
@@ -353,6 +382,7 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
   std::fill(w.dk.begin(), w.dk.end(), T(0));
   std::fill(w.dv.begin(), w.dv.end(), T(0));
   T* slope = w.slope.empty() ? nullptr : w.slope.data();
+  uint8_t* blocks = w.blocks.empty() ? nullptr : w.blocks.data();
   for (int64_t g = 0; g < pb.G; ++g) {
     const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
     for (int64_t rb = 0; rb < pb.row_blocks(); ++rb) {
@@ -362,18 +392,19 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
       pb.tile_columns(i0, i0 + r, j0, c, a, e);
       if (a == e) continue;
       const int64_t ja = j0 + a, ca = e - a;
+      if (pb.tile_empty(b, h, i0, i0 + r, ja, ja + ca)) continue;  // as forward skipped it
       scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
       scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data());
       tile_gradient(pb, engine, x, b, h, i0, r, ja, ca, w.q.data(), w.dout.data(),
                     w.kt.data() + a, w.vt.data() + a, w.s.data(), w.ds.data(), slope,
-                    w.run.get(), w.raw.empty() ? nullptr : w.raw.data());
+                    w.run.get(), w.raw.empty() ? nullptr : w.raw.data(), w.mask.get(), blocks);
       // dV += (P Z)^T dO and dK += dS^T (s q), the tile read transposed
       product_transposed_a(engine, ca, dvd, r, w.s.data(), bk, w.dout.data(), dvd,
                            w.dv.data() + a * dvd, dvd, true, w.t.data());
       store_score_gradient(pb, bh, i0, r, ja, ca, w.ds.data(), ds_out);
       if (w.ddiagonal != nullptr) diagonal_gradient(pb, g, i0, r, ja, ca, w.ds.data(), w.ddiagonal);
-      if (w.grad != nullptr) program_gradient(pb, *w.grad, b, h, i0, r, ja, ca, w.raw.data(),
-                                              w.ds.data());
+      if (w.grad != nullptr)
+        program_gradient(pb, *w.grad, b, h, i0, r, ja, ca, w.raw.data(), blocks, w.ds.data());
       if (slope != nullptr) slope_(r, ca, w.ds.data(), slope, bk);
       product_transposed_a(engine, ca, d, r, w.ds.data(), bk, w.q.data(), d,
                            w.dk.data() + a * d, d, true, w.t.data());
@@ -592,16 +623,58 @@ void check_diagonal(const Tensor& q, const Tensor& k, const std::optional<Tensor
                  q.size(0) * q.size(1) * (q.size(2) + k.size(2) - 1));
 }
 
-// The ops' score program (code None: none), checked against the compute dtype of q.
+// The ops' score or mask program (code None: none), checked against the compute dtype of q.
 std::optional<Program> program_of(const char* which, const Tensor& q,
                                   const std::optional<Tensor>& code,
                                   const std::optional<Tensor>& constants,
                                   const std::optional<Tensor>& indices, int64_t out,
                                   const std::optional<at::TensorList>& captured, int64_t batch,
-                                  bool backward) {
+                                  Role role) {
   if (!code) return std::nullopt;
   return make_program(which, *code, constants, indices, out, captured.value_or(at::TensorList()),
-                      batch, q.scalar_type(), backward);
+                      batch, q.scalar_type(), role);
+}
+
+// A BlockMask read by blocks (`Problem::status`), when given: status uint8 [Bm, Hm,
+// ceil(Nq / block_q), ceil(Nk / block_k)] contiguous, Bm dividing B and Hm dividing Hq (1
+// where the mask is shared), each entry empty (0), partial (1) or full (2), and its mask
+// program (mask_code) beside it.
+void check_blocks(const Tensor& q, const Tensor& k, const std::optional<Tensor>& status,
+                  const std::optional<Tensor>& mask_code, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK_VALUE(status.has_value() == mask_code.has_value(), "attngrad_fused: a BlockMask's ",
+                    "status and its mask program (mask_code) come together, got ",
+                    status ? "status alone" : "mask_code alone");
+  if (!status) return;
+  TORCH_CHECK_VALUE(block_q >= 1 && block_k >= 1, "attngrad_fused: mask_block_q and ",
+                    "mask_block_k must be >= 1, got ", block_q, ", ", block_k);
+  TORCH_CHECK_TYPE(status->scalar_type() == at::kByte, "attngrad_fused: status must be uint8, ",
+                   "got ", status->scalar_type());
+  const int64_t qb = (q.size(2) + block_q - 1) / block_q, kb = (k.size(2) + block_k - 1) / block_k;
+  const bool shape = status->dim() == 4 && status->size(0) >= 1 && status->size(1) >= 1 &&
+                     q.size(0) % status->size(0) == 0 && q.size(1) % status->size(1) == 0 &&
+                     status->size(2) == qb && status->size(3) == kb;
+  TORCH_CHECK_VALUE(shape && status->is_contiguous() && status->device().is_cpu(),
+                    "attngrad_fused: status must be a contiguous CPU [Bm, Hm, ", qb, ", ", kb,
+                    "] tensor (Bm dividing B = ", q.size(0), ", Hm dividing Hq = ", q.size(1),
+                    ", blocks of ", block_q, " x ", block_k, " scores), got shape ",
+                    status->sizes());
+  TORCH_CHECK_VALUE(status->numel() == 0 || status->max().item<uint8_t>() <= kFull,
+                    "attngrad_fused: status entries must be 0 (empty), 1 (partial) or 2 (full)");
+}
+
+// The BlockMask read by blocks into pb (checked by `check_blocks`), when given.
+template <typename T>
+void read_blocks(Problem<T>& pb, const std::optional<Tensor>& status,
+                 const std::optional<Program>& mask, int64_t block_q, int64_t block_k) {
+  if (!status) return;
+  pb.status = status->data_ptr<uint8_t>();
+  pb.status_b = status->size(0);
+  pb.status_h = status->size(1);
+  pb.status_q = status->size(2);
+  pb.status_k = status->size(3);
+  pb.mask_bq = block_q;
+  pb.mask_bk = block_k;
+  pb.mask_program = &*mask;
 }
 
 std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -616,12 +689,22 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                                    const std::optional<Tensor>& constants,
                                    const std::optional<Tensor>& indices, int64_t out,
                                    std::optional<at::TensorList> captured, int64_t batch,
-                                   const std::optional<Tensor>& diagonal) {
+                                   const std::optional<Tensor>& diagonal,
+                                   const std::optional<Tensor>& mask_code,
+                                   const std::optional<Tensor>& mask_constants,
+                                   const std::optional<Tensor>& mask_indices, int64_t mask_out,
+                                   std::optional<at::TensorList> mask_captured,
+                                   int64_t mask_batch, const std::optional<Tensor>& status,
+                                   int64_t mask_block_q, int64_t mask_block_k) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   check_diagonal(q, k, code, diagonal);
+  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
   const std::optional<Program> program =
-      program_of("code", q, code, constants, indices, out, captured, batch, false);
+      program_of("code", q, code, constants, indices, out, captured, batch, Role::kForward);
+  const std::optional<Program> mask =
+      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
+                 mask_captured, mask_batch, Role::kMask);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor stats = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward", [&] {
@@ -630,6 +713,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                                 threshold, keep_scale, block_q, block_k);
     pb.program = program ? &*program : nullptr;
     pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
+    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
     forward_impl<scalar_t>(pb, static_cast<Engine>(engine), q.data_ptr<scalar_t>(),
                            kt.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                            o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>());
@@ -671,20 +755,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> backward
     std::optional<at::TensorList> captured, int64_t batch, const std::optional<Tensor>& grad_code,
     const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
     int64_t grad_out, const std::optional<c10::List<bool>>& wanted,
-    const std::optional<Tensor>& diagonal, bool need_ddiagonal) {
+    const std::optional<Tensor>& diagonal, bool need_ddiagonal,
+    const std::optional<Tensor>& mask_code, const std::optional<Tensor>& mask_constants,
+    const std::optional<Tensor>& mask_indices, int64_t mask_out,
+    std::optional<at::TensorList> mask_captured, int64_t mask_batch,
+    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   check_diagonal(q, k, code, diagonal);
+  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
   TORCH_CHECK_VALUE(diagonal || !need_ddiagonal, "attngrad_fused: need_ddiagonal without a ",
                     "diagonal");
   TORCH_CHECK_VALUE(code.has_value() == grad_code.has_value(), "attngrad_fused: backward takes ",
                     "a score program's code and grad_code together (grad_code: its backward ",
                     "program), got ", code ? "code alone" : "grad_code alone");
   const std::optional<Program> program =
-      program_of("code", q, code, constants, indices, out, captured, batch, false);
+      program_of("code", q, code, constants, indices, out, captured, batch, Role::kForward);
   const std::optional<Program> grad_program =
       program_of("grad_code", q, grad_code, grad_constants, grad_indices, grad_out, captured,
-                 batch, true);
+                 batch, Role::kBackward);
+  const std::optional<Program> mask =
+      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
+                 mask_captured, mask_batch, Role::kMask);
   const int64_t count = captured ? static_cast<int64_t>(captured->size()) : 0;
   std::vector<Tensor> dcaptured =
       captured_gradients(grad_program ? &*grad_program : nullptr, wanted, q.options(), count);
@@ -708,6 +800,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> backward
     pb.program = program ? &*program : nullptr;
     pb.grad_program = grad_program ? &*grad_program : nullptr;
     pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
+    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
     std::vector<scalar_t*> into;
     for (Tensor& t : dcaptured) into.push_back(t.numel() > 0 ? t.data_ptr<scalar_t>() : nullptr);
     backward_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dq.data_ptr<scalar_t>(),
@@ -738,7 +831,8 @@ std::tuple<Tensor, std::vector<Tensor>> program_rows(
                       ", ", scores.scalar_type(), "), got ", grad->sizes(), ", ",
                       grad->scalar_type());
   const Program pg = make_program(grad ? "grad_code" : "code", code, constants, indices, out,
-                                  captured, batch, scores.scalar_type(), grad.has_value());
+                                  captured, batch, scores.scalar_type(),
+                                  grad ? Role::kBackward : Role::kForward);
   const std::optional<c10::List<bool>> flags(wanted);
   std::vector<Tensor> dcaptured = captured_gradients(
       grad ? &pg : nullptr, flags, scores.options(), static_cast<int64_t>(captured.size()));
@@ -791,7 +885,10 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "Tensor? row_words, Tensor? col_words, float scale, float cap, int threshold, "
       "float keep_scale, int block_q, int block_k, int engine, Tensor? code=None, "
       "Tensor? constants=None, Tensor? indices=None, int out=-1, Tensor[]? captured=None, "
-      "int batch=1, Tensor? diagonal=None) -> (Tensor, Tensor)");
+      "int batch=1, Tensor? diagonal=None, Tensor? mask_code=None, Tensor? mask_constants=None, "
+      "Tensor? mask_indices=None, int mask_out=-1, Tensor[]? mask_captured=None, "
+      "int mask_batch=1, Tensor? status=None, int mask_block_q=1, int mask_block_k=1) "
+      "-> (Tensor, Tensor)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor delta, "
       "Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, Tensor? row_words, Tensor? col_words, "
@@ -799,7 +896,10 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int engine, bool need_ds, Tensor? code=None, Tensor? constants=None, "
       "Tensor? indices=None, int out=-1, Tensor[]? captured=None, int batch=1, "
       "Tensor? grad_code=None, Tensor? grad_constants=None, Tensor? grad_indices=None, "
-      "int grad_out=-1, bool[]? wanted=None, Tensor? diagonal=None, bool need_ddiagonal=False) "
+      "int grad_out=-1, bool[]? wanted=None, Tensor? diagonal=None, bool need_ddiagonal=False, "
+      "Tensor? mask_code=None, Tensor? mask_constants=None, Tensor? mask_indices=None, "
+      "int mask_out=-1, Tensor[]? mask_captured=None, int mask_batch=1, Tensor? status=None, "
+      "int mask_block_q=1, int mask_block_k=1) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)");
   m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "

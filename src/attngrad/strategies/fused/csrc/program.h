@@ -1,8 +1,11 @@
 // Score programs: a FlexAttention score_mod(score, b, h, q_idx, kv_idx), traced in Python
 // (`attngrad.core.score_program`) into a straight-line program of vector ops, which the
 // kernels run here on each row of a tile while it is in cache: forward S' = score_mod(S),
-// backward dS from dS' (the backward program, derived in Python by reverse mode).  This file
-// only evaluates programs; it never derives one.
+// backward dS from dS' (the backward program, derived in Python by reverse mode).  A
+// BlockMask's mask_mod(b, h, q_idx, kv_idx) is a third role, a mask program: no SCORE, GRAD
+// or SCATTER, its out an I register (nonzero = the score is kept), run on the segments of a
+// row that lie in the mask's partial blocks (`tile.h`, `mask_blocks`).  This file only
+// evaluates programs; it never derives one.
 //
 // Encoding -- a program is three tensors and one int:
 //   code       int64 [n, 6], one instruction per row: (op, dst, a, b, c, uniform).  op: the
@@ -18,7 +21,8 @@
 //              flag 0 gives the same bits.
 //   constants  float64 [n]: instruction k's immediate (CONST_F / CONST_I), else unused.
 //   indices    int64 [m]: the index registers of GATHER / SCATTER, a list per instruction.
-//   out        the register holding the result (forward: S'; backward: dS).
+//   out        the register holding the result (forward: S'; backward: dS; both F), or a
+//              mask program's verdict (I).
 //
 // Registers 0 .. R - 1 (R = the largest dst + 1) each hold one row of the tile, c values
 // (the tile row's columns), of one kind fixed by the op that writes it: F, the compute
@@ -54,17 +58,20 @@
 // * FLOORDIV_I / REMAINDER_I by 0 raise RuntimeError "ZeroDivisionError" (as torch), at any
 //   position, masked or not.
 // * Out of bounds: `program_rows` raises IndexError on any; the kernels raise it where the
-//   position is kept by the call's mask (its keep mask and band, the masks a BlockMask
-//   arrives as), and let masked positions read (0) or write (skipped) out of bounds -- as
-//   torch's compiled kernel never evaluates the function where a BlockMask masks whole
-//   blocks.  A SCATTER out of bounds is reported like a GATHER.
+//   position is kept by the call's mask (its keep mask and band, and a BlockMask's blocks
+//   with its mask program's verdict), and let masked positions read (0) or write (skipped)
+//   out of bounds -- as torch's compiled kernel never evaluates the function where a
+//   BlockMask masks the score.  A SCATTER out of bounds is reported like a GATHER.  A mask
+//   program runs on partial blocks alone, where torch evaluates mask_mod too: any read out
+//   of bounds there raises.
 // * A uniform SCATTER sums the row's values in a fixed order -- four vector accumulators
 //   over the columns, then ATen's lane reduction -- a function of c and the vector width,
 //   so the same for any thread count (not across AVX2 and AVX-512 builds).
 // * Checks when a program is made (ValueError / TypeError): a register read before it is
 //   written, written twice, or of the wrong kind; a uniform instruction that reads a
 //   register not marked uniform; SCORE, GRAD or KEY marked uniform; GRAD or SCATTER in a
-//   forward program; a capture's rank or dtype that does not fit its op.
+//   forward program, SCORE in a mask program; an out of the wrong kind; a capture's rank or
+//   dtype that does not fit its op.
 //
 // Evaluation: F ops through at::vec::Vectorized<T> (exp, log: Sleef through its methods;
 // tanh: `tanh_vec`), so a uniform row's lane 0 and a full row give the same bits; I ops and the
@@ -204,6 +211,7 @@ struct Capture {
 // whether it must be broadcast over the row, and its row in its kind's scratch (-1: SCORE
 // and GRAD, which alias the rows they load).
 struct Program {
+  const char* function = "score_mod";  // what the user wrote, as messages name it
   std::vector<Instr> code;
   std::vector<int64_t> indices;
   std::vector<Capture> captured;
@@ -227,13 +235,18 @@ inline int64_t to_int(T x) {
   return v >= -lim && v < lim ? static_cast<int64_t>(v) : 0;
 }
 
+// What a program computes: a score_mod's S' (forward) or dS (backward: GRAD and SCATTER
+// allowed), or a mask_mod's verdict (mask: no SCORE, an I out).
+enum class Role { kForward, kBackward, kMask };
+
 // `code` etc. as the ops receive them, checked (`which` names the program in errors);
-// `dtype`: the compute dtype T; `backward`: a backward program (GRAD, SCATTER allowed).
+// `dtype`: the compute dtype T.
 inline Program make_program(const char* which, const at::Tensor& code,
                             const std::optional<at::Tensor>& constants,
                             const std::optional<at::Tensor>& indices, int64_t out,
                             at::TensorList captured, int64_t batch, at::ScalarType dtype,
-                            bool backward) {
+                            Role role) {
+  const bool backward = role == Role::kBackward, mask = role == Role::kMask;
   TORCH_CHECK_TYPE(code.scalar_type() == at::kLong, "attngrad_fused: ", which,
                    " code must be int64, got ", code.scalar_type());
   TORCH_CHECK_VALUE(code.dim() == 2 && code.size(1) == 6, "attngrad_fused: ", which,
@@ -252,6 +265,7 @@ inline Program make_program(const char* which, const at::Tensor& code,
                      " indices must be int64, got ", indices->scalar_type());
   TORCH_CHECK_VALUE(batch >= 1, "attngrad_fused: batch must be >= 1, got ", batch);
   Program pg;
+  pg.function = mask ? "mask_mod" : "score_mod";
   pg.batch = batch;
   pg.out = out;
   if (indices) {
@@ -307,6 +321,7 @@ inline Program make_program(const char* which, const at::Tensor& code,
     if (in.op == Op::CONST_I) in.integer = to_int(in.constant);
     TORCH_CHECK_VALUE(backward || (in.op != Op::GRAD && in.op != Op::SCATTER), where(k),
                       ": GRAD and SCATTER belong to backward programs");
+    TORCH_CHECK_VALUE(!mask || in.op != Op::SCORE, where(k), ": a mask program has no score");
     const bool per_row = in.op == Op::SCORE || in.op == Op::GRAD || in.op == Op::KEY;
     TORCH_CHECK_VALUE(!(in.uniform && per_row), where(k), " cannot be uniform");
     if (in.op == Op::SCATTER) in.uniform = false;  // its value is read per column
@@ -350,8 +365,10 @@ inline Program make_program(const char* which, const at::Tensor& code,
     }
     pg.code.push_back(in);
   }
-  TORCH_CHECK_VALUE(out >= 0 && out < regs && pg.kind[out] == Kind::F, "attngrad_fused: ", which,
-                    " out = ", out, " must be an F register that the program writes");
+  const Kind out_kind = mask ? Kind::I : Kind::F;
+  TORCH_CHECK_VALUE(out >= 0 && out < regs && pg.kind[out] == out_kind, "attngrad_fused: ", which,
+                    " out = ", out, " must be an ", mask ? "I" : "F",
+                    " register that the program writes");
   if (pg.uniform[out]) pg.expand[out] = 1;  // the result is a row
   for (int64_t k = 0; k < n; ++k) {
     const Instr& in = pg.code[k];
@@ -370,8 +387,9 @@ inline Program make_program(const char* which, const at::Tensor& code,
     if (reads) pg.last_load_read = k;
   }
   const Op writer = pg.code[pg.out_instr].op;
-  // not SCORE / GRAD (aliases), nor the rows kept from one row to the next
-  pg.direct_out = !pg.uniform[out] && writer != Op::SCORE && writer != Op::GRAD &&
+  // not SCORE / GRAD (aliases), nor the rows kept from one row to the next; a mask's verdict
+  // is read from its register
+  pg.direct_out = !mask && !pg.uniform[out] && writer != Op::SCORE && writer != Op::GRAD &&
                   writer != Op::CONST_F && writer != Op::KEY;
   for (const Instr& in : pg.code) {
     if (in.op == Op::SCORE || in.op == Op::GRAD || op_info(in.op).result == Kind::N) continue;
@@ -394,6 +412,55 @@ inline int64_t remainder_int(int64_t a, int64_t b) {
   if (b == -1) return 0;
   int64_t r = a % b;
   return r != 0 && ((r < 0) != (b < 0)) ? r + b : r;
+}
+
+// An int64 of magnitude below 2^51 as a double, and a double's nearest int64 (below 2^51),
+// in forms compilers vectorise (AVX2 has no int64 <-> double instruction): the bits of
+// 1.5 * 2^52 + x are those of 1.5 * 2^52 plus x, exactly.
+constexpr uint64_t kMagicBits = 0x4338000000000000ull;
+constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
+inline double small_to_double(int64_t x) {
+  const uint64_t u = bits(x) + kMagicBits;
+  double v;
+  std::memcpy(&v, &u, sizeof v);
+  return v - kMagic;
+}
+inline int64_t nearest_int(double v) {
+  const double w = v + kMagic;
+  uint64_t u;
+  std::memcpy(&u, &w, sizeof u);
+  return wrap(u - kMagicBits);
+}
+
+// torch's floor division (or remainder) of x[0 .. n) by a uniform divisor y, through doubles
+// where that is exact: 0 < |y| < 2^31 and every |x| < 2^31 (indices, positions, block
+// numbers: `kv_idx % 3`, `kv_idx // page`).  q, the integer nearest x * (1 / y), is within
+// one of floor(x / y) (|x / y| < 2^31, the product's error below 2^-21); the remainder
+// x - q y is exact in doubles (every term below 2^32), and one step by y either way puts it
+// in torch's range (the divisor's sign).  The comparisons are integer ones, so the loop has
+// no branch and compilers vectorise it: a few cycles a column, where an int64 division
+// takes tens.  Returns false, writing nothing, where a value is outside that range.
+template <bool kRemainder>
+inline bool divide_uniform(const int64_t* x, int64_t y, int64_t n, int64_t* d) {
+  constexpr int64_t lim = int64_t(1) << 31;
+  if (y == 0 || y <= -lim || y >= lim) return false;
+  uint64_t outside = 0;  // bits at 2^32 and up of x + 2^31: some |x| >= 2^31
+  for (int64_t j = 0; j < n; ++j) outside |= (bits(x[j]) + bits(lim)) & ~(2 * bits(lim) - 1);
+  if (outside != 0) return false;
+  const double yd = static_cast<double>(y), inv = 1.0 / yd;
+  const int64_t negative = y >> 63, size = (y ^ negative) - negative;  // all ones where y < 0; |y|
+  for (int64_t j = 0; j < n; ++j) {
+    const double xd = small_to_double(x[j]);
+    const double qd = (xd * inv + kMagic) - kMagic;  // the nearest integer
+    int64_t q = nearest_int(qd);
+    int64_t r = nearest_int(xd - qd * yd);
+    const int64_t rs = (r ^ negative) - negative;  // r * sign(y): torch's range 0 <= rs < |y|
+    const int64_t up = rs >= size, down = rs < 0;
+    q += up - down;
+    r += (down ? y : 0) - (up ? y : 0);
+    d[j] = kRemainder ? r : q;
+  }
+  return true;
 }
 
 // torch's floor_divide of floating vectors (ATen's div_floor_floating_vec): the quotient
@@ -475,13 +542,45 @@ class Runner {
   // copies (score or grad themselves when out is the register that loads them).
   const T* run(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t c, const T* score,
                const T* grad, T* dest = nullptr) {
-    using Vec = at::vec::Vectorized<T>;
-    oob.clear();
     if (pg_->direct_out) {
       const bool alias = dest != nullptr && (dest == score || dest == grad);
       const bool direct = dest != nullptr && (!alias || pg_->out_instr >= pg_->last_load_read);
       f_[pg_->out] = direct ? dest : fbuf_.data() + pg_->slot[pg_->out] * ld_;
     }
+    exec(b, h, i, j0, c, score, grad);
+    return f_[pg_->out];
+  }
+
+  // A mask program on row (b, h, i) over keys j0 .. j0 + c (c <= ld): nonzero where kept.
+  const int64_t* verdict(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t c) {
+    exec(b, h, i, j0, c, nullptr, nullptr);
+    return i_[pg_->out];
+  }
+
+  // The message for out-of-bounds position e, its index registers read at `column` (0 for a
+  // uniform instruction), at (b, h, q_idx = i, kv_idx = j).
+  std::string describe(const Oob& e, int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const Instr& in = pg_->code[e.instr];
+    const Capture& cap = pg_->captured[in.a];
+    const int64_t column = e.column < 0 ? 0 : e.column;
+    std::ostringstream s;
+    s << "attngrad_fused: " << pg_->function << " "
+      << (in.op == Op::SCATTER ? "adds the gradient of" : "reads") << " captured tensor "
+      << in.a << " of shape " << cap.t.sizes() << " at index (";
+    for (int64_t x = 0; x < in.c; ++x)
+      s << (x ? ", " : "") << i_[pg_->indices[in.b + x]][column];
+    s << ") (position b=" << b << ", h=" << h << ", q_idx=" << i << ", kv_idx=" << j
+      << "), out of its bounds: index captured tensors within their sizes (a negative index "
+      << "counts from the end once), or mask the position out";
+    return s.str();
+  }
+
+ private:
+  // The program's instructions on one row; `out`'s register then holds the result.
+  void exec(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t c, const T* score,
+            const T* grad) {
+    using Vec = at::vec::Vectorized<T>;
+    oob.clear();
     const int64_t count = static_cast<int64_t>(pg_->code.size());
     for (int64_t k = 0; k < count; ++k) {
       const Instr& in = pg_->code[k];
@@ -546,11 +645,13 @@ class Runner {
         case Op::XOR_I: imap2(in, n, [](int64_t x, int64_t y) { return x ^ y; }); break;
         case Op::FLOORDIV_I:
           nonzero(k, in, n);
-          imap2(in, n, [](int64_t x, int64_t y) { return floordiv_int(x, y); });
+          if (!divides_uniformly(in, n, false))
+            imap2(in, n, [](int64_t x, int64_t y) { return floordiv_int(x, y); });
           break;
         case Op::REMAINDER_I:
           nonzero(k, in, n);
-          imap2(in, n, [](int64_t x, int64_t y) { return remainder_int(x, y); });
+          if (!divides_uniformly(in, n, true))
+            imap2(in, n, [](int64_t x, int64_t y) { return remainder_int(x, y); });
           break;
         case Op::NEG_I: imap1(in, n, [](int64_t x) { return wrap(0 - bits(x)); }); break;
         case Op::ABS_I: imap1(in, n, [](int64_t x) { return x < 0 ? wrap(0 - bits(x)) : x; }); break;
@@ -577,28 +678,8 @@ class Runner {
         else std::fill(i_[in.dst] + 1, i_[in.dst] + c, i_[in.dst][0]);
       }
     }
-    return f_[pg_->out];
   }
 
-  // The message for out-of-bounds position e, its index registers read at `column` (0 for a
-  // uniform instruction), at (b, h, q_idx = i, kv_idx = j).
-  std::string describe(const Oob& e, int64_t b, int64_t h, int64_t i, int64_t j) const {
-    const Instr& in = pg_->code[e.instr];
-    const Capture& cap = pg_->captured[in.a];
-    const int64_t column = e.column < 0 ? 0 : e.column;
-    std::ostringstream s;
-    s << "attngrad_fused: score_mod "
-      << (in.op == Op::SCATTER ? "adds the gradient of" : "reads") << " captured tensor "
-      << in.a << " of shape " << cap.t.sizes() << " at index (";
-    for (int64_t x = 0; x < in.c; ++x)
-      s << (x ? ", " : "") << i_[pg_->indices[in.b + x]][column];
-    s << ") (position b=" << b << ", h=" << h << ", q_idx=" << i << ", kv_idx=" << j
-      << "), out of its bounds: index captured tensors within their sizes (a negative index "
-      << "counts from the end once), or mask the position out";
-    return s.str();
-  }
-
- private:
   template <typename Fn>
   void fmap1(const Instr& in, int64_t n, const Fn& fn) {
     at::vec::map(fn, f_[in.dst], f_[in.a], n);
@@ -674,12 +755,20 @@ class Runner {
     const int64_t* cond = i_[in.a];
     for (int64_t j = 0; j < n; ++j) d[j] = cond[j] != 0 ? x[j] : y[j];
   }
+  // FLOORDIV_I / REMAINDER_I of a row by a uniform divisor through `divide_uniform`, where
+  // it is exact; false where the caller divides per column.
+  bool divides_uniformly(const Instr& in, int64_t n, bool remainder) {
+    if (in.uniform || !pg_->uniform[in.b] || pg_->uniform[in.a]) return false;
+    const int64_t *x = i_[in.a], y = i_[in.b][0];
+    return remainder ? divide_uniform<true>(x, y, n, i_[in.dst])
+                     : divide_uniform<false>(x, y, n, i_[in.dst]);
+  }
   void nonzero(int64_t k, const Instr& in, int64_t n) const {
     const int64_t* y = i_[in.b];
     if (pg_->uniform[in.b]) n = 1;
     for (int64_t j = 0; j < n; ++j)
-      TORCH_CHECK(y[j] != 0, "attngrad_fused: ZeroDivisionError: score_mod's instruction ", k,
-                  " (", op_info(in.op).name, ") divides an integer by zero");
+      TORCH_CHECK(y[j] != 0, "attngrad_fused: ZeroDivisionError: ", pg_->function,
+                  "'s instruction ", k, " (", op_info(in.op).name, ") divides an integer by zero");
   }
 
   // The flat position of the capture's element that instruction `in` indexes at column j,

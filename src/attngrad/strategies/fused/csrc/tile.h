@@ -4,9 +4,14 @@
 // j0 .. j0 + c, row-major with leading dimension ld.  `mask_tile` caps, runs the
 // score program (`program.h`), biases and masks it exactly as
 // `attngrad.core.scores.ScoreMods.apply_` does (same order: softcap, score_mod,
-// bias, bool mask, band); every pass calls it on the same product, so backward's
-// scores are bit for bit forward's.  `keeps` is the dropout hash of
-// `attngrad.core.dropout`, finished per score.
+// diagonal term, bias, bool mask, BlockMask, band); every pass calls it on the same
+// product, so backward's scores are bit for bit forward's.  `keeps` is the dropout hash
+// of `attngrad.core.dropout`, finished per score.
+//
+// A BlockMask that is no band arrives as its blocks' status and its mask_mod compiled
+// (`Problem::status`, `Problem::mask_program`), read per row and key block whatever the
+// tiles' sizes: an empty block masks its scores, a full one keeps them, a partial one runs
+// the mask program on its segment of the row (`mask_blocks`).  No [Nq, Nk] keep is made.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,6 +55,9 @@ struct Aligned {
 template <typename T>
 using Buffer = std::vector<T, Aligned<T>>;
 
+// A BlockMask's block statuses (`attngrad.core.block_table`).
+constexpr uint8_t kEmpty = 0, kPartial = 1, kFull = 2;
+
 // The call: sizes, the score modifiers and the tiles, as the ops receive them.
 template <typename T>
 struct Problem {
@@ -71,6 +79,31 @@ struct Problem {
   // A relative score_mod, S' = S + t(b, h, i - j), as its term along the diagonals:
   // D[b, h, j - i + Nq - 1] = t(b, h, i - j), [B, Hq, Nq + Nk - 1] contiguous, or none.
   const T* diagonal = nullptr;
+  // A BlockMask read by blocks: status [Bm, Hm, QB, KB] uint8 contiguous (kEmpty, kPartial,
+  // kFull) of blocks of mask_bq x mask_bk scores, b and h read modulo Bm and Hm, and the
+  // mask program run on partial blocks; or none.
+  const uint8_t* status = nullptr;
+  int64_t status_b = 1, status_h = 1, status_q = 0, status_k = 0;
+  int64_t mask_bq = 1, mask_bk = 1;
+  const Program* mask_program = nullptr;
+
+  // The statuses of the key blocks of row i of head (b, h).
+  const uint8_t* block_row(int64_t b, int64_t h, int64_t i) const {
+    const int64_t bh = (b % status_b) * status_h + h % status_h;
+    return status + (bh * status_q + i / mask_bq) * status_k;
+  }
+
+  // Whether the BlockMask masks every score of rows i0 .. i1 against keys j0 .. j1 of head
+  // (b, h): then no pass computes the tile (every P of it is 0).
+  bool tile_empty(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    if (status == nullptr) return false;
+    for (int64_t qb = i0 / mask_bq; qb <= (i1 - 1) / mask_bq; ++qb) {
+      const uint8_t* row = block_row(b, h, qb * mask_bq);
+      for (int64_t kb = j0 / mask_bk; kb <= (j1 - 1) / mask_bk; ++kb)
+        if (row[kb] != kEmpty) return false;
+    }
+    return true;
+  }
 
   int64_t diagonals() const { return Nq + Nk - 1; }
   // D's entries for row (b, h, i), keys j0 .. : ascending with j.
@@ -187,32 +220,39 @@ inline bool keeps(int32_t row, int32_t col, int32_t threshold) {
   return y < threshold;
 }
 
-// Whether the call's mask keeps key j of row (b, h, i): its bool mask and its band (what a
-// BlockMask arrives as).  Where a score program indexed out of bounds, this decides.
+// Whether the call's mask keeps key j of row (b, h, i): its bool mask, its band and, with a
+// BlockMask read by blocks, `blocks` (the row's verdicts from `mask_blocks`, at keys j0 ..;
+// nullptr: none).  Where a score program indexed out of bounds, this decides.
 template <typename T>
-bool kept(const Problem<T>& pb, int64_t b, int64_t h, int64_t i, int64_t j) {
+bool kept(const Problem<T>& pb, int64_t b, int64_t h, int64_t i, int64_t j, int64_t j0,
+          const uint8_t* blocks) {
   if (pb.keep != nullptr && !pb.keep[b * pb.sk[0] + h * pb.sk[1] + i * pb.sk[2] + j * pb.sk[3]])
     return false;
+  if (blocks != nullptr && blocks[j - j0] == 0) return false;
   return pb.lo == nullptr || (j >= pb.lo[i] && j < pb.hi[i]);
 }
 
 // IndexError where the program `run` just ran on row (b, h, i), keys j0 .., indexed a
-// captured tensor out of bounds at a position the mask keeps.
+// captured tensor out of bounds at a position the mask keeps (`blocks` as for `kept`).
 template <typename T>
 void check_bounds(const Problem<T>& pb, const Runner<T>& run, int64_t b, int64_t h, int64_t i,
-                  int64_t j0, int64_t c) {
+                  int64_t j0, int64_t c, const uint8_t* blocks) {
   for (const auto& e : run.oob) {
     const int64_t from = e.column < 0 ? 0 : e.column, to = e.column < 0 ? c : e.column + 1;
     for (int64_t jj = from; jj < to; ++jj)
-      TORCH_CHECK_INDEX(!kept(pb, b, h, i, j0 + jj), run.describe(e, b, h, i, j0 + jj));
+      TORCH_CHECK_INDEX(!kept(pb, b, h, i, j0 + jj, j0, blocks),
+                        run.describe(e, b, h, i, j0 + jj));
   }
 }
 
 // Zero where the mask drops a key of row (b, h, i) (dS after the backward program, as flex's
-// backward: there GRAD = 0, and a program may still make NaN of it, 0 * inf).
+// backward: there GRAD = 0, and a program may still make NaN of it, 0 * inf); `blocks` as
+// for `kept`.
 template <typename T>
 void zero_masked(const Problem<T>& pb, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t c,
-                 T* ds) {
+                 const uint8_t* blocks, T* ds) {
+  if (blocks != nullptr)
+    for (int64_t j = 0; j < c; ++j) ds[j] = blocks[j] != 0 ? ds[j] : T(0);
   if (pb.keep != nullptr) {
     const bool* keep = pb.keep + b * pb.sk[0] + h * pb.sk[1] + i * pb.sk[2] + j0 * pb.sk[3];
     for (int64_t j = 0; j < c; ++j) ds[j] = keep[j * pb.sk[3]] ? ds[j] : T(0);
@@ -233,14 +273,51 @@ inline void add_row(T* x, const T* y, int64_t c) {
   at::vec::map2([](Vec a, Vec b) { return a + b; }, x, x, y, c);
 }
 
+// A BlockMask's blocks on row (b, h, i), keys j0 .. j0 + c, one key block's segment at a
+// time: -inf in an empty block, the mask program's verdict in a partial one (mask_mod runs
+// there alone, as torch's kernel calls it), a full one untouched.  `blocks` (nullptr: not
+// wanted) gets 1 where the score is kept, 0 where not.  IndexError where the mask program
+// reads out of bounds (in a partial block: torch evaluates mask_mod there too).
+template <typename T>
+void mask_blocks(const Problem<T>& pb, Runner<T>& mask, int64_t b, int64_t h, int64_t i,
+                 int64_t j0, int64_t c, T* s, uint8_t* blocks) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const uint8_t* row = pb.block_row(b, h, i);
+  for (int64_t j = j0, end = j0 + c; j < end;) {
+    const int64_t kb = j / pb.mask_bk, stop = std::min(end, (kb + 1) * pb.mask_bk);
+    const int64_t n = stop - j;
+    T* x = s + (j - j0);
+    uint8_t* v = blocks == nullptr ? nullptr : blocks + (j - j0);
+    if (row[kb] == kFull) {
+      if (v != nullptr) std::fill_n(v, n, uint8_t(1));
+    } else if (row[kb] == kPartial) {
+      const int64_t* keep = mask.verdict(b, h, i, j, n);
+      if (!mask.oob.empty()) {
+        const auto& e = mask.oob.front();
+        TORCH_CHECK_INDEX(false, mask.describe(e, b, h, i, j + std::max<int64_t>(e.column, 0)));
+      }
+      for (int64_t t = 0; t < n; ++t) x[t] = keep[t] != 0 ? x[t] : neg_inf;
+      if (v != nullptr)
+        for (int64_t t = 0; t < n; ++t) v[t] = keep[t] != 0;
+    } else {
+      std::fill_n(x, n, neg_inf);
+      if (v != nullptr) std::fill_n(v, n, uint8_t(0));
+    }
+    j = stop;
+  }
+}
+
 // Cap, run the score program or add the diagonal term, bias and mask the tile in place;
-// with a softcap, `slope` (like S) gets 1 - tanh^2.  `run`: the forward program's runner, or nullptr (no program: no work
-// per score beyond a test per row); `raw`: where backward keeps the capped rows (like S) for
-// its backward program's SCORE, or nullptr.
+// with a softcap, `slope` (like S) gets 1 - tanh^2.  `run`: the forward program's runner, or
+// nullptr (no program: no work per score beyond a test per row); `raw`: where backward keeps
+// the capped rows (like S) for its backward program's SCORE, or nullptr.  With a BlockMask
+// read by blocks, `mask` runs its mask program and `blocks` (like S; nullptr: not wanted,
+// but wanted whenever `run` is given) gets `mask_blocks`' verdicts, which the bounds checks
+// and backward's `zero_masked` read.
 template <typename T>
 void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r, int64_t j0,
                int64_t c, T* S, int64_t ld, T* slope, Runner<T>* run = nullptr,
-               T* raw = nullptr) {
+               T* raw = nullptr, Runner<T>* mask = nullptr, uint8_t* blocks = nullptr) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -281,6 +358,8 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
       const int64_t step = pb.sk[3];
       for (int64_t j = 0; j < c; ++j) s[j] = keep[j * step] ? s[j] : neg_inf;
     }
+    uint8_t* verdicts = blocks == nullptr ? nullptr : blocks + ii * ld;
+    if (pb.status != nullptr) mask_blocks(pb, *mask, b, h, i, j0, c, s, verdicts);
     if (pb.lo != nullptr) {
       int64_t a = std::clamp<int64_t>(pb.lo[i] - j0, 0, c);
       int64_t e = std::clamp<int64_t>(pb.hi[i] - j0, 0, c);
@@ -288,7 +367,7 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
       std::fill(s, s + a, neg_inf);
       std::fill(s + e, s + c, neg_inf);
     }
-    if (run != nullptr && !run->oob.empty()) check_bounds(pb, *run, b, h, i, j0, c);
+    if (run != nullptr && !run->oob.empty()) check_bounds(pb, *run, b, h, i, j0, c, verdicts);
   }
 }
 
