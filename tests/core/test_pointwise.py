@@ -86,7 +86,7 @@ def test_other_functions_stay_on_vmap(name: str) -> None:
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_broadcast_gives_what_vmap_gives(name: str) -> None:
     fast = _function(ELEMENTWISE[name])
-    slow = dataclasses.replace(fast, elementwise=False, relative=False, _cache={})
+    slow = dataclasses.replace(fast, elementwise=False, relative=False)
     rows, cols = slice(3, 17), slice(5, 24)
     raw = torch.randn(B, H, 1, 14, 19, dtype=torch.float64)  # [B, Hkv, G, r, c]
     ds = torch.randn(B, H, 14, 19, dtype=torch.float64)
@@ -116,7 +116,7 @@ def test_other_functions_are_not_taken_for_relative(name: str) -> None:
 def test_relative_gives_what_score_by_score_gives(name: str) -> None:
     """Values, pullback, push and the second-order step, with every capture's gradient."""
     fast = _function(RELATIVE[name])
-    slow = dataclasses.replace(fast, relative=False, _cache={})
+    slow = dataclasses.replace(fast, relative=False)
     rows, cols = slice(3, 17), slice(5, 24)
     raw = torch.randn(B, 2, 2, 14, 19, dtype=torch.float64)  # [B, Hkv, G, r, c]
     ds, s_hat, s_dot = (torch.randn(B, 2, 28, 19, dtype=torch.float64) for _ in range(3))

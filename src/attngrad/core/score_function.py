@@ -18,14 +18,15 @@ Function holds for the ones the closure holds (by identity), so the same
 function runs on saved, unwrapped or batched copies.
 
 With S' = f(S, theta) on a tile, every derivative the strategies need is a
-derivative of f, taken with autograd on the tile (f is elementwise in S):
+derivative of f (f is elementwise in S), taken by the evaluator of the
+function's form, chosen once when the function is built
+(`attngrad.core.score_forms`: general, elementwise on broadcast indices, or
+relative):
 
     pullback:  dS = dS' * df/dS,  dtheta += (df/dtheta)^T dS'            (first order)
     push:      S'-dot = df/dS * S-dot + df/dtheta * theta-dot            (forward mode)
     second:    J^T S-hat + grad_(S, theta) <dS', J (S-dot, theta-dot)>   (second order)
 
-Each tile's dtheta is formed on one thread and added in the tiles' fixed
-order, so captured gradients are bitwise the same for any thread count.
 Captures in 16-bit dtypes are read in float32 (the compute dtype), so their
 gradients accumulate in float32 and are cast back once.
 
@@ -40,34 +41,23 @@ and the common path costs nothing more.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from attngrad.core.block_table import out_of_bounds, over_points
-from attngrad.core.contract import ArgumentError, ArgumentTypeError
+from attngrad.core.contract import ArgumentError
 from attngrad.core.ops import compute_dtype
-from attngrad.core.pointwise import (
-    INDEX,
-    Reads,
-    TileIndex,
-    broadcast_tile,
-    check_arity,
-    explain,
-    one_thread,
-    over_tile,
-)
-from attngrad.core.toeplitz import diagonal_sums, toeplitz
+from attngrad.core.pointwise import INDEX, Reads, TileIndex, check_arity, explain, over_tile
+from attngrad.core.score_forms import TERM_KEY, Form, Relative, check_score, form_of
 
 if TYPE_CHECKING:
     from attngrad.core.block_table import BlockTable
 
-__all__ = ["ScoreFunction"]
+__all__ = ["TERM_KEY", "ScoreFunction"]
 
-_KEY = slice(0, 1)  # a relative function's term is evaluated at q_idx = i - j, kv_idx = 0
+_KEY = TERM_KEY  # the name `attngrad.strategies.fused.diagonal` imports
 
 
 @dataclass(frozen=True, eq=False)  # holds a function and tensors: compared by identity
@@ -84,7 +74,8 @@ class ScoreFunction:
     evaluates x at its r + c - 1 distances only (`attngrad.core.toeplitz`); identity: it
     returns its score argument unchanged (torch's ``_identity``), so a call runs without
     it; blocks: the call's BlockMask, whose kept scores a tile falls back to where the
-    whole tile raises an index error (module docstring).
+    whole tile raises an index error (module docstring).  Each of the forms (general,
+    elementwise, relative) has its evaluator, `form`, chosen when the function is built.
     """
 
     fn: Callable[..., torch.Tensor]
@@ -97,7 +88,10 @@ class ScoreFunction:
     relative: bool = False
     identity: bool = False
     blocks: BlockTable | None = None
-    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    form: Form = field(init=False, compare=False, repr=False)  # its evaluator (`form_of`)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "form", form_of(self))
 
     @staticmethod
     def of(
@@ -119,7 +113,7 @@ class ScoreFunction:
             reads.name(s=s, b=b, h=h, i=i, j=j)
             with reads:
                 out: torch.Tensor = fn(s, b, h, i, j)
-            _check_score(out, s)
+            check_score(out, s)
             relative.append(reads.relative(out))
             identity.append(out is s)
             return out
@@ -146,284 +140,80 @@ class ScoreFunction:
 
     def within(self, blocks: BlockTable | None) -> ScoreFunction:
         """The same function under the call's BlockMask (``blocks``; None: no mask)."""
-        return replace(self, blocks=blocks, _cache={})
+        return replace(self, blocks=blocks)
 
     def with_captured(self, captured: Sequence[torch.Tensor]) -> ScoreFunction:
         """The same function reading ``captured`` (saved, unwrapped or batched copies)."""
-        return replace(self, captured=tuple(captured), _cache={})
+        return replace(self, captured=tuple(captured))
 
     def folded(self, batch: int) -> ScoreFunction:
         """For a call whose batch folds vmap's samples: entry b reads b mod ``batch``."""
         blocks = None if self.blocks is None else self.blocks.folded(batch)
-        return replace(self, batch=batch, blocks=blocks, _cache={})
+        return replace(self, batch=batch, blocks=blocks)
 
     @property
     def grads_wanted(self) -> tuple[bool, ...]:
         """Which captures can take a gradient (floating point)."""
         return tuple(t.is_floating_point() for t in self.captured)
 
-    # -- evaluating ---------------------------------------------------------
-
-    def _read(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The captures as the tiles read them: 16-bit floats in ``dtype`` (float32)."""
         return tuple(
             t.to(dtype) if t.is_floating_point() and t.dtype.itemsize < dtype.itemsize else t
             for t in self.captured
         )
 
-    def _point(self) -> Callable[..., torch.Tensor]:
-        """f(s, b, h, q_idx, kv_idx, *captured) -> S', reading ``captured`` in the closure's
-        captures' place (s and the indices 0-d, or broadcasting for an elementwise f)."""
-        fn, keys = self.fn, self.keys
-        originals = self.captured_originals
-        elementwise = self.elementwise
-
-        def point(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
-                  j: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:  # fmt: skip
-            swap = {k: t for k, t, o in zip(keys, captured, originals, strict=True) if t is not o}
-            with Reads((), swap) if swap else contextlib.nullcontext():
-                out = fn(s, b, h, i, j)
-            if elementwise and isinstance(out, torch.Tensor):  # broadcast onto the tile
-                out = out.expand(s.shape)
-            _check_score(out, s)
-            return out.to(s.dtype)
-
-        return point
-
-    def _tile_fn(self, index: TileIndex) -> Callable[..., torch.Tensor]:
-        """F(s [B, H, r, c], *captured) -> S' [B, H, r, c] on one tile."""
-        point = self._point()
-        run = broadcast_tile if self.elementwise else over_tile
-
-        def tile(s: torch.Tensor, *captured: torch.Tensor) -> torch.Tensor:
-            if s.numel() == 0:  # a tile with no keys (or rows): nothing to evaluate
-                return s.clone()
-            try:
-                return run(point, s, index, captured)  # type: ignore[no-any-return]
-            except RuntimeError as err:
-                raise explain(err, "score_mod") from err
-
-        return tile
-
-    def _evaluate(
-        self, x: torch.Tensor, rows: slice, cols: slice, theta: Sequence[torch.Tensor]
-    ) -> torch.Tensor:
-        """f(x, theta) on the tile x [B, H, r, c]; where the whole tile raises an index
-        error, at the BlockMask's kept scores alone (`_at_kept`)."""
-        index = TileIndex.of(self.batch, x.shape[0], x.shape[1], rows, cols, x.device)
-        try:
-            return self._tile_fn(index)(x, *theta)
-        except Exception as err:
-            if self.blocks is None or not out_of_bounds(err):
-                raise
-            keep = self.blocks.keep(x.shape[0], rows, cols, x.device)
-            if keep is None:  # it keeps every score of the tile: a real error
-                raise
-        return self._at_kept(x, keep, index, theta)
-
-    def _at_kept(
-        self, x: torch.Tensor, keep: torch.Tensor, index: TileIndex, theta: Sequence[torch.Tensor]
-    ) -> torch.Tensor:
-        """x with f(x, theta) at the scores ``keep`` [B, H, r, c] is True (one vmap over those
-        points), x itself elsewhere: those scores are masked, -inf whatever f gives."""
-        at = keep.nonzero(as_tuple=True)
-        if at[0].numel() == 0:
-            return x.clone()
-        points = (x[at], index.b[at[0]], index.h[at[1]], index.i[at[2]], index.j[at[3]])
-        try:
-            y = over_points(self._point(), points, theta, self.elementwise)
-        except RuntimeError as err:
-            raise explain(err, "score_mod") from err
-        return x.index_put(at, y)
-
-    def _fallback(self, err: Exception) -> ScoreFunction:
-        """A relative function whose distances raised ``err``: itself score by score, which
-        falls back to the BlockMask's kept scores (re-raises any other error)."""
-        if self.blocks is None or not out_of_bounds(err):
-            raise err
-        return self._pointwise
-
-    def _index(self, s5: torch.Tensor, rows: slice, cols: slice) -> TileIndex:
-        b, hkv, g = s5.shape[:3]
-        return TileIndex.of(self.batch, b, hkv * g, rows, cols, s5.device)
-
-    @staticmethod
-    def _flat(s5: torch.Tensor) -> torch.Tensor:
-        b, hkv, g, r, c = s5.shape
-        return s5.reshape(b, hkv * g, r, c)
-
-    def _distances(
-        self, s5: torch.Tensor, rows: slice, cols: slice
-    ) -> tuple[torch.Tensor, slice] | None:
-        """For a relative function: zero scores [B, Hkv, G, r + c - 1, 1] at the distances
-        i - j of the tile s5 [B, Hkv, G, r, c], ascending, and those distances as a
-        q_idx slice (with kv_idx 0); None for an empty tile."""
-        b, hkv, g, r, c = s5.shape
-        if r == 0 or c == 0:
-            return None
-        low = rows.start - (cols.stop - 1)
-        return s5.new_zeros(b, hkv, g, r + c - 1, 1), slice(low, rows.stop - cols.start)
-
     @property
-    def _pointwise(self) -> ScoreFunction:
-        """This function evaluated score by score (a relative one's fallback)."""
-        if "pointwise" not in self._cache:
-            self._cache["pointwise"] = replace(self, relative=False, _cache={})
-        return self._cache["pointwise"]  # type: ignore[no-any-return]
+    def term(self) -> Form:
+        """A relative function's term t(b, h, q_idx, 0) score by score, evaluated at
+        q_idx = i - j (`TERM_KEY` as the key columns): what fused adds along the diagonals."""
+        assert isinstance(self.form, Relative), "only a relative function has a term"
+        return self.form.term
 
-    @property
-    def _terms(self) -> ScoreFunction:
-        """A relative function's term at its distances: score by score, at no real position
-        (so no BlockMask to fall back to)."""
-        if "terms" not in self._cache:
-            self._cache["terms"] = replace(self, relative=False, blocks=None, _cache={})
-        return self._cache["terms"]  # type: ignore[no-any-return]
+    _terms = term  # the name `attngrad.strategies.fused.diagonal` reads
+
+    # -- the form's evaluator (`attngrad.core.score_forms.Form`) on a tile ------------
 
     def values_(
         self, s5: torch.Tensor, rows: slice, cols: slice, raw: torch.Tensor | None = None
     ) -> torch.Tensor:
         """S' = score_mod(S) on the tile s5: [B, Hkv, G, r, c] raw scores, in place.
 
-        ``raw``: a copy of s5's scores, left as it is until the `pullback_` of the same
-        tile that follows (a backward pass's): the function is evaluated differentiably
-        on it and its graph kept, so that the pullback does not evaluate it again.
+        ``raw``: receives a copy of s5's scores, which the `pullback_` of the same tile
+        that follows (a backward pass's) reads; it is left as it is until then.
         """
-        if self.relative:
-            at = self._distances(s5, rows, cols)
-            if at is not None:
-                z, d = at
-                try:
-                    with torch.no_grad():
-                        x = self._tile_fn(self._index(z, d, _KEY))(
-                            self._flat(z), *self._read(z.dtype)
-                        )
-                except Exception as err:
-                    return self._fallback(err).values_(s5, rows, cols)
-                b, hkv, g, r, c = s5.shape
-                s5 += toeplitz(x.view(b, hkv, g, -1), r, c)
-            return s5
         if raw is not None:
-            with torch.enable_grad():
-                leaves = self._leaves(raw, rows, cols)
-            self._cache["graph"] = ((rows.start, rows.stop, cols.start, cols.stop), leaves)
-            return s5.copy_(leaves[2].detach().view(s5.shape))
-        with torch.no_grad():
-            out = self._evaluate(self._flat(s5), rows, cols, self._read(s5.dtype))
-        return s5.copy_(out.view(s5.shape))
-
-    def _leaves(
-        self, raw: torch.Tensor, rows: slice, cols: slice
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
-        """(x, theta, y = f(x, theta)) on the tile, x and theta fresh leaves that require
-        grad (theta where floating), for autograd to differentiate f."""
-        x = self._flat(raw).detach().requires_grad_()
-        read = self._read(raw.dtype)
-        theta = tuple(
-            t.detach().requires_grad_(w) for t, w in zip(read, self.grads_wanted, strict=True)
-        )
-        return x, theta, self._evaluate(x, rows, cols, theta)
+            raw.copy_(s5)
+        return self.form.values_(s5, rows, cols, raw)
 
     def pullback_(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        ds: torch.Tensor,
+        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
         dcaptured: Sequence[torch.Tensor | None],
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """dS = dS' * df/dS in place in ``ds``; dcaptured[n] += (df/dtheta_n)^T dS'.
 
         raw: the tile's raw scores [B, Hkv, G, r, c]; ds: dS' like it (or folded
         [B, Hkv, G*r, c]); dcaptured: accumulators like the captures (compute
         dtype), None where no gradient is wanted.
         """
-        wanted = [n for n, d in enumerate(dcaptured) if d is not None]
-        if self.relative:  # df/dS = 1; dtheta through the term, from dS' summed by distance
-            at = self._distances(raw, rows, cols)
-            if wanted and at is not None:
-                z, d = at
-                with one_thread():
-                    dx = diagonal_sums(ds.reshape(raw.shape))
-                try:  # (it raises before it adds anything into dcaptured)
-                    self._terms.pullback_(z, d, _KEY, dx.view(z.shape), dcaptured)
-                except Exception as err:
-                    return self._fallback(err).pullback_(raw, rows, cols, ds, dcaptured)
-            return ds
-        kept = self._cache.pop("graph", None)
-        with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
-            if kept is not None and kept[0] == (rows.start, rows.stop, cols.start, cols.stop):
-                x, theta, y = kept[1]
-            else:
-                x, theta, y = self._leaves(raw, rows, cols)
-            inputs = (x, *(theta[n] for n in wanted))
-            grads = torch.autograd.grad(
-                y, inputs, ds.reshape(y.shape), allow_unused=True, materialize_grads=True
-            )
-        for n, g in zip(wanted, grads[1:], strict=True):
-            acc = dcaptured[n]
-            assert acc is not None
-            acc += g
-        return ds.copy_(grads[0].view(ds.shape))
+        return self.form.pullback_(raw, rows, cols, ds, dcaptured)
 
     def push(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        s_dot: torch.Tensor,
+        self, raw: torch.Tensor, rows: slice, cols: slice, s_dot: torch.Tensor,
         captured_dot: Sequence[torch.Tensor | None],
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """S'-dot = df/dS * s_dot + df/dtheta * theta_dot on the tile: [B, Hkv, G*r, c].
 
         raw: [B, Hkv, G, r, c] raw scores; s_dot like raw (or folded); captured_dot:
-        tangents like the captures, None = zero.  f is elementwise in S, so
-        df/dS is one vector-Jacobian product with ones; the captures' part is
-        the derivative in w of <(df/dtheta)^T w, theta_dot> (reverse mode
-        twice: this also runs inside an outer forward-mode pass, where forward
-        mode cannot nest).
+        tangents like the captures, None = zero.
         """
-        moving = [n for n, d in enumerate(captured_dot) if d is not None and self.grads_wanted[n]]
-        b, hkv, gq, r, c = raw.shape
-        if self.relative:  # s_dot plus the term's tangent, at its distances
-            out = s_dot.reshape(b, hkv, gq * r, c)
-            at = self._distances(raw, rows, cols)
-            if moving and at is not None:
-                z, d = at
-                try:
-                    x_dot = self._terms.push(z, d, _KEY, torch.zeros_like(z), captured_dot)
-                except Exception as err:
-                    return self._fallback(err).push(raw, rows, cols, s_dot, captured_dot)
-                out = out + toeplitz(x_dot.view(b, hkv, gq, -1), r, c).reshape(out.shape)
-            return out
-        with torch.enable_grad():
-            x, theta, y = self._leaves(raw, rows, cols)
-            w = torch.ones_like(y, requires_grad=bool(moving))
-            grads = torch.autograd.grad(
-                y, (x, *(theta[n] for n in moving)), w, create_graph=bool(moving),
-                allow_unused=True, materialize_grads=True,
-            )  # fmt: skip
-            out = grads[0].detach() * s_dot.reshape(y.shape)
-            if moving:
-                inner = y.new_zeros(())
-                for n, g in zip(moving, grads[1:], strict=True):
-                    dot = captured_dot[n]
-                    assert dot is not None
-                    inner = inner + (g * dot.to(g.dtype)).sum()
-                (along,) = torch.autograd.grad(inner, w, allow_unused=True, materialize_grads=True)
-                out = out + along
-        return out.reshape(b, hkv, gq * r, c)
+        return self.form.push(raw, rows, cols, s_dot, captured_dot)
 
     def second(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        ds: torch.Tensor,
-        s_hat: torch.Tensor | None,
-        s_dot: torch.Tensor | None,
-        captured_dot: Sequence[torch.Tensor | None],
-        dcaptured: Sequence[torch.Tensor | None],
-    ) -> torch.Tensor | None:
+        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
+        s_hat: torch.Tensor | None, s_dot: torch.Tensor | None,
+        captured_dot: Sequence[torch.Tensor | None], dcaptured: Sequence[torch.Tensor | None],
+    ) -> torch.Tensor | None:  # fmt: skip
         """The second-order pass's step through f (see `attngrad.autograd.second_order`).
 
         With S-hat the cotangent of S' and (s_dot, captured_dot) the direction
@@ -431,65 +221,4 @@ class ScoreFunction:
         d/dS <dS', J (s_dot, theta_dot)> [B, Hkv, G*r, c] (None when both are
         zero), and adds the captures' part into ``dcaptured`` (None = not wanted).
         """
-        direction = s_dot is not None or any(d is not None for d in captured_dot)
-        if s_hat is None and not direction:
-            return None
-        wanted = [n for n, d in enumerate(dcaptured) if d is not None]
-        b, hkv, gq, r, c = raw.shape
-        if self.relative:  # J_S = 1 and no second derivative in S: only theta's part
-            at = self._distances(raw, rows, cols)
-            moving = any(d is not None for d in captured_dot)
-            if wanted and at is not None and (s_hat is not None or moving):
-                z, d = at
-                with one_thread():
-                    sums = [
-                        None if t is None else diagonal_sums(t.reshape(raw.shape)).view(z.shape)
-                        for t in (ds, s_hat)
-                    ]
-                assert sums[0] is not None
-                try:  # (it raises before it adds anything into dcaptured)
-                    self._terms.second(z, d, _KEY, sums[0], sums[1], None, captured_dot, dcaptured)
-                except Exception as err:
-                    pointwise = self._fallback(err)
-                    return pointwise.second(
-                        raw, rows, cols, ds, s_hat, s_dot, captured_dot, dcaptured
-                    )
-            return None if s_hat is None else s_hat.reshape(b, hkv, gq * r, c)
-        with torch.enable_grad(), one_thread() if wanted else contextlib.nullcontext():
-            x, theta, y = self._leaves(raw, rows, cols)
-            total = y.new_zeros(())
-            if s_hat is not None:
-                total = total + (y * s_hat.reshape(y.shape)).sum()
-            if direction:
-                floating = [n for n, t in enumerate(theta) if t.requires_grad]
-                first = torch.autograd.grad(
-                    y, (x, *(theta[n] for n in floating)), ds.reshape(y.shape),
-                    create_graph=True, allow_unused=True, materialize_grads=True,
-                )  # fmt: skip
-                if s_dot is not None:
-                    total = total + (first[0] * s_dot.reshape(y.shape)).sum()
-                for n, g in zip(floating, first[1:], strict=True):
-                    if captured_dot[n] is not None:
-                        total = total + (g * captured_dot[n].to(g.dtype)).sum()  # type: ignore[union-attr]
-            grads = torch.autograd.grad(
-                total, (x, *(theta[n] for n in wanted)), allow_unused=True, materialize_grads=True
-            )
-        for n, g in zip(wanted, grads[1:], strict=True):
-            acc = dcaptured[n]
-            assert acc is not None
-            acc += g
-        return grads[0].reshape(b, hkv, gq * r, c)
-
-
-def _check_score(out: object, s: torch.Tensor) -> None:
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != s.shape:
-        got = (
-            f"a {out.dtype} tensor of shape {tuple(out.shape)}"
-            if isinstance(out, torch.Tensor)
-            else f"{type(out).__name__} {out!r}"
-        )
-        raise ArgumentTypeError(
-            "score_mod must return the modified score: a floating-point tensor shaped like "
-            f"its `score` argument (one score, 0-d), got {got}. Return e.g. "
-            "`score + bias[h]`."
-        )
+        return self.form.second(raw, rows, cols, ds, s_hat, s_dot, captured_dot, dcaptured)
