@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attngrad.core.score_function import _KEY, ScoreFunction
+from attngrad.core.score_function import TERM_KEY, ScoreFunction
 
 __all__ = ["Diagonal"]
 
@@ -36,7 +36,7 @@ class Diagonal:
     def __init__(self, score: ScoreFunction, shape: tuple[int, int, int, int], dtype: torch.dtype):
         b, hq, nq, nk = shape
         # the term score by score, at no real position (no BlockMask to fall back to)
-        self.term = score._terms
+        self.term = score.term
         # zero scores at the distances i - j = -(Nk - 1) .. Nq - 1, ascending, as q_idx at
         # kv_idx 0, in tiles [B, Hkv, G, rows, columns] of one kv head
         self.zero = torch.zeros(b, 1, hq, nq + nk - 1, 1, dtype=dtype)
@@ -51,7 +51,7 @@ class Diagonal:
             return None
         diagonal = Diagonal(score, shape, dtype)
         try:
-            x = diagonal.term.values_(diagonal.zero.clone(), diagonal.distances, _KEY)
+            x = diagonal.term.values_(diagonal.zero.clone(), diagonal.distances, TERM_KEY)
         except (IndexError, RuntimeError):
             return None
         return diagonal, diagonal._flip(x)
@@ -59,7 +59,7 @@ class Diagonal:
     def pullback(self, dd: torch.Tensor, dcaptured: Sequence[torch.Tensor | None]) -> None:
         """dcaptured[n] += (dt/dtheta_n)^T dD for dD like D; None entries are not wanted."""
         dx = self._flip(dd).reshape(self.zero.shape)
-        self.term.pullback_(self.zero, self.distances, _KEY, dx, dcaptured)
+        self.term.pullback_(self.zero, self.distances, TERM_KEY, dx, dcaptured)
 
     def _flip(self, x: torch.Tensor) -> torch.Tensor:
         """Ascending distance i - j <-> ascending j - i, as [B, Hq, Nq + Nk - 1]."""
