@@ -53,12 +53,16 @@ def flex_attention(
     * ``kernel_options`` is accepted and ignored (it tunes torch's Triton
       kernels; attngrad picks its own tiles).
     * ``strategy``: "explicit", "recompute" and "flash" run every score_mod and
-      BlockMask.  "fused" runs every BlockMask without a score_mod: a mask that
-      keeps one interval of keys per row, the same for every (b, h) (causal,
-      sliding windows, documents, prefix-LM), becomes its kernels' band, with
-      tiles outside it skipped; any other becomes a dense bool mask
-      [B, Hq, Nq, Nk] beside the band of its blocks.  "triton" runs neither;
-      a strategy that cannot run a call raises ValueError saying why, and
+      BlockMask.  "fused" runs every BlockMask, and every score_mod made of the ops
+      of its programs (`attngrad.core.score_program`): a mask that keeps one
+      interval of keys per row, the same for every (b, h) (causal, sliding
+      windows, documents, prefix-LM), becomes its kernels' band, with tiles
+      outside it skipped; any other runs its mask_mod inside the kernels on the
+      partial blocks (a dense bool mask [B, Hq, Nq, Nk] only where the mask_mod
+      does not compile).  A relative score_mod reaches the kernels as its term
+      along the diagonals, a softcap as their own softcap, any other as a
+      program.  "triton" runs neither; a strategy that cannot run a call raises
+      ValueError saying why, and
       "auto" takes the fastest that can (`attngrad.strategies.resolve_for`).
 
     Every derivative works on every strategy that runs the call: backward,
