@@ -230,3 +230,26 @@ def test_mask_of_the_wrong_shape_is_refused() -> None:
     with pytest.raises(ValueError, match=r"mask_mod returned shape \(1, 1, 128, 128, 5\)"):
         attngrad.create_block_mask(lambda b, h, i, j: table[:, i, j], None, None, 64, 64,
                                    device="cpu")  # fmt: skip
+
+
+def test_a_band_is_found_once_per_block_mask_until_what_it_reads_changes(monkeypatch):
+    """Across calls the band is kept per BlockMask; an in-place change of a tensor its
+    mask_mod reads (or of its block lists) makes the next call find it again."""
+    from attngrad.core.block_table import BlockTable
+
+    n = 64
+    width = torch.tensor(8)
+    mask = torch_flex.create_block_mask(
+        lambda b, h, i, j: (i >= j) & (i - j < width), None, None, n, n, device="cpu",
+        BLOCK_SIZE=16,
+    )  # fmt: skip
+    q = torch.randn(1, 2, n, 8)
+    found = []
+    real = BlockTable._exact
+    monkeypatch.setattr(BlockTable, "_exact", lambda self, *a: found.append(1) or real(self, *a))
+    lo, hi, _ = BlockTable.of(mask, q, q, 1).rows_of_blocks(1, q.device)
+    again = BlockTable.of(mask, q, q, 1).rows_of_blocks(1, q.device)
+    assert len(found) == 1 and torch.equal(again[0], lo) and torch.equal(again[1], hi)
+    width.fill_(4)
+    lo4, _, _ = BlockTable.of(mask, q, q, 1).rows_of_blocks(1, q.device)
+    assert len(found) == 2 and torch.equal(lo4, (torch.arange(n) - 3).clamp(min=0))

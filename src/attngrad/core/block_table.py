@@ -44,6 +44,7 @@ block_mask=None.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -75,6 +76,9 @@ __all__ = [
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# BlockMask -> {(folded, batch, heads, device, captured versions): its rows' band or None}
+_BANDS: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 MIXED = 3  # a block whose status differs between (b, h)
 
 
@@ -86,6 +90,13 @@ def _status(
     idx = indices.long().clamp(0, blocks_k - 1)
     src = listed.to(torch.uint8) * value  # unlisted entries add nothing under max
     status.scatter_reduce_(-1, idx, src, reduce="amax")
+
+
+def _tensors(block_mask: object) -> tuple[torch.Tensor, ...]:
+    """A BlockMask's block lists (its tensors that an in-place change would make stale)."""
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    found = (getattr(block_mask, n, None) for n in names)
+    return tuple(t for t in found if isinstance(t, torch.Tensor))
 
 
 def out_of_bounds(err: BaseException) -> bool:
@@ -262,6 +273,7 @@ class BlockTable:
     seq_k: int
     mask: MaskFunction
     kinds: tuple[tuple[int, ...], ...]
+    source: object = field(default=None, compare=False, repr=False)  # the BlockMask
     _cache: dict[tuple[str, int], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -321,7 +333,7 @@ class BlockTable:
             at = (b, h, i * bq, j * bk)
             mask = MaskFunction.of(block_mask.mask_mod, q.device, batch, heads, at)
         table = tuple(tuple(row) for row in kinds)
-        return BlockTable(status, (bq, bk), nq, nk, mask, table)
+        return BlockTable(status, (bq, bk), nq, nk, mask, table, block_mask)
 
     def folded(self, batch: int) -> BlockTable:
         """For a call whose batch folds vmap's samples (`attngrad.autograd.batching`)."""
@@ -478,13 +490,23 @@ class BlockTable:
 
     def _band(self, folded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each row's exact [lo, hi) of keys on ``device``, or None where a row keeps more
-        than one interval or (b, h) differ; found once per ``folded``."""
+        than one interval or (b, h) differ; found once per ``folded`` and BlockMask."""
         key = ("band", folded)
         if key not in self._cache:
-            small = not self.mask.elementwise  # block by block: small host-side ops
-            with one_thread() if small else contextlib.nullcontext():
-                band = self._exact(folded, device)
-            self._cache[key] = None if band is None else (band[0].to(device), band[1].to(device))
+            # across calls too, per BlockMask: a model passes the same one to every layer
+            # and step; the versions of the tensors its mask_mod reads and of its own block
+            # lists say whether the band found still holds
+            known = _BANDS.setdefault(self.source, {}) if self.source is not None else {}
+            versions = tuple(t._version for t in (*self.mask.captured, *_tensors(self.source)))
+            shared = (folded, self.mask.batch, self.mask.heads, str(device), versions)
+            if shared not in known:
+                small = not self.mask.elementwise  # block by block: small host-side ops
+                with one_thread() if small else contextlib.nullcontext():
+                    band = self._exact(folded, device)
+                for stale in [k for k in known if k[-1] != versions]:
+                    del known[stale]  # an older version's band is never asked for again
+                known[shared] = None if band is None else (band[0].to(device), band[1].to(device))
+            self._cache[key] = known[shared]
         return self._cache[key]  # type: ignore[no-any-return]
 
     def _exact(self, folded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
