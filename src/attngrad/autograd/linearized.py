@@ -1,29 +1,28 @@
 """Tile helpers shared by forward mode and the second-order backward.
 
 Both need, tile by tile, the scores' linear map applied to a direction
-(a_q, a_k, a_bias) -- the same bilinear form S = scale * q k^T + bias
-differentiated once:
+(a_q, a_k, a_theta) -- the scores differentiated once:
 
-    L(a) = scale * (a_q k^T + q a_k^T) + a_bias          [Nq, Nk]
+    L(a) = J_chain (scale * (a_q k^T + q a_k^T), a_theta)          [Nq, Nk]
 
-or, with a softcap c (scores c tanh(S_raw / c) + bias), the raw part times
-the cap's slope 1 - tanh^2 before a_bias is added; with a score function f
-(S' = f(S, theta)), the part so far pushed through f with the direction
-a_theta of its captured tensors, J_f (L, a_theta) (`ScoreFunction.push`).
+the raw part pushed through the chain of score modifications
+(`attngrad.core.modification.Chain.tangents`: a softcap's slope, a score
+function's push with the direction of its captured tensors, the bias's
+direction added), a_theta being the direction's part like each
+modification's tensors.
 
-Forward mode applies it to the tangents (dS/dt = L(q', k', bias')); the
-second-order backward to the cotangents of (dq, dk, dbias), since
-<g_q, scale dS k> + <g_k, scale dS^T q> + <g_bias, dS> = <L(g), dS>.
+Forward mode applies it to the tangents (dS/dt = L(q', k', theta')); the
+second-order backward to the cotangents of (dq, dk, dtheta), since
+<g_q, scale dS k> + <g_k, scale dS^T q> + <g_theta, dtheta> = <L(g), dS>.
 Tiles are [B, Hkv, G*r, c] (a GQA group's rows folded, as in
 `attngrad.core.heads`), in the compute dtype.  Both passes also need the
-tile's raw scores (`attngrad.core.probabilities.raw_scores`: the softcap's
-tanh, the score function's input) and dropout's multiplier Z / (1 - p)
-(`dropout_multipliers`).
+records of the tile's modifications (`attngrad.core.probabilities.rebuilt_records`)
+and dropout's multiplier Z / (1 - p) (`dropout_multipliers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,8 +31,8 @@ import torch
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
-from attngrad.core.probabilities import ProbabilityTiles, RawScores
-from attngrad.core.score_function import ScoreFunction
+from attngrad.core.modification import Chain, Parameters, Records
+from attngrad.core.probabilities import ProbabilityTiles
 from attngrad.core.scores import ScoreMods
 
 __all__ = ["Direction", "Terminal", "dropout_multipliers", "tile_inputs"]
@@ -41,20 +40,17 @@ __all__ = ["Direction", "Terminal", "dropout_multipliers", "tile_inputs"]
 
 @dataclass
 class Direction:
-    """A direction (a_q, a_k, a_bias, a_captured) in the scores' inputs, ready to apply
-    tile by tile.
+    """A direction (a_q, a_k, a_theta) in the scores' inputs, ready to apply tile by tile.
 
     a_q: scale * (like q) grouped to [B, Hkv, G, Nq, d]; a_k: scale * (like k);
-    a_bias: like the bias [Bm, Hm, Nqm, Nkm], held as a `ScoreMods` (no band) so
-    it broadcasts onto tiles exactly as the bias does; a_captured: like the score
-    function's captured tensors (``score``), empty when all are zero.  None = zero.
+    dots: a_theta, one tuple per modification of ``chain``, like its tensors
+    (`attngrad.core.modification.ScoreModification.parameters_of`).  None = zero.
     """
 
     a_q: torch.Tensor | None
     a_k: torch.Tensor | None
-    a_bias: ScoreMods | None
-    a_captured: tuple[torch.Tensor | None, ...] = ()
-    score: ScoreFunction | None = None
+    dots: tuple[Parameters, ...]
+    chain: Chain
 
     @staticmethod
     def of(
@@ -66,19 +62,18 @@ class Direction:
         scale: float,
         dtype: torch.dtype,
     ) -> Direction:
+        """From the direction's parts like q, k, the bias and the captured tensors."""
         hkv = mods.heads_kv
         # scaled once here (O(N d)), not per tile
         gq = None if a_q is None else group_heads(a_q.to(dtype) * scale, hkv)
         gk = None if a_k is None else a_k.to(dtype) * scale
-        gb = None
-        if a_bias is not None:
-            gb = ScoreMods(a_bias.to(dtype), None, None, hkv, mods.seq_q, mods.seq_k)
-        moved = tuple(a_captured) if any(a is not None for a in a_captured) else ()
-        return Direction(gq, gk, gb, moved, mods.score)
+        gb = None if a_bias is None else a_bias.to(dtype)
+        return Direction(gq, gk, mods.chain.parameters_of(gb, a_captured), mods.chain)
 
     @property
     def zero(self) -> bool:
-        return self.a_q is None and self.a_k is None and self.a_bias is None and not self.a_captured
+        moved = any(t is not None for dots in self.dots for t in dots)
+        return self.a_q is None and self.a_k is None and not moved
 
     def raw_tile(
         self, q_rows: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice
@@ -104,40 +99,22 @@ class Direction:
             out = torch.zeros(b, hkv, gr, c, dtype=q_rows.dtype, device=q_rows.device)
         return out
 
-    def captured_dot(self) -> tuple[torch.Tensor | None, ...]:
-        """The captures' direction, one per capture (None = zero)."""
-        n = 0 if self.score is None else len(self.score.keys)
-        return self.a_captured or (None,) * n
-
-    def finish_(
-        self, raw: torch.Tensor, rows: slice, keys: slice, groups: int, scores: RawScores
-    ) -> torch.Tensor:
-        """L(a) from `raw_tile`'s part: times a softcap's slope, through the score function
-        (its push, with the captures' direction), plus a_bias; in place where it can."""
-        b, hkv, gr, c = raw.shape
-        if scores.slope is not None:
-            raw.mul_(scores.slope)
-        if self.score is not None and scores.raw is not None:
-            raw = self.score.push(scores.raw, rows, keys, raw, self.captured_dot())
-        if self.a_bias is not None:
-            self.a_bias.apply_(raw.view(b, hkv, groups, gr // groups, c), rows, keys)
-        return raw
-
-    def tile(
+    def tangents(
         self,
         q_rows: torch.Tensor,
         k: torch.Tensor,
         rows: slice,
         keys: slice,
-        groups: int,
-        scores: RawScores,
-    ) -> torch.Tensor:
-        """L(a) on the tile (rows, keys): [B, Hkv, G*r, c]; ``scores``: the tile's
-        `RawScores` (a softcap's slope, the score function's input).
+        records: Records | None,
+    ) -> list[torch.Tensor]:
+        """The direction at each modification's input and, last, L(a) on the tile (rows,
+        keys): [B, Hkv, G*r, c] each (`attngrad.core.modification.Chain.tangents`);
+        ``records``: the tile's records.
 
         q_rows: [B, Hkv, G*r, d] (q's rows of the tile, unscaled); k: [B, Hkv, Nk, d].
         """
-        return self.finish_(self.raw_tile(q_rows, k, rows, keys), rows, keys, groups, scores)
+        raw = self.raw_tile(q_rows, k, rows, keys)
+        return self.chain.tangents(raw, rows, keys, records, self.dots)
 
 
 def dropout_multipliers(
@@ -164,7 +141,7 @@ def tile_inputs(
     strategy: Strategy[Any],
     problem: Problem[Any],
     saved: Saved,
-    direction: tuple[torch.Tensor | None, ...],
+    direction: Sequence[torch.Tensor | None],
 ) -> tuple[Direction, ProbabilityTiles, Callable[[slice, slice], torch.Tensor] | None]:
     """What both passes read tile by tile: the direction (a_q, a_k, a_bias, *a_captured)
     ready to apply, P's tiles (`Strategy.probabilities`) and dropout's multipliers (or None)."""

@@ -41,16 +41,17 @@ A row that attends nothing has P = 0 and so contributes nothing.
 Dropout (O = (P * M) v, M = Z / (1 - p), Z regenerated per tile) puts M on
 each path through v: dP = (dO v^T) * M (so Y, Delta and D-hat's products
 with v and dO take it), u = (P * M) g_v, and P-hat's g_v term is
-M * (dO g_v^T).  A softcap (scores c tanh(S_raw / c), slope
-sigma' = 1 - tanh^2, curvature sigma'' = -2 tanh sigma' / c) makes
-G = sigma' * G_raw + g_bias with G_raw = s (g_q k^T + q g_k^T), and the
-raw scores' cotangent S-hat * sigma' + G_raw * dS * sigma''; the direct
-terms take dS_raw = dS * sigma', while grad bias stays S-hat.  A score
-function f (S' = f(S_c, theta), S_c the capped scores) makes
-G = J_f (sigma' G_raw, g_theta) + g_bias, and takes S-hat onto S_c as
-J_S^T S-hat + d/dS_c <dS, J_f (sigma' G_raw, g_theta)>, the captures' gradient
-being the theta part of the same (`attngrad.core.score_function`); dS
-itself goes on as J_S^T dS.
+M * (dO g_v^T).  The score modifications between S = scale q k^T and the mask
+(`attngrad.core.modification`: a softcap, a score function, the bias) make
+G = J (G_raw, g_theta) with G_raw = s (g_q k^T + q g_k^T) and g_theta the
+cotangents of their tensors' gradients (g_bias for the bias), the chain's push
+(`attngrad.autograd.linearized`); S-hat and dS go back through the chain, each
+modification f taking them onto its input as J_x^T S-hat + d/dx <dS, J (x-dot,
+g_theta)> and J_x^T dS, its tensors' gradients being the theta part of the same
+(`attngrad.core.modification.Chain.second_`): the bias's is S-hat itself; a
+softcap's (slope sigma' = 1 - tanh^2, curvature sigma'' = -2 tanh sigma' / c)
+S-hat * sigma' + x-dot * dS * sigma''.  The direct terms take dS at the raw
+scores.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ from attngrad.autograd.linearized import tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
 from attngrad.core.ops import join_lse_cotangent_
-from attngrad.core.probabilities import raw_scores
-from attngrad.core.scores import add_bias_gradient_
+from attngrad.core.probabilities import rebuilt_records
 from attngrad.core.tiling import key_schedule, schedule
 
 __all__ = ["second_order"]
@@ -128,8 +128,8 @@ def second_order(
                 dp.mul_(m)  # dP = (dO v^T) * M
             delta_r += _rowsum(p * dp)
             if not direction.zero:
-                raw = raw_scores(mods, q_r, k[:, :, keys], scale, g)
-                pg = direction.tile(q_r, k, rows, keys, g, raw).mul_(p)
+                records = rebuilt_records(mods, q_r, k[:, :, keys], scale, rows, keys)
+                pg = direction.tangents(q_r, k, rows, keys, records)[-1].mul_(p)
                 r_r += _rowsum(pg)
                 pgdp += _rowsum(pg.mul_(dp))
             if u_r is not None and gv is not None:
@@ -157,6 +157,7 @@ def second_order(
     grad_bias = None
     if need_bias and mods.bias is not None:
         grad_bias = zeros(*mods.bias.shape)
+    grads = mods.chain.parameters_of(grad_bias, grad_captured)  # of the modifications' tensors
     a_q, a_k = direction.a_q, direction.a_k  # scale * g_q, scale * g_k
     for _, pairs in key_schedule(mods, blocks):
         for rows, keys in pairs:
@@ -170,17 +171,13 @@ def second_order(
                 y.mul_(m)  # dP = (dO v^T) * M
             y.sub_(take_rows(c_row, rows))  # Y = dP - c
             ds = p * y
-            raw = raw_scores(mods, q_r, kc, scale, g)
-            tanh, slope = raw.tanh, raw.slope
-            g_raw = None  # scale (g_q k^T + q g_k^T), the cap's curvature term needs it
+            records = rebuilt_records(mods, q_r, kc, scale, rows, keys)
+            tangents = None  # the direction at each modification's input, then G
             t = None  # H * Y + dO g_v^T * M - rho', then S-hat = P * t
             if not direction.zero:
-                g_raw = direction.raw_tile(q_r, k, rows, keys)
-                # finish_ scales by a softcap's slope in place; a score function's push is
-                # out of place: G_raw itself is read again below
-                kept = g_raw.clone() if slope is not None else g_raw
-                g_tile = direction.finish_(kept, rows, keys, g, raw)
-                h = g_tile.sub_(take_rows(r_sum, rows))  # G - r
+                tangents = direction.tangents(q_r, k, rows, keys, records)
+                # out of place: the tangents are read again on the way back through the chain
+                h = tangents[-1] - take_rows(r_sum, rows)  # G - r
                 if grad_v is not None or grad_do is not None:
                     d_hat = p * h
                     if m is not None:  # through dP = (dO v^T) * M
@@ -202,24 +199,10 @@ def second_order(
                         do_r.reshape(-1, g * n, dv_dim), gvt.reshape(-1, dv_dim, c)
                     )
             s_hat = None if t is None else t.sub_(take_rows(rho, rows)).mul_(p)
-            if grad_bias is not None and s_hat is not None:
-                add_bias_gradient_(grad_bias, s_hat.view(b, hkv, g, n, c), rows, keys)
-            if mods.score is not None and raw.raw is not None:
-                # through S' = f(S_c, theta): onto the capped scores, and the captures' part
-                g_c = None if g_raw is None else (g_raw if slope is None else g_raw * slope)
-                s_hat = mods.score.second(
-                    raw.raw, rows, keys, ds, s_hat, g_c, direction.captured_dot(), grad_captured
-                )
-                mods.score.pullback_(raw.raw, rows, keys, ds, (None,) * len(grad_captured))
-            if slope is not None and tanh is not None and mods.softcap is not None:
-                # onto the raw scores: S-hat * slope + G_raw * dS * curvature, and dS_raw
-                if s_hat is not None:
-                    s_hat.mul_(slope)
-                    if g_raw is not None:
-                        s_hat.addcmul_(g_raw * ds, tanh * slope, value=-2.0 / mods.softcap)
-                elif g_raw is not None:
-                    s_hat = (g_raw * ds).mul_(tanh * slope).mul_(-2.0 / mods.softcap)
-                ds.mul_(slope)
+            # back through the score modifications: S-hat and dS onto the raw scores
+            s_hat = mods.chain.second_(
+                ds, s_hat, rows, keys, records, tangents, direction.dots, grads
+            )
             if grad_q is not None:
                 part = (
                     torch.zeros_like(q_r) if s_hat is None else torch.matmul(s_hat, kc).mul_(scale)

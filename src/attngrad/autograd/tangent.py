@@ -8,9 +8,9 @@ S' = L(q', k', bias') = scale * (q' k^T + q k'^T) + bias'
     O'   = P' v + P v' = (P * S') v + P v' - mu O
 
 With dropout (O = (P * M) v, M = Z / (1 - p)) the products with v take
-P * M and (P * S') * M, while mu keeps the undropped P; with a softcap S'
-carries the cap's slope, and with a score function its push, with the
-tangents of the captured tensors (`attngrad.autograd.linearized`).
+P * M and (P * S') * M, while mu keeps the undropped P; S' is pushed through
+the score modifications (a softcap's slope, a score function's push with the
+tangents of its captured tensors; `attngrad.autograd.linearized`).
 
 In the online-softmax form of the forward (`attngrad.strategies.flash`),
 over key tiles j with running max m_j, alpha_j = exp(m_{j-1} - m_j) and
@@ -44,7 +44,7 @@ from attngrad.autograd.layout import Layout, roles
 from attngrad.autograd.linearized import Terminal, tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Plan, Problem, Saved, Strategy
-from attngrad.core.probabilities import raw_scores
+from attngrad.core.probabilities import rebuilt_records
 from attngrad.core.tiling import schedule
 
 __all__ = ["TANGENT", "TANGENT_OUT", "OutputTangent", "output_tangent"]
@@ -86,8 +86,8 @@ def output_tangent(
             p = p_tile(rows, keys)
             m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
             if not direction.zero:
-                raw = raw_scores(mods, q_r, k[:, :, keys], scale, g)
-                ps = direction.tile(q_r, k, rows, keys, g, raw).mul_(p)  # P * S'
+                records = rebuilt_records(mods, q_r, k[:, :, keys], scale, rows, keys)
+                ps = direction.tangents(q_r, k, rows, keys, records)[-1].mul_(p)  # P * S'
                 mu_r += ps.sum(dim=-1, keepdim=True)
                 acc += torch.matmul(ps if m is None else ps.mul_(m), v[:, :, keys])
             if tv is not None:

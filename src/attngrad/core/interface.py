@@ -80,7 +80,8 @@ class Problem(Generic[T]):
     """What a call hands a strategy.
 
     q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d], v: [B, Hkv, Nk, dv].
-    mods: the score modifications (bias, keep, band, softcap, dropout).
+    mods: the masks (keep, band, BlockMask), the score modifications (softcap, a score
+        function, the bias: ``mods.chain``) and dropout.
     scale: the scores' factor; tiles: the strategy's own tile choice.
     """
 

@@ -39,8 +39,6 @@ LOG2E = 1.0 / math.log(2.0)  # exp(x) == exp2(x * LOG2E)
 __all__ = [
     "LOG2E",
     "attend",
-    "cap_slope",
-    "capped_tanh",
     "compute_dtype",
     "delta",
     "join_lse_cotangent_",
@@ -78,20 +76,6 @@ def scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     torch.Size([1, 2, 3])
     """
     return torch.matmul(q * scale, k.transpose(-2, -1))
-
-
-def capped_tanh(q: torch.Tensor, k: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
-    """t = tanh(S / cap) of the raw scores S = scale * q @ k^T: [..., Nq, d], [..., Nk, d] -> [..., Nq, Nk].
-
-    With a softcap the scores are cap * t; their slope is 1 - t^2 and their
-    curvature -2 t (1 - t^2) / cap, the factors the gradients carry.
-    """
-    return scores(q, k, scale / cap).tanh_()
-
-
-def cap_slope(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """1 - t^2, the slope of c tanh(S / c) from t = tanh(S / c) (`capped_tanh`); into ``out`` if given."""
-    return torch.mul(t, t, out=out).neg_().add_(1.0)
 
 
 def query_key_gradients(

@@ -4,7 +4,8 @@
 chunked forward of "explicit" and "recompute" and every P rebuilt from the
 statistics (`rebuilt_probabilities`: recompute's backward; forward mode and
 second order of every strategy that does not keep P) call it, so a rebuilt
-tile sees the very scores its statistics were taken from.
+tile sees the very scores its statistics were taken from.  `rebuilt_records`
+forms what the derivatives of a tile's score modifications read again.
 
 Over the canonical layout q: [B, Hq, Nq, d], k: [B, Hkv, Nk, d]; G = Hq / Hkv
 query heads share a key/value head.
@@ -13,15 +14,15 @@ query heads share a key/value head.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from attngrad.core import ops
 from attngrad.core.heads import group_heads, take_rows
+from attngrad.core.modification import Records
 from attngrad.core.scores import ScoreMods
 
-__all__ = ["ProbabilityTiles", "RawScores", "masked_scores", "raw_scores", "rebuilt_probabilities"]
+__all__ = ["ProbabilityTiles", "masked_scores", "rebuilt_probabilities", "rebuilt_records"]
 
 # P of one tile: (rows, cols) -> [B, Hkv, G*r, c] in the compute dtype.
 ProbabilityTiles = Callable[[slice, slice], torch.Tensor]
@@ -59,28 +60,23 @@ def rebuilt_probabilities(
     return p_tile
 
 
-class RawScores(NamedTuple):
-    """What the derivative passes read of a tile's scores before the mask, rebuilt from
-    q k^T: the softcap's tanh(S / c) and slope 1 - tanh^2 [B, Hkv, G*r, c] (None without
-    a softcap), and the score function's input [B, Hkv, G, r, c] (None without one)."""
+def rebuilt_records(
+    mods: ScoreMods,
+    q_rows: torch.Tensor,
+    k_tile: torch.Tensor,
+    scale: float,
+    rows: slice,
+    cols: slice,
+) -> Records | None:
+    """The records of the tile (rows, cols) of ``mods.chain``, rebuilt from q k^T
+    (`attngrad.core.modification.Chain.rebuilt`), or None where no modification keeps one.
 
-    tanh: torch.Tensor | None
-    slope: torch.Tensor | None
-    raw: torch.Tensor | None
-
-
-def raw_scores(
-    mods: ScoreMods, q_rows: torch.Tensor, k_tile: torch.Tensor, scale: float, groups: int
-) -> RawScores:
-    """`RawScores` of a tile from q_rows: [B, Hkv, G*r, d] (unscaled) and k_tile: [B, Hkv, c, d]."""
-    if mods.softcap is None and mods.score is None:
-        return RawScores(None, None, None)
+    q_rows: [B, Hkv, G*r, d] (unscaled), k_tile: [B, Hkv, c, d] -> records [B, Hkv, G, r, c].
+    """
+    if not mods.chain.records:
+        return None
     b, hkv, gr, _ = q_rows.shape
-    if mods.softcap is None:
-        raw = ops.scores(q_rows, k_tile, scale)
-        return RawScores(None, None, raw.view(b, hkv, groups, gr // groups, -1))
-    t = ops.capped_tanh(q_rows, k_tile, scale, mods.softcap)
-    capped = (
-        None if mods.score is None else (t * mods.softcap).view(b, hkv, groups, gr // groups, -1)
-    )
-    return RawScores(t, ops.cap_slope(t), capped)
+    r = rows.stop - rows.start
+    s = ops.scores(q_rows, k_tile, scale)  # (B, Hkv, G*r, c)
+    s5 = s.view(b, hkv, gr // r, r, s.shape[-1])  # (B, Hkv, G, r, c)
+    return mods.chain.rebuilt(s5, rows, cols)

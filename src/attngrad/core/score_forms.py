@@ -68,6 +68,7 @@ __all__ = [
 TERM_KEY = slice(0, 1)  # a relative function's term is evaluated at q_idx = i - j, kv_idx = 0
 
 Captures = Sequence[torch.Tensor | None]
+Point = Callable[..., torch.Tensor]  # a function of one score, run over a tile or points
 
 
 class Form(ABC):
@@ -91,27 +92,17 @@ class Form(ABC):
 
     @abstractmethod
     def push(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        s_dot: torch.Tensor,
+        self, raw: torch.Tensor, rows: slice, cols: slice, s_dot: torch.Tensor,
         captured_dot: Captures,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """S'-dot = df/dS * s_dot + df/dtheta * theta_dot: [B, Hkv, G*r, c]."""
 
     @abstractmethod
     def second(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        ds: torch.Tensor,
-        s_hat: torch.Tensor | None,
-        s_dot: torch.Tensor | None,
-        captured_dot: Captures,
+        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
+        s_hat: torch.Tensor | None, s_dot: torch.Tensor | None, captured_dot: Captures,
         dcaptured: Captures,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         """The raw scores' cotangent J_S^T S-hat + d/dS <dS', J (s_dot, theta_dot)>
         [B, Hkv, G*r, c] (None when both are zero); the captures' part is added into
         ``dcaptured``."""
@@ -137,23 +128,21 @@ class Pointwise(Form):
 
     @abstractmethod
     def _tile(
-        self, point: Callable[..., torch.Tensor], s: torch.Tensor, index: TileIndex,
-        captured: Sequence[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self, point: Point, s: torch.Tensor, index: TileIndex, captured: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         """``point`` over the whole tile s [B, H, r, c]."""
 
     @abstractmethod
     def _points(
-        self, point: Callable[..., torch.Tensor], points: Sequence[torch.Tensor],
-        theta: Sequence[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self, point: Point, points: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         """``point`` at P scattered points (each of ``points`` [P]): [P]."""
 
     def _shaped(self, out: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """The function's output as the score it replaces."""
         return out
 
-    def _point(self) -> Callable[..., torch.Tensor]:
+    def _point(self) -> Point:
         """f(s, b, h, q_idx, kv_idx, *captured) -> S', reading ``captured`` in the closure's
         captures' place (s and the indices 0-d, or broadcasting for `Elementwise`)."""
         fn, keys, originals = self.f.fn, self.f.keys, self.f.captured_originals
@@ -254,13 +243,9 @@ class Pointwise(Form):
         return ds.copy_(grads[0].view(ds.shape))
 
     def push(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        s_dot: torch.Tensor,
+        self, raw: torch.Tensor, rows: slice, cols: slice, s_dot: torch.Tensor,
         captured_dot: Captures,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """df/dS is one vector-Jacobian product with ones; the captures' part is the
         derivative in w of <(df/dtheta)^T w, theta_dot> (reverse mode twice: this also
         runs inside an outer forward-mode pass, where forward mode cannot nest)."""
@@ -286,16 +271,10 @@ class Pointwise(Form):
         return out.reshape(b, hkv, gq * r, c)
 
     def second(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        ds: torch.Tensor,
-        s_hat: torch.Tensor | None,
-        s_dot: torch.Tensor | None,
-        captured_dot: Captures,
+        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
+        s_hat: torch.Tensor | None, s_dot: torch.Tensor | None, captured_dot: Captures,
         dcaptured: Captures,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         direction = s_dot is not None or any(d is not None for d in captured_dot)
         if s_hat is None and not direction:
             return None
@@ -329,16 +308,14 @@ class General(Pointwise):
     """Any score function: the tile under nested vmap (`attngrad.core.pointwise.over_tile`)."""
 
     def _tile(
-        self, point: Callable[..., torch.Tensor], s: torch.Tensor, index: TileIndex,
-        captured: Sequence[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self, point: Point, s: torch.Tensor, index: TileIndex, captured: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         out: torch.Tensor = over_tile(point, s, index, captured)
         return out
 
     def _points(
-        self, point: Callable[..., torch.Tensor], points: Sequence[torch.Tensor],
-        theta: Sequence[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self, point: Point, points: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         return over_points(point, points, theta)
 
 
@@ -347,16 +324,14 @@ class Elementwise(Pointwise):
     broadcast (`attngrad.core.pointwise.broadcast_tile`)."""
 
     def _tile(
-        self, point: Callable[..., torch.Tensor], s: torch.Tensor, index: TileIndex,
-        captured: Sequence[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self, point: Point, s: torch.Tensor, index: TileIndex, captured: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         out: torch.Tensor = broadcast_tile(point, s, index, captured)
         return out
 
     def _points(
-        self, point: Callable[..., torch.Tensor], points: Sequence[torch.Tensor],
-        theta: Sequence[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self, point: Point, points: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         return over_points(point, points, theta, elementwise=True)
 
     def _shaped(self, out: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -422,13 +397,9 @@ class Relative(Form):
         return ds
 
     def push(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        s_dot: torch.Tensor,
+        self, raw: torch.Tensor, rows: slice, cols: slice, s_dot: torch.Tensor,
         captured_dot: Captures,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """s_dot plus the term's tangent, at its distances."""
         wants = self.term.f.grads_wanted
         moving = any(d is not None and wants[n] for n, d in enumerate(captured_dot))
@@ -445,16 +416,10 @@ class Relative(Form):
         return out
 
     def second(
-        self,
-        raw: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        ds: torch.Tensor,
-        s_hat: torch.Tensor | None,
-        s_dot: torch.Tensor | None,
-        captured_dot: Captures,
+        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
+        s_hat: torch.Tensor | None, s_dot: torch.Tensor | None, captured_dot: Captures,
         dcaptured: Captures,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         """J_S = 1 and no second derivative in S: only theta's part."""
         if s_hat is None and s_dot is None and all(d is None for d in captured_dot):
             return None

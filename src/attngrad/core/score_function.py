@@ -43,11 +43,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from attngrad.core.contract import ArgumentError
+from attngrad.core.modification import Parameters, ScoreModification
 from attngrad.core.ops import compute_dtype
 from attngrad.core.pointwise import INDEX, Reads, TileIndex, check_arity, explain, over_tile
 from attngrad.core.score_forms import TERM_KEY, Form, Relative, check_score, form_of
@@ -57,12 +58,14 @@ if TYPE_CHECKING:
 
 __all__ = ["TERM_KEY", "ScoreFunction"]
 
-_KEY = TERM_KEY  # the name `attngrad.strategies.fused.diagonal` imports
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, eq=False)  # holds a function and tensors: compared by identity
-class ScoreFunction:
-    """A ``score_mod`` over tiles, with the tensors it captures (see the module docstring).
+class ScoreFunction(ScoreModification):
+    """A ``score_mod`` over tiles, with the tensors it captures (see the module docstring):
+    a score modification (`attngrad.core.modification`) whose tensors are the captures and
+    whose record of a tile is the scores it was applied to.
 
     fn: the user's function; keys: the identities of the captured tensors in the
     closure (``captured_originals``, which the closure keeps alive anyway);
@@ -151,6 +154,12 @@ class ScoreFunction:
         blocks = None if self.blocks is None else self.blocks.folded(batch)
         return replace(self, batch=batch, blocks=blocks)
 
+    records = True
+
+    def parameters_of(self, bias: V, captured: Sequence[V]) -> tuple[V, ...]:
+        """The entries of its captured tensors."""
+        return tuple(captured)
+
     @property
     def grads_wanted(self) -> tuple[bool, ...]:
         """Which captures can take a gradient (floating point)."""
@@ -170,8 +179,6 @@ class ScoreFunction:
         assert isinstance(self.form, Relative), "only a relative function has a term"
         return self.form.term
 
-    _terms = term  # the name `attngrad.strategies.fused.diagonal` reads
-
     # -- the form's evaluator (`attngrad.core.score_forms.Form`) on a tile ------------
 
     def values_(
@@ -187,8 +194,8 @@ class ScoreFunction:
         return self.form.values_(s5, rows, cols, raw)
 
     def pullback_(
-        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
-        dcaptured: Sequence[torch.Tensor | None],
+        self, raw: torch.Tensor | None, rows: slice, cols: slice, ds: torch.Tensor,
+        dcaptured: Parameters,
     ) -> torch.Tensor:  # fmt: skip
         """dS = dS' * df/dS in place in ``ds``; dcaptured[n] += (df/dtheta_n)^T dS'.
 
@@ -196,23 +203,25 @@ class ScoreFunction:
         [B, Hkv, G*r, c]); dcaptured: accumulators like the captures (compute
         dtype), None where no gradient is wanted.
         """
+        assert raw is not None
         return self.form.pullback_(raw, rows, cols, ds, dcaptured)
 
     def push(
-        self, raw: torch.Tensor, rows: slice, cols: slice, s_dot: torch.Tensor,
-        captured_dot: Sequence[torch.Tensor | None],
+        self, raw: torch.Tensor | None, rows: slice, cols: slice, s_dot: torch.Tensor,
+        captured_dot: Parameters,
     ) -> torch.Tensor:  # fmt: skip
         """S'-dot = df/dS * s_dot + df/dtheta * theta_dot on the tile: [B, Hkv, G*r, c].
 
         raw: [B, Hkv, G, r, c] raw scores; s_dot like raw (or folded); captured_dot:
         tangents like the captures, None = zero.
         """
+        assert raw is not None
         return self.form.push(raw, rows, cols, s_dot, captured_dot)
 
     def second(
-        self, raw: torch.Tensor, rows: slice, cols: slice, ds: torch.Tensor,
-        s_hat: torch.Tensor | None, s_dot: torch.Tensor | None,
-        captured_dot: Sequence[torch.Tensor | None], dcaptured: Sequence[torch.Tensor | None],
+        self, raw: torch.Tensor | None, rows: slice, cols: slice, ds: torch.Tensor,
+        s_hat: torch.Tensor | None, s_dot: torch.Tensor | None, captured_dot: Parameters,
+        dcaptured: Parameters,
     ) -> torch.Tensor | None:  # fmt: skip
         """The second-order pass's step through f (see `attngrad.autograd.second_order`).
 
@@ -221,4 +230,5 @@ class ScoreFunction:
         d/dS <dS', J (s_dot, theta_dot)> [B, Hkv, G*r, c] (None when both are
         zero), and adds the captures' part into ``dcaptured`` (None = not wanted).
         """
+        assert raw is not None
         return self.form.second(raw, rows, cols, ds, s_hat, s_dot, captured_dot, dcaptured)

@@ -5,40 +5,44 @@ mask added to the scores; ``is_causal``) and beyond them a sliding
 ``window=(left, right)``, its ``align``-ment, packed segments, ``softcap``
 and ``dropout_p``.  A `ScoreMods` holds them as every strategy applies them:
 
-* ``softcap``: scores S = scale q k^T become c tanh(S / c) first (Gemma 2);
-* ``bias`` / ``keep``: 4-D tensors ``[Bm, Hm, Nqm, Nkm]``, each dim 1 or the
-  full size, so they stay broadcast views of what the caller passed
-  (`split_mask`);
+* the score modifications, pointwise functions of each score applied in
+  order, its ``chain`` (`attngrad.core.modification`): the ``softcap``,
+  c tanh(S / c) (`attngrad.core.softcap.Softcap`; Gemma 2), a FlexAttention
+  ``score`` function (`attngrad.core.score_function.ScoreFunction`),
+  S' = score_mod(S, b, h, i, j), and the float mask, a ``bias`` added to the
+  scores (`attngrad.core.bias.Bias`);
+* ``keep``: a bool mask; it and the bias are 4-D tensors ``[Bm, Hm, Nqm, Nkm]``,
+  each dim 1 or the full size, so they stay broadcast views of what the caller
+  passed (`split_mask`);
 * a band (`attngrad.core.band.Band`): query i attends keys lo(i) <= j < hi(i),
   from ``is_causal``, the window, the alignment and the segments (decided in
   `attngrad.core.band`, which draws its pictures);
-* ``dropout`` (`attngrad.core.dropout.Dropout`), applied to P after the softmax;
-* a FlexAttention ``score`` function (`attngrad.core.score_function.ScoreFunction`),
-  S' = score_mod(S, b, h, i, j) after the softcap and before the bias, and
-  its ``blocks`` (`attngrad.core.block_table.BlockTable`): a BlockMask's
-  empty tiles skipped, ``mask_mod`` on its partial ones.
+* a FlexAttention BlockMask's ``blocks`` (`attngrad.core.block_table.BlockTable`):
+  its empty tiles skipped, ``mask_mod`` on its partial ones;
+* ``dropout`` (`attngrad.core.dropout.Dropout`), applied to P after the softmax.
 
 Every strategy applies them the same way, to the whole score matrix or to one
-tile of it; the band also tells the tiled strategies which tiles to skip.
+tile of it: the chain, then the masks; the band also tells the tiled
+strategies which tiles to skip.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from attngrad.core.band import Band, BandSpec
+from attngrad.core.bias import Bias, tile
 from attngrad.core.block_table import BlockTable
 from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads
-from attngrad.core.ops import cap_slope
+from attngrad.core.modification import Chain, Records, ScoreModification
 from attngrad.core.score_function import ScoreFunction
+from attngrad.core.softcap import Softcap
 
-__all__ = ["ScoreMods", "add_bias_gradient_", "split_mask", "tile"]
-
-_ALL = slice(None)
+__all__ = ["ScoreMods", "split_mask"]
 
 
 def _to_4d(attn_mask: torch.Tensor, shapes: Shapes) -> torch.Tensor:
@@ -67,11 +71,6 @@ def split_mask(
     return (None, m) if m.dtype == torch.bool else (m, None)
 
 
-def tile(t: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
-    """t[..., rows, cols], leaving broadcast (size-1) dims whole; a view."""
-    return t[..., rows if t.shape[-2] > 1 else _ALL, cols if t.shape[-1] > 1 else _ALL]
-
-
 @dataclass(frozen=True)
 class ScoreMods:
     """The scores' mask and modifiers: what each query may attend to, and what happens to
@@ -83,10 +82,13 @@ class ScoreMods:
         segments; `attngrad.core.band.Band`), or None for all of them.
     heads_kv: key/value heads; the mask's heads are grouped to match (GQA).
     seq_q, seq_k: Nq and Nk.
-    softcap: c, when scores are capped to c * tanh(S / c) before the bias is added.
+    softcap: c, when scores are capped to c * tanh(S / c) first.
     dropout: the call's `attngrad.core.dropout.Dropout` of P, or None.
     score: a FlexAttention score function (with its captured tensors), or None.
     blocks: a FlexAttention BlockMask's tiles and mask function, or None.
+    chain: the softcap, the score function and the bias as the score modifications
+        they are, in that order (`attngrad.core.modification.Chain`): what the
+        strategies evaluate on a tile.
     """
 
     bias: torch.Tensor | None
@@ -99,6 +101,17 @@ class ScoreMods:
     dropout: Dropout | None = None
     score: ScoreFunction | None = None
     blocks: BlockTable | None = None
+    chain: Chain = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        links: list[ScoreModification] = []
+        if self.softcap is not None:
+            links.append(Softcap(self.softcap))
+        if self.score is not None:
+            links.append(self.score)
+        if self.bias is not None:
+            links.append(Bias(self.bias, self.heads_kv))
+        object.__setattr__(self, "chain", Chain(tuple(links)))
 
     @staticmethod
     def build(
@@ -186,86 +199,30 @@ class ScoreMods:
     # -- applying ----------------------------------------------------------
 
     def apply_(
-        self,
-        s: torch.Tensor,
-        rows: slice = _ALL,
-        cols: slice = _ALL,
-        slope: torch.Tensor | None = None,
-        raw: torch.Tensor | None = None,
+        self, s: torch.Tensor, rows: slice, cols: slice, records: Records | None = None
     ) -> torch.Tensor:
-        """Cap, modify, bias and mask a tile of scores in place and return it.
+        """Modify and mask a tile of scores in place and return it.
 
         s: [B, Hkv, G, r, c], the scaled scores of query rows ``rows`` against
-        key columns ``cols`` (slices with explicit bounds when not whole).
-        With a softcap and a ``slope`` buffer (like s), slope receives
-        d(c tanh(S / c)) / dS = 1 - tanh(S / c)^2, the factor the backward
-        carries dS through; with a score function and a ``raw`` buffer (like
-        s), raw receives the scores it was applied to, which its derivatives
-        read (`raw_gradient_`).
+        key columns ``cols``.  ``records``: buffers like s, one per modification of
+        the chain (None where it keeps none), that receive the tile's records, which
+        the backward of the same tile reads (`attngrad.core.modification.Chain`).
         """
-        if self.softcap is not None:
-            t = s.div_(self.softcap).tanh_()
-            if slope is not None:
-                cap_slope(t, out=slope)
-            t.mul_(self.softcap)
-        if self.score is not None:
-            if raw is not None:
-                raw.copy_(s)
-            r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
-            self.score.values_(s, r, c, raw)
-        if self.bias is not None:
-            s.add_(tile(group_heads(self.bias, self.heads_kv), rows, cols))
+        r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
+        self.chain.values_(s, r, c, records)
         if self.keep is not None:  # as a -inf bias: a broadcast masked_fill is ~5x slower
             keep = tile(group_heads(self.keep, self.heads_kv), rows, cols)
             blocked = torch.zeros(keep.shape, dtype=s.dtype, device=s.device)
             s.add_(blocked.masked_fill_(keep.logical_not(), float("-inf")))
         if self.band is not None and not self.band.covers(rows, cols):
-            r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
             s.add_(self.band.bias(r, c, s))  # finite + -inf = -inf
         if self.blocks is not None:
-            r, c = _bounds(rows, self.seq_q), _bounds(cols, self.seq_k)
             kept = self.blocks.keep(s.shape[0], r, c, s.device)
             if kept is not None:  # [B, H, r, c]
                 s.masked_fill_(kept.logical_not().view(s.shape), float("-inf"))
         return s
 
-    def raw_gradient_(
-        self,
-        ds: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        slope: torch.Tensor | None,
-        raw: torch.Tensor | None,
-        dcaptured: tuple[torch.Tensor | None, ...],
-    ) -> torch.Tensor:
-        """dS of a tile carried back from the scores the mask saw to S = scale q k^T, in place.
-
-        ds: dS' [B, Hkv, G*r, c]; through the score function (its raw scores
-        ``raw``, `apply_`'s; its captures' gradients added into ``dcaptured``,
-        None where not wanted), then through the softcap's ``slope``.
-        """
-        if self.score is not None:
-            assert raw is not None
-            self.score.pullback_(
-                raw, _bounds(rows, self.seq_q), _bounds(cols, self.seq_k), ds, dcaptured
-            )
-        if slope is not None:  # through c tanh(S / c): dS * (1 - tanh^2)
-            ds.mul_(slope.view(ds.shape))
-        return ds
-
 
 def _bounds(s: slice, n: int) -> slice:
     """A slice with explicit bounds: [start or 0, stop or n)."""
     return slice(s.start or 0, n if s.stop is None else s.stop)
-
-
-def add_bias_gradient_(
-    dbias: torch.Tensor, ds: torch.Tensor, rows: slice = _ALL, cols: slice = _ALL
-) -> None:
-    """dbias[rows, cols] += dS of one tile, summed over the dims the bias broadcasts.
-
-    dbias: [Bm, Hm, Nqm, Nkm]; ds: [B, Hkv, G, r, c], the tile's dS.
-    """
-    b, hkv, g, r, c = ds.shape
-    db = tile(dbias, rows, cols)
-    db += ds.reshape(b, hkv * g, r, c).sum_to_size(db.shape)

@@ -35,9 +35,9 @@ from attngrad.core.contract import Shapes
 from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Backward, Declaration, Grads, Problem, Strategy
-from attngrad.core.probabilities import ProbabilityTiles, masked_scores, raw_scores
+from attngrad.core.probabilities import ProbabilityTiles, masked_scores, rebuilt_records
 from attngrad.core.score_program import program_of
-from attngrad.core.scores import ScoreMods, add_bias_gradient_
+from attngrad.core.scores import ScoreMods
 
 __all__ = [
     "CHUNK_BYTES",
@@ -138,9 +138,9 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
     gives P's chunk as [B, Hkv, G*r, c] in the compute dtype: read from the
     saved P (explicit) or rebuilt from the row statistics (recompute); it is
     read, never written.  Of the mods only the band (to skip keys P is zero
-    for), the dropout (its Z regenerated chunk by chunk), the softcap (whose
-    slope is rebuilt from q k^T) and the score function (its raw scores
-    rebuilt likewise) are used.  A None accumulator is not computed.
+    for), the dropout (its Z regenerated chunk by chunk) and the score
+    modifications (dS carried back through them, their records rebuilt from
+    q k^T) are used.  A None accumulator is not computed.
     """
     problem, dout, dlse = backward.problem, backward.dout, backward.dlse
     dq, dk, dv, dbias = backward.grads
@@ -150,6 +150,7 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
     g, dtype = hq // hkv, problem.dtype
     dcaptured = backward.dcaptured
     need_ds = any(t is not None for t in (dq, dk, dbias, *dcaptured))
+    dtheta = mods.chain.parameters_of(dbias, dcaptured)  # the modifications' tensors' gradients
     dropout = mods.dropout
     if dropout is not None:  # dV = (P * Z)^T dO / (1 - p), dP = (dO v^T) * Z / (1 - p)
         dout = dout.to(dtype) * dropout.scale
@@ -158,7 +159,7 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
     k, v = problem.k.to(dtype), problem.v.to(dtype)
     drop = None if dropout is None else dropout.tiles(q, k, dtype)
     for rows, cols in chunks(mods, problem.tiles.rows):
-        r, c = rows.stop - rows.start, cols.stop - cols.start
+        r = rows.stop - rows.start
         p_c = p_chunk(rows, cols)  # (B, Hkv, G*r, c)
         do_c = take_rows(do5, rows).to(dtype)  # (B, Hkv, G*r, dv)
         bits = None if drop is None else drop(rows, cols)
@@ -173,12 +174,10 @@ def backward_chunks(backward: Backward[RowChunks], p_chunk: ProbabilityTiles) ->
         ds = ops.softmax_backward_(p_c, dp)
         if dlse5 is not None:  # lse = m + log l: d lse / dS = P
             ds.addcmul_(p_c, take_rows(dlse5, rows).to(dtype))
-        if dbias is not None:
-            add_bias_gradient_(dbias, ds.view(b, hkv, g, r, c), rows, cols)
-        if dq is not None or dk is not None or any(d is not None for d in dcaptured):
-            q_c = take_rows(q5, rows).to(dtype)
-            rs = raw_scores(mods, q_c, k[:, :, cols], scale, g)
-            mods.raw_gradient_(ds, rows, cols, rs.slope, rs.raw, dcaptured)
+        q_c = take_rows(q5, rows).to(dtype)
+        records = rebuilt_records(mods, q_c, k[:, :, cols], scale, rows, cols)
+        mods.chain.pullback_(ds, rows, cols, records, dtheta)  # dS' -> dS
+        if dq is not None or dk is not None:
             dq_c, dk_c = ops.query_key_gradients(ds, q_c, k[:, :, cols], scale)
             if dq is not None:
                 group_heads(dq, hkv)[:, :, :, rows] += dq_c.view(b, hkv, g, r, d)

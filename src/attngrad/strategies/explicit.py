@@ -4,8 +4,8 @@ Backward is the four local ops of `attngrad.core.ops` (whose docstring holds the
 formulas) on the saved P.  Saved (`Explicit.saves`): P beside q, k, v.
 
 With dropout P is saved undropped and each chunk's Z is regenerated from
-its hash (`attngrad.core.dropout`); with a softcap, backward rebuilds the cap's
-slope from q k^T.
+its hash (`attngrad.core.dropout`); backward rebuilds the score modifications'
+records (a softcap's tanh, a score function's raw scores) from q k^T.
 
 Both passes walk P in chunks of query rows (the strategy's tiles), through
 the chunked passes it shares with "recompute" (`attngrad.strategies.common`):

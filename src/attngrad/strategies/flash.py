@@ -14,11 +14,11 @@ Delta = rowsum(dO * O) in place of rowsum(P * dP):
 With dropout, forward accumulates (P * Z) v (l from the undropped P) and
 scales O by 1 / (1 - p) once; backward regenerates each tile's Z, takes dV
 from (P * Z) and dS = P * (dP * Z - Delta) = (P * Z) * dP - P * Delta, with
-dO pre-scaled by 1 / (1 - p).  With a softcap, the tile's masking also
-writes the cap's slope 1 - tanh^2, which dS takes on its way to dq and dk
-(after dbias, which is dS itself); with a score function it keeps the
-tile's raw scores, through which dS reaches dq, dk and the captured
-tensors (`attngrad.core.scores.ScoreMods.raw_gradient_`).
+dO pre-scaled by 1 / (1 - p).  The score modifications (softcap, a score
+function, the bias) keep their records of a tile as backward masks it again
+(softcap's tanh, a score function's raw scores), and dS goes back through
+them on its way to dq and dk, their tensors' gradients (dbias, the captured
+tensors') taken on the way (`attngrad.core.modification.Chain.pullback_`).
 
 Tiles that the band (causal, window, alignment, packed segments) masks
 entirely are skipped.  Scores stay in
@@ -40,7 +40,6 @@ from attngrad.core.dropout import Dropout
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import LOG2E, log_normalizer, probabilities_
-from attngrad.core.scores import add_bias_gradient_
 from attngrad.core.tiling import Blocks, key_schedule, schedule, tile_sizes
 from attngrad.strategies.base import AttentionFunction
 from attngrad.strategies.common import KeepsOutput
@@ -173,8 +172,9 @@ class Flash(KeepsOutput[Blocks]):
         k, v = problem.k.to(dtype), problem.v.to(dtype)
         work_p = torch.empty(b * hkv * g * blocks[0] * blocks[1], dtype=dtype, device=q.device)
         work_ds = torch.empty_like(work_p)
-        work_slope = None if mods.softcap is None else torch.empty_like(work_p)
-        work_raw = None if mods.score is None else torch.empty_like(work_p)
+        # the modifications' records of a tile (None where one keeps none)
+        work_records = [torch.empty_like(work_p) if m.records else None for m in mods.chain.links]
+        dtheta = mods.chain.parameters_of(dbias, backward.dcaptured)  # their tensors' gradients
         work_dk = torch.empty(b * hkv * blocks[1] * d, dtype=dtype, device=q.device)
         work_dv = torch.empty(b * hkv * blocks[1] * dv_dim, dtype=dtype, device=q.device)
         for cols, tiles in key_schedule(mods, blocks):
@@ -193,9 +193,10 @@ class Flash(KeepsOutput[Blocks]):
                 kc, vc = k[:, :, keys], v[:, :, keys]
                 qk = _scratch(work_p, b, hkv, g * r, n)  # (B, Hkv, G*r, n)
                 torch.matmul(qb, kc.transpose(-2, -1), out=qk)
-                slope = None if work_slope is None else _scratch(work_slope, b, hkv, g, r, n)
-                raw = None if work_raw is None else _scratch(work_raw, b, hkv, g, r, n)
-                mods.apply_(qk.view(b, hkv, g, r, n), rows, keys, slope, raw)
+                records = [
+                    None if w is None else _scratch(w, b, hkv, g, r, n) for w in work_records
+                ]
+                mods.apply_(qk.view(b, hkv, g, r, n), rows, keys, records)
                 p = probabilities_(qk, stats_b)
                 dp = _scratch(work_ds, b, hkv, g * r, n)
                 torch.matmul(dob, vc.transpose(-2, -1), out=dp)
@@ -206,9 +207,7 @@ class Flash(KeepsOutput[Blocks]):
                     pz = Dropout.dropped(p, drop(rows, keys))
                     _accumulate(dv_c, local, pz.transpose(-2, -1), dob)  # dV += (P * Z)^T dO
                     ds = dp.mul_(pz).addcmul_(p, delta_b, value=-1.0)  # P * (dP * Z - Delta)
-                if dbias is not None:
-                    add_bias_gradient_(dbias, ds.view(b, hkv, g, r, n), rows, keys)
-                mods.raw_gradient_(ds, rows, keys, slope, raw, backward.dcaptured)
+                mods.chain.pullback_(ds, rows, keys, records, dtheta)  # dS' -> dS
                 if dq5 is not None:
                     dq5[:, :, :, rows] += torch.matmul(ds, kc).view(b, hkv, g, r, d).mul_(scale)
                 _accumulate(dk_c, local, ds.transpose(-2, -1), qb)  # dK += dS^T (q * scale)
