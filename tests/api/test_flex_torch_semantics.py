@@ -2,7 +2,7 @@
 
 * A score function (and a ``mask_mod``) valid only where the BlockMask keeps scores -- a
   paged table read at ``kv_idx - offset[b]``, a window's bias read at ``q_idx - kv_idx`` --
-  as torch's compiled kernel evaluates it: on the tensor-op strategies, every derivative
+  as torch's compiled kernel evaluates it: on every strategy, every derivative
   (q, k, v and the captured table, backward, forward mode, double backward) against the
   float64 reference run with the same function made valid everywhere (its index clamped,
   which changes nothing where the BlockMask keeps scores).
@@ -30,6 +30,7 @@ import attngrad
 import attngrad.strategies.common
 import attngrad.strategies.flash
 from attngrad.call.flex import FlexCall
+from attngrad.core.contract import ArgumentError
 from attngrad.core.tiling import tile_sizes
 from attngrad.strategies import REGISTRY
 from attngrad.verify.flex_reference import reference_flex_attention
@@ -39,7 +40,7 @@ F64 = torch.float64
 # torch's eager flex_attention warns on every call that it is not compiled
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-RUNS = ("explicit", "recompute", "recompute-chunks", "flash", "flash-tiles")
+RUNS = ("explicit", "recompute", "recompute-chunks", "flash", "flash-tiles", "fused")
 
 
 @pytest.fixture(params=RUNS)
@@ -48,6 +49,10 @@ def run(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Call
     one BlockMask block and 16-row chunks, so that a tile holds kept and masked blocks of
     other batch entries side by side."""
     strategy = request.param.split("-")[0]
+    if strategy == "fused":
+        reason = REGISTRY["fused"].unavailable_reason(torch.device("cpu"))
+        if reason is not None:
+            pytest.skip(f"fused cannot run here: {reason[:200]}")
     if request.param == "flash-tiles":
 
         def small(shapes: Any, block_q: int | None = None, block_k: int | None = None) -> Any:
@@ -60,6 +65,7 @@ def run(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Call
     def fn(*args: Any, **kwargs: Any) -> Any:
         return attngrad.flex_attention(*args, strategy=strategy, **kwargs)
 
+    fn.strategy = strategy  # type: ignore[attr-defined]
     return fn
 
 
@@ -205,6 +211,10 @@ def test_a_function_valid_only_where_the_mask_keeps_scores(
     score, twin, block_mask, ref_mask, params = _paged_case(name, p)
     ours, theirs = _leaves(p, params), _leaves(p, params)
     names = list(params)
+    if name == "table-vmap" and run.strategy == "fused":  # type: ignore[attr-defined]
+        with pytest.raises(ArgumentError, match="more than one score's worth"):
+            run(*ours[:3], score(dict(zip(names, ours[3:], strict=True))), block_mask)
+        return  # chained indexing runs on the tensor-op tiles ("auto" takes them)
     out = run(*ours[:3], score(dict(zip(names, ours[3:], strict=True))), block_mask)
     want = reference_flex_attention(
         *theirs[:3], twin(dict(zip(names, theirs[3:], strict=True))), ref_mask
@@ -217,7 +227,7 @@ def test_a_function_valid_only_where_the_mask_keeps_scores(
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12, msg=lambda m, w=what: f"{w}: {m}")
 
 
-@pytest.mark.parametrize("strategy", ["explicit", "recompute", "flash"])
+@pytest.mark.parametrize("strategy", ["explicit", "recompute", "flash", "fused"])
 @pytest.mark.parametrize("name", ["table", "mask-too"])
 def test_the_first_score_need_not_be_kept(name: str, strategy: str) -> None:
     """Entry 0's pages come last, past a free slot: the functions raise at (b, h, q_idx,
@@ -273,7 +283,7 @@ def _paged_function(
 @pytest.mark.parametrize(
     ("name", "strategy"),
     [("mask-too", "explicit"), ("mask-too", "recompute"), ("mask-too", "flash"),
-     ("window", "flash")],
+     ("window", "flash"), ("mask-too", "fused"), ("window", "fused")],
 )  # fmt: skip
 def test_forward_mode_and_double_backward_of_such_a_function(name: str, strategy: str) -> None:
     """push (forward mode) and the second-order pass evaluate it at kept scores too (a
@@ -301,8 +311,11 @@ def test_an_index_error_where_the_mask_keeps_scores_is_raised() -> None:
         lambda b, h, i, j: (j >= off[b]) & (j < off[b] + p.own), p.batch, None, p.nq, p.nk,
         "cpu", BLOCK_SIZE=p.page,
     )  # fmt: skip
-    for strategy in ("explicit", "recompute", "flash"):
-        with pytest.raises(IndexError, match="out of bounds"):
+    runs = ["explicit", "recompute", "flash"]
+    if REGISTRY["fused"].unavailable_reason(torch.device("cpu")) is None:
+        runs.append("fused")
+    for strategy in runs:
+        with pytest.raises(IndexError, match=r"out of (its )?bounds"):
             attngrad.flex_attention(q, k, v, reads_past, block_mask, strategy=strategy)
     with pytest.raises(IndexError, match="out of bounds"):  # no BlockMask: every score kept
         attngrad.flex_attention(q, k, v, lambda s, b, h, i, j: s + table[b, j], strategy="flash")

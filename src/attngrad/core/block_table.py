@@ -150,7 +150,9 @@ class MaskFunction:
     batch: B of the call (a folded batch entry b reads b mod batch); heads: Hq;
     elementwise: every op of it acts on each score alone (`attngrad.core.pointwise.Reads`),
     so a tile runs it once on broadcast indices instead of under vmap; captured: the
-    tensors it reads that it did not make (what its compiled program reads).
+    tensors it reads that it did not make (what its compiled program reads); point: the
+    (b, h, q_idx, kv_idx) it was checked at, a point where it is valid (a compiler's trace
+    runs it there too).
     """
 
     fn: Callable[..., torch.Tensor]
@@ -158,6 +160,7 @@ class MaskFunction:
     heads: int
     elementwise: bool = False
     captured: tuple[torch.Tensor, ...] = ()
+    point: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @staticmethod
     def of(
@@ -200,7 +203,7 @@ class MaskFunction:
                     "mask is not differentiable. Pass it detached (t.detach()), or put a "
                     "learnable term into score_mod."
                 )
-        return MaskFunction(fn, batch, heads, reads.elementwise, tuple(reads.read.values()))
+        return MaskFunction(fn, batch, heads, reads.elementwise, tuple(reads.read.values()), at)
 
     def folded(self, batch: int) -> MaskFunction:
         return replace(self, batch=batch)

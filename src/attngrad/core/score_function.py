@@ -77,7 +77,9 @@ class ScoreFunction(ScoreModification):
     evaluates x at its r + c - 1 distances only (`attngrad.core.toeplitz`); identity: it
     returns its score argument unchanged (torch's ``_identity``), so a call runs without
     it; blocks: the call's BlockMask, whose kept scores a tile falls back to where the
-    whole tile raises an index error (module docstring).  Each of the forms (general,
+    whole tile raises an index error (module docstring); point: the (b, h, q_idx, kv_idx) it
+    was checked at, a point where it is valid (a compiler's trace runs it there too).
+    Each of the forms (general,
     elementwise, relative) has its evaluator, `form`, chosen when the function is built.
     """
 
@@ -91,6 +93,7 @@ class ScoreFunction(ScoreModification):
     relative: bool = False
     identity: bool = False
     blocks: BlockTable | None = None
+    point: tuple[int, int, int, int] = (0, 0, 0, 0)
     form: Form = field(init=False, compare=False, repr=False)  # its evaluator (`form_of`)
 
     def __post_init__(self) -> None:
@@ -138,7 +141,7 @@ class ScoreFunction(ScoreModification):
         keys = tuple(id(t) for t in captured)
         return ScoreFunction(
             fn, keys, captured, batch, q.shape[1], captured, reads.elementwise, relative[0],
-            identity[0],
+            identity[0], point=at,
         )  # fmt: skip
 
     def within(self, blocks: BlockTable | None) -> ScoreFunction:

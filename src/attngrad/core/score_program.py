@@ -632,7 +632,7 @@ def program_of(score: ScoreFunction, dtype: torch.dtype = torch.float32) -> Scor
             "it reads more than one score's worth at a time (chained indexing, a reduction "
             "or a matmul), which only the tensor-op tiles run"
         )
-    return compile_score(score.fn, score.captured_originals, dtype, score.grads_wanted)
+    return compile_score(score.fn, score.captured_originals, dtype, score.grads_wanted, score.point)
 
 
 def compile_score(
@@ -640,11 +640,15 @@ def compile_score(
     captured: Sequence[torch.Tensor],
     dtype: torch.dtype,
     wanted: Sequence[bool],
+    at: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> ScoreProgram | str:
     """``fn``'s programs (module docstring) for scores in ``dtype``, reading ``captured``
     (the tensors its closure holds, by identity), the pullback scattering the gradients of
-    the captures ``wanted``; or why it cannot be compiled (the op the kernels lack)."""
+    the captures ``wanted``; or why it cannot be compiled (the op the kernels lack).  The
+    trace runs ``fn`` once, at (b, h, q_idx, kv_idx) = ``at``: a point where it is valid (a
+    paged table's function is valid only where the BlockMask keeps scores)."""
     key = (
+        at,
         dtype,
         tuple((tuple(t.shape), t.dtype) for t in captured),
         tuple(wanted),
@@ -655,7 +659,7 @@ def compile_score(
     except TypeError:  # a callable that takes no weak reference: compiled each call
         known = {}
     if key not in known:
-        known[key] = _compile(fn, captured, dtype, wanted)
+        known[key] = _compile(fn, captured, dtype, wanted, at)
     found = known[key]
     assert not isinstance(found, MaskProgram)  # a mask's key differs
     return found
@@ -666,9 +670,10 @@ def _compile(
     captured: Sequence[torch.Tensor],
     dtype: torch.dtype,
     wanted: Sequence[bool],
+    at: tuple[int, int, int, int],
 ) -> ScoreProgram | str:
     def example() -> tuple[torch.Tensor, ...]:
-        return torch.zeros(1, 1, 1, 1, dtype=dtype), *_indices()
+        return torch.zeros(1, 1, 1, 1, dtype=dtype), *_indices(at)
 
     lowered = _lower(fn, captured, example, ("SCORE", "BATCH", "HEAD", "QUERY", "KEY"))
     if isinstance(lowered, str):
@@ -686,27 +691,29 @@ def _compile(
 
 
 def compile_mask(
-    fn: Callable[..., torch.Tensor], captured: Sequence[torch.Tensor]
+    fn: Callable[..., torch.Tensor],
+    captured: Sequence[torch.Tensor],
+    at: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> MaskProgram | str:
     """``fn``'s program, a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` reading ``captured`` (the
     tensors its closure holds, by identity), its out an I register (1 = kept); or why it
     cannot be compiled (the op the kernels lack).  Cached like `compile_score`."""
-    key = ("mask", tuple((tuple(t.shape), t.dtype) for t in captured), _closure_key(fn))
+    key = ("mask", at, tuple((tuple(t.shape), t.dtype) for t in captured), _closure_key(fn))
     try:
         known = _CACHE.setdefault(fn, {})
     except TypeError:  # a callable that takes no weak reference: compiled each call
         known = {}
     if key not in known:
-        known[key] = _compile_mask(fn, captured)
+        known[key] = _compile_mask(fn, captured, at)
     found = known[key]
     assert not isinstance(found, ScoreProgram)  # a score function's key differs
     return found
 
 
 def _compile_mask(
-    fn: Callable[..., torch.Tensor], captured: Sequence[torch.Tensor]
+    fn: Callable[..., torch.Tensor], captured: Sequence[torch.Tensor], at: tuple[int, ...]
 ) -> MaskProgram | str:
-    lowered = _lower(fn, captured, _indices, ("BATCH", "HEAD", "QUERY", "KEY"))
+    lowered = _lower(fn, captured, lambda: _indices(at), ("BATCH", "HEAD", "QUERY", "KEY"))
     if isinstance(lowered, str):
         return lowered
     lowering, result = lowered
@@ -717,9 +724,10 @@ def _compile_mask(
     return MaskProgram(lowering.b.program(out), tuple(lowering.made))
 
 
-def _indices() -> tuple[torch.Tensor, ...]:
-    """b, h, q_idx, kv_idx as a trace takes them: 4-d, so indexing is a gather."""
-    return tuple(torch.zeros(1, 1, 1, 1, dtype=INDEX) for _ in range(4))
+def _indices(at: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """b, h, q_idx, kv_idx as a trace takes them, at the point ``at``: 4-d, so indexing is
+    a gather."""
+    return tuple(torch.full((1, 1, 1, 1), n, dtype=INDEX) for n in at)
 
 
 def _lower(

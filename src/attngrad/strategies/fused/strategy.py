@@ -144,7 +144,7 @@ def _mask_program(blocks: BlockTable) -> MaskProgram | None:
     mask = blocks.mask
     if not mask.elementwise:
         return None
-    program = compile_mask(mask.fn, mask.captured)
+    program = compile_mask(mask.fn, mask.captured, mask.point)
     return None if isinstance(program, str) else program
 
 
