@@ -30,6 +30,10 @@ every alpha is 1 and E_j / l is P_j, rebuilt by the strategy's
 ``probabilities``.  The pass is then the recurrence above with the
 rescaling gone: one walk over each block of query rows' key tiles,
 accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
+
+`output_tangent` hands the call to the strategy's own pass where it has one
+(`attngrad.core.interface.Strategy.tangent`: fused's C++ kernels), else runs
+`tiled_tangent`, that recurrence on the strategy's tiles of P in tensor ops.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from attngrad.core.interface import Plan, Problem, Saved, Strategy
 from attngrad.core.probabilities import rebuilt_records
 from attngrad.core.tiling import schedule
 
-__all__ = ["TANGENT", "TANGENT_OUT", "OutputTangent", "output_tangent"]
+__all__ = ["TANGENT", "TANGENT_OUT", "OutputTangent", "output_tangent", "tiled_tangent"]
 
 
 def output_tangent(
@@ -57,12 +61,26 @@ def output_tangent(
     tangents: tuple[torch.Tensor | None, ...],
     o: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O': [B, Hq, Nq, dv] in the input dtype, lse': [B, Hq, Nq] in the compute dtype).
+    """(O': [B, Hq, Nq, dv] in the input dtype, lse': [B, Hq, Nq] in the compute dtype):
+    the strategy's own pass (`Strategy.tangent`) where it has one, else `tiled_tangent`.
 
     tangents = (q', k', v', bias', *captured'): like q, k, v, the bias and the score
     function's captured tensors, None for zero.
     o: the forward's O; saved: the strategy's saved tensors.
     """
+    own = strategy.tangent(problem, saved, tangents, o)
+    return tiled_tangent(strategy, problem, saved, tangents, o) if own is None else own
+
+
+def tiled_tangent(
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
+    tangents: tuple[torch.Tensor | None, ...],
+    o: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`output_tangent` on the strategy's tiles of P (``probabilities``) in tensor ops, for
+    every strategy and every score modification (module docstring)."""
     t_q, t_k, t_v, t_bias, *t_captured = tangents
     q, k, v, mods, scale = problem.q, problem.k, problem.v, problem.mods, problem.scale
     b, hq, nq, _ = q.shape

@@ -31,6 +31,9 @@ and a `Strategy[T]` answers:
         Forward mode (`attngrad.autograd.tangent`) and the second-order
         backward (`attngrad.autograd.second_order`) walk tiles of it.
     pass_blocks(problem) -> Blocks                  the tiles those passes walk
+    tangent(problem, saved, tangents, o) -> (O', lse') | None
+        forward mode in the strategy's own kernels, or None (the default):
+        then `attngrad.autograd.tangent` runs the shared tiled pass
     keeps_mods, tiled, function                     whether backward reads the
         mask again, whether it takes block_q and block_k, its `AttentionFunction`
 
@@ -161,6 +164,22 @@ class Strategy(ABC, Generic[T]):
         """Tiles of P rebuilt from saved["stats"] (`attngrad.core.probabilities`)."""
         p = problem
         return rebuilt_probabilities(p.q, p.k, saved["stats"], p.mods, p.scale)
+
+    def tangent(
+        self,
+        problem: Problem[T],
+        saved: Saved,
+        tangents: tuple[torch.Tensor | None, ...],
+        o: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Forward mode in the strategy's own kernels: (O' [B, Hq, Nq, dv] in the input dtype,
+        lse' [B, Hq, Nq] in the compute dtype), or None where it has none for this call (the
+        default), and `attngrad.autograd.tangent` runs the shared tiled pass.
+
+        tangents = (q', k', v', bias', *captured'), each like its input, None for zero;
+        o: forward's O; saved: what forward saved, its statistics final.
+        """
+        return None
 
     def pass_blocks(self, problem: Problem[T]) -> Blocks:
         """The tiles of forward mode and the second-order backward: flash's defaults."""

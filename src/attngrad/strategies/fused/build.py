@@ -10,10 +10,11 @@ a library built for exactly its torch and CPU and loads it without compiling:
 only the first call on a machine needs a compiler.  ``attngrad build`` builds
 ahead of time.
 
-The library registers the ops ``attngrad_fused::forward``, ``::backward``,
-``::program_rows`` (score programs, ``csrc/program.h``, run on rows: the test op),
-``::program_ops``, ``::product_rate`` and ``::fma_peak`` with ``TORCH_LIBRARY``; `load` adds
-the fake (meta) kernels of the first three, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
+The library registers the ops ``attngrad_fused::forward``, ``::backward``, ``::tangent``
+(forward mode, ``csrc/tangent.h``), ``::program_rows`` (score programs, ``csrc/program.h``,
+run on rows: the test op), ``::program_ops``, ``::product_rate`` and ``::fma_peak`` with
+``TORCH_LIBRARY``; `load` adds the fake (meta) kernels of forward, backward and
+program_rows, so ``torch.compile(fullgraph=True)`` traces them.  Loading also
 settles the engine of the tile products (`Library.engine`): each engine of
 ``csrc/products.h`` is timed on the tiles' shapes and on a small attention
 call, once per library, and the one with the fastest attention is kept beside
@@ -66,7 +67,7 @@ __all__ = [
 NAME = "attngrad_fused"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("fused.cpp",)
-HEADERS = ("elementary.h", "peak.h", "products.h", "program.h", "tile.h")
+HEADERS = ("elementary.h", "peak.h", "products.h", "program.h", "tangent.h", "tile.h")
 ENGINES = ("brgemm", "micro", "aten")  # the order of csrc/products.h's Engine
 
 # The vector width at::vec compiles for: ATen's own names and the flags that enable them.

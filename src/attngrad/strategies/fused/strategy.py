@@ -10,9 +10,12 @@ are computed in float32; float32 and float64 as they come.  The dropout mask
 is the hash of `attngrad.core.dropout`, bit for bit; a float mask that
 requires grad gets its gradient through dS written at the scores' shape
 [B, Hq, Nq, Nk] and summed over the dims the mask broadcasts (that one
-gradient costs O(Nq * Nk) memory).  Double backward and forward mode run
-through the shared tiled passes (`attngrad.autograd`), on P rebuilt from the
-saved statistics.
+gradient costs O(Nq * Nk) memory).  Forward mode runs in the kernels too
+(``csrc/tangent.h``: O' and lse' in one walk over each block of query rows'
+key tiles, P rebuilt from the saved statistics), with every keyword but a score
+function: a call with a ``score_mod`` (a program, a relative term or a softcap
+written as one) takes the shared tiled pass (`attngrad.autograd.tangent`), as
+double backward always does.
 
 A FlexAttention BlockMask reaches the kernels as their band when each row keeps one
 interval of keys; else as the band of its rows' non-empty blocks, its block status and
@@ -274,6 +277,33 @@ class Fused(KeepsOutput[Tiles]):
         )  # fmt: skip
         o = o.to(problem.q.dtype)
         return o, {"o": o, "stats": stats}
+
+    def tangent(
+        self,
+        problem: Problem[Tiles],
+        saved: Saved,
+        tangents: tuple[torch.Tensor | None, ...],
+        o: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """O' [B, Hq, Nq, dv] (input dtype) and lse' [B, Hq, Nq] (compute dtype) from the
+        tangent kernel along tangents = (q', k', v', bias', *captured') (None: zero); None
+        for a call with a score function, which the shared tiled pass runs."""
+        if problem.mods.score is not None:
+            return None
+        library = build.load()
+        t_q, t_k, t_v, t_bias = tangents[:4]
+        qc, kc, vc, oc = _operands(problem.q, problem.k, problem.v, o)
+        moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
+        scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
+        bias_dot = None if t_bias is None else t_bias.to(qc.dtype).expand(scores)
+        stats = saved["stats"].to(qc.dtype).contiguous()
+        before, after, blocks = _mod_args(problem)
+        tiles = problem.tiles
+        do, dlse = torch.ops.attngrad_fused.tangent(
+            qc, kc, vc, oc, stats, *moved, bias_dot, *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, **blocks,
+        )  # fmt: skip
+        return do.to(problem.q.dtype), dlse
 
     def backward_into(self, backward: Backward[Tiles]) -> None:
         """The backward kernel from backward.dout, its dq, dk, dv (and dS for a bias

@@ -1,7 +1,7 @@
-// Strategy "fused": flash attention's forward and backward as C++ CPU kernels.
+// Strategy "fused": flash attention's forward, backward and forward mode as C++ CPU kernels.
 //
-// Both passes walk [block_q, block_k] tiles of the scores on key-block boundaries that are
-// multiples of block_k (the same tiles in both), skipping those the band masks entirely.
+// The passes walk [block_q, block_k] tiles of the scores on key-block boundaries that are
+// multiples of block_k (the same tiles in all), skipping those the band masks entirely.
 // Per tile, the products run through one engine (`products.h`) and every elementwise step --
 // cap, bias, mask, max, exp, row sums, dropout, dS -- runs on the tile while it is in cache
 // (`tile.h`):
@@ -11,6 +11,8 @@
 //   backward  units (b, kv head, slab of key blocks):  per key block, over the query heads
 //             of the group and the row blocks that reach it: P, dV += P^T dO, dP = dO v^T,
 //             dS, dK += dS^T (s q), dQ += dS k; dK, dV written whole, dQ summed per slab
+//   tangent   units as forward's, the same walk of key tiles (`tangent.h`): P rebuilt from
+//             (m, log l), S' = [s q' | s q] [k^T ; k'^T] (+ bias'), O' and lse' (forward mode)
 //
 // Units are independent (no atomics on results: each dK/dV row and each slab's dQ rows
 // belong to one unit), the partition is a function of the shape alone, and each unit's
@@ -47,6 +49,7 @@
 
 #include "peak.h"
 #include "products.h"
+#include "tangent.h"
 #include "tile.h"
 
 namespace attngrad_fused {
@@ -54,29 +57,6 @@ namespace attngrad_fused {
 namespace {
 
 using at::Tensor;
-
-// Run work(unit) for units 0 .. n - 1 on the intra-op threads; each thread gets its own
-// scratch (made by `scratch()`) and releases the engine's state when done.
-// An error in a unit (a score program's IndexError) stops the others taking units and
-// reaches the caller from at::parallel_for.
-template <typename Scratch, typename MakeScratch, typename Work>
-void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      Scratch s = scratch();
-      try {
-        for (int64_t u = next.fetch_add(1); u < n; u = next.fetch_add(1)) work(u, s);
-      } catch (...) {
-        next.store(n);
-        release(engine);
-        throw;
-      }
-      release(engine);
-    }
-  });
-}
 
 template <typename T>
 struct RowScratch {  // forward: one block of query rows
@@ -133,27 +113,13 @@ Problem<T> problem(const Tensor& q, const Tensor& k, const Tensor& v,
   return pb;
 }
 
-// Unit u -> (b, kv head, block), blocks in reverse order (the band's longest rows first).
-inline void unpack(int64_t u, int64_t blocks, int64_t hkv, int64_t& b, int64_t& h, int64_t& blk) {
-  blk = blocks - 1 - u % blocks;
-  h = (u / blocks) % hkv;
-  b = u / (blocks * hkv);
-}
-
-// r rows of x ([r, d], dense) times s, into dst.
-template <typename T>
-void scaled_rows(const T* q, int64_t r, int64_t d, T s, T* dst) {
-  for (int64_t x = 0; x < r * d; ++x) dst[x] = q[x] * s;
-}
-
 template <typename T>
 void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, const T* v, T* o,
                   T* stats) {
   const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
-  const int64_t blocks = pb.row_blocks();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   for_each_unit<RowScratch<T>>(
-      pb.B * pb.Hkv * blocks, engine,
+      pb.B * pb.Hkv * pb.row_blocks(), engine,
       [&] {
         RowScratch<T> s;
         s.q.resize(bq * d);
@@ -169,26 +135,20 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
       },
       [&](int64_t u, RowScratch<T>& w) {
         int64_t b, hk, blk;
-        unpack(u, blocks, pb.Hkv, b, hk, blk);
+        pb.row_unit(u, b, hk, blk);
         const int64_t i0 = blk * bq, r = std::min(bq, pb.Nq - i0);
-        int64_t first, stop;
-        pb.key_block_span(i0, i0 + r, first, stop);
         const T* kt_h = kt + (b * pb.Hkv + hk) * pb.key_blocks() * d * bk;
         const T* v_h = v + (b * pb.Hkv + hk) * nk * dv;
         T *m = w.m.data(), *l = w.l.data(), *shift = w.shift.data();
         for (int64_t g = 0; g < pb.G; ++g) {
           const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h;
-          scaled_rows(q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
+          scaled_rows(q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data(), d);
           std::fill(m, m + r, neg_inf);
           std::fill(l, l + r, T(0));
           std::fill(shift, shift + r, T(0));
           std::fill(w.acc.begin(), w.acc.end(), T(0));
-          for (int64_t kb = first; kb < stop; ++kb) {
-            int64_t a, e;
-            pb.tile_columns(i0, i0 + r, kb * bk, std::min(bk, nk - kb * bk), a, e);
-            if (a == e) continue;
-            const int64_t j0 = kb * bk + a, c = e - a;
-            if (pb.tile_empty(b, h, i0, i0 + r, j0, j0 + c)) continue;
+          pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t a, int64_t c) {
+            const int64_t j0 = kb * bk + a;
             T* S = w.s.data();
             product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk + a, bk, S, bk, false);
             mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr), w.run.get(),
@@ -212,7 +172,7 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
             }
             if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, S, bk);
             product(engine, r, dv, c, S, bk, v_h + j0 * dv, dv, w.acc.data(), dv, true);
-          }
+          });
           T* o_h = o + (bh * pb.Nq + i0) * dv;
           T* st = stats + (bh * pb.Nq + i0) * 2;
           for (int64_t ii = 0; ii < r; ++ii) {
@@ -393,8 +353,8 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
       if (a == e) continue;
       const int64_t ja = j0 + a, ca = e - a;
       if (pb.tile_empty(b, h, i0, i0 + r, ja, ja + ca)) continue;  // as forward skipped it
-      scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data());
-      scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data());
+      scaled_rows(x.q + (bh * pb.Nq + i0) * d, r, d, pb.scale, w.q.data(), d);
+      scaled_rows(x.dout + (bh * pb.Nq + i0) * dvd, r, dvd, pb.keep_scale, w.dout.data(), dvd);
       tile_gradient(pb, engine, x, b, h, i0, r, ja, ca, w.q.data(), w.dout.data(),
                     w.kt.data() + a, w.vt.data() + a, w.s.data(), w.ds.data(), slope,
                     w.run.get(), w.raw.empty() ? nullptr : w.raw.data(), w.mask.get(), blocks);
@@ -721,6 +681,69 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   return {o, stats};
 }
 
+// A tangent, when given: contiguous CPU, shaped and typed like `like`.
+void check_like(const std::optional<Tensor>& t, const char* name, const Tensor& like) {
+  if (!t) return;
+  TORCH_CHECK_VALUE(t->sizes() == like.sizes() && t->is_contiguous() && t->device().is_cpu(),
+                    "attngrad_fused: ", name, " must be a contiguous CPU tensor of shape ",
+                    like.sizes(), ", got ", t->sizes());
+  TORCH_CHECK_TYPE(t->scalar_type() == like.scalar_type(), "attngrad_fused: ", name,
+                   " must have q's dtype ", like.scalar_type(), ", got ", t->scalar_type());
+}
+
+// Forward mode (`tangent.h`): O' [B, Hq, Nq, dv] and lse' [B, Hq, Nq] along the tangents
+// tq, tk, tv (like q, k, v) and tbias (like bias, at the scores' shape), None for zero; o
+// and stats are the forward's.  The mask arguments as forward's; no score program.
+std::tuple<Tensor, Tensor> tangent(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& stats,
+    const std::optional<Tensor>& tq, const std::optional<Tensor>& tk,
+    const std::optional<Tensor>& tv, const std::optional<Tensor>& tbias,
+    const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
+    const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
+    const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words, double scale,
+    double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
+    int64_t engine, const std::optional<Tensor>& mask_code,
+    const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
+    int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
+    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k) {
+  check_inputs(q, k, v, block_q, block_k, engine);
+  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  check_mask(q, k, tbias, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
+  const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  check_like(o, "o", out_like);
+  check_optional(stats, "stats", q.scalar_type(), 2 * q.size(0) * q.size(1) * q.size(2));
+  check_like(tq, "tq", q);
+  check_like(tk, "tk", k);
+  check_like(tv, "tv", v);
+  const std::optional<Program> mask =
+      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
+                 mask_captured, mask_batch, Role::kMask);
+  Tensor dout = at::empty_like(out_like);
+  Tensor dlse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::tangent", [&] {
+    // k'^T below k^T in each key block's panel: one product of inner dim 2d forms S'
+    const Tensor kt = panels<scalar_t>(tk ? at::cat({k, *tk}, 3) : k, block_k);
+    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
+                                threshold, keep_scale, block_q, block_k);
+    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
+    Direction<scalar_t> dir;
+    dir.q = tq ? tq->data_ptr<scalar_t>() : nullptr;
+    dir.k = tk.has_value();
+    dir.v = tv ? tv->data_ptr<scalar_t>() : nullptr;
+    if (tbias) {
+      dir.bias = tbias->data_ptr<scalar_t>();
+      for (int a = 0; a < 4; ++a) dir.sb[a] = tbias->stride(a);
+    }
+    const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
+                                      v.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
+                                      stats.data_ptr<scalar_t>(), kt.size(3)};
+    tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dir, dout.data_ptr<scalar_t>(),
+                           dlse.data_ptr<scalar_t>());
+  });
+  return {dout, dlse};
+}
+
 // dcaptured: one tensor per captured one, its shape in the compute dtype where wanted (and a
 // backward program runs), else an empty [0] tensor.
 std::vector<Tensor> captured_gradients(const Program* grad_program,
@@ -902,6 +925,14 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int mask_block_q=1, int mask_block_k=1) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor)");
   m.def(
+      "tangent(Tensor q, Tensor k, Tensor v, Tensor o, Tensor stats, Tensor? tq, Tensor? tk, "
+      "Tensor? tv, Tensor? tbias, Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, "
+      "Tensor? row_words, Tensor? col_words, float scale, float cap, int threshold, "
+      "float keep_scale, int block_q, int block_k, int engine, Tensor? mask_code=None, "
+      "Tensor? mask_constants=None, Tensor? mask_indices=None, int mask_out=-1, "
+      "Tensor[]? mask_captured=None, int mask_batch=1, Tensor? status=None, "
+      "int mask_block_q=1, int mask_block_k=1) -> (Tensor, Tensor)");
+  m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
       "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");
   m.def("program_ops() -> str[]", &program_ops);
@@ -912,6 +943,7 @@ TORCH_LIBRARY(attngrad_fused, m) {
 TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {
   m.impl("forward", &forward);
   m.impl("backward", &backward);
+  m.impl("tangent", &tangent);
   m.impl("program_rows", &program_rows);
 }
 

@@ -15,10 +15,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "tile.h"  // transpose
@@ -165,6 +167,29 @@ inline void product_transposed_a(Engine engine, int64_t M, int64_t N, int64_t K,
 // Release the engine's per-thread state (oneDNN's micro-kernel context) after a pass.
 inline void release(Engine engine) {
   if (engine == Engine::BRGEMM) at::native::cpublas::brgemm_release(false);
+}
+
+// Run work(unit, scratch) for units 0 .. n - 1 on the intra-op threads, which take units
+// from a shared counter; each thread gets its own scratch (made by `scratch()`) and releases
+// the engine's state when done.  An error in a unit (a score program's IndexError) stops
+// the others taking units and reaches the caller from at::parallel_for.
+template <typename Scratch, typename MakeScratch, typename Work>
+void for_each_unit(int64_t n, Engine engine, MakeScratch scratch, Work work) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      Scratch s = scratch();
+      try {
+        for (int64_t u = next.fetch_add(1); u < n; u = next.fetch_add(1)) work(u, s);
+      } catch (...) {
+        next.store(n);
+        release(engine);
+        throw;
+      }
+      release(engine);
+    }
+  });
 }
 
 }  // namespace attngrad_fused

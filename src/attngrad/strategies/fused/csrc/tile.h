@@ -114,6 +114,14 @@ struct Problem {
   int64_t row_blocks() const { return (Nq + block_q - 1) / block_q; }
   int64_t key_blocks() const { return (Nk + block_k - 1) / block_k; }
 
+  // Unit u of a pass by blocks of query rows (forward, tangent) -> (b, kv head, block),
+  // blocks in reverse order (the band's longest rows first).
+  void row_unit(int64_t u, int64_t& b, int64_t& hk, int64_t& blk) const {
+    blk = row_blocks() - 1 - u % row_blocks();
+    hk = (u / row_blocks()) % Hkv;
+    b = u / (row_blocks() * Hkv);
+  }
+
   // [first, stop) of the key blocks that rows i0 .. i1 reach (the band's span, aligned).
   void key_block_span(int64_t i0, int64_t i1, int64_t& first, int64_t& stop) const {
     int64_t c0 = 0, c1 = Nk;
@@ -152,7 +160,32 @@ struct Problem {
     }
     if (a >= e) a = e = 0;
   }
+
+  // tile(kb, a, c): each key tile rows i0 .. i0 + r of head (b, h) reach, in key order:
+  // key block kb, narrowed to its columns kb * block_k + a .. + c (`tile_columns`), tiles
+  // the band or the BlockMask masks entirely skipped.  The walk of the passes by blocks of
+  // query rows (forward, tangent), so they compute the same tiles.
+  template <typename Tile>
+  void for_each_key_tile(int64_t b, int64_t h, int64_t i0, int64_t r, Tile tile) const {
+    int64_t first, stop;
+    key_block_span(i0, i0 + r, first, stop);
+    for (int64_t kb = first; kb < stop; ++kb) {
+      int64_t a, e;
+      tile_columns(i0, i0 + r, kb * block_k, std::min(block_k, Nk - kb * block_k), a, e);
+      if (a == e) continue;
+      const int64_t j0 = kb * block_k + a;
+      if (tile_empty(b, h, i0, i0 + r, j0, j0 + e - a)) continue;
+      tile(kb, a, e - a);
+    }
+  }
 };
+
+// r rows of x ([r, d], dense) times s, into dst (leading dimension ld).
+template <typename T>
+void scaled_rows(const T* x, int64_t r, int64_t d, T s, T* dst, int64_t ld) {
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < d; ++j) dst[i * ld + j] = x[i * d + j] * s;
+}
 
 // The largest score of a row s[0 .. c) (NaN if any is), and P = exp(s - shift) in place
 // with the sum of P.  Independent chains of vectors, reduced at the end: one chain would

@@ -1,0 +1,180 @@
+// Forward mode in the fused kernels: the tangents of O and lse along (q', k', v', bias').
+//
+// Autograd runs the primal forward first, so the row statistics (m, log l) are final when
+// this pass runs and each tile's P is rebuilt from them exactly as backward rebuilds it
+// (`tile.h`, `probabilities`).  Per query row, with S' the scores' tangent pushed through
+// the score modifications (`attngrad.autograd.tangent`):
+//
+//   S'  = slope * s (q' k^T + q k'^T) + bias'      (slope = 1 - tanh^2 with a softcap, else 1)
+//   mu  = rowsum(P * S') = lse'
+//   O'  = (P * S') v + P v' - mu O                 (dropout: both products take M = Z / (1 - p))
+//
+// One walk over each block of query rows' key tiles, the forward's own
+// (`Problem::for_each_key_tile`: band, BlockMask and keep handled as forward handles them):
+//
+//   S   = (s q) k^T, masked, P = exp((S - m) - log l)
+//   S'  = [s q' | s q] [k^T ; k'^T]   (one product of inner dim 2d; d where one tangent is
+//         None, none where both are), times the slope, plus bias'
+//   mu += rowsum(P * S'),   acc += (P * S' Z) v + (P Z) v'
+//
+// then O' = acc / (1 - p) - mu O and lse' = mu.  A unit (b, kv head, block of query rows)
+// owns its rows of O' and lse' for every query head of the group: the results are bitwise
+// the same for any thread count.  Extra memory: the panels of [k, k'] and O(block) scratch
+// per thread.  A score program or a diagonal term is not handled here: the Python side
+// runs those calls through the shared tiled pass instead.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#include "products.h"
+#include "tile.h"
+
+namespace attngrad_fused {
+
+// The tangents as the pass reads them (nullptr / false: zero).
+template <typename T>
+struct Direction {
+  const T* q = nullptr;     // q' [B, Hq, Nq, d] contiguous
+  bool k = false;           // k' given: each key panel holds k'^T below k^T (`TangentOperands`)
+  const T* v = nullptr;     // v' [B, Hkv, Nk, dv] contiguous
+  const T* bias = nullptr;  // bias' at the scores' [B, Hq, Nq, Nk] through strides sb
+  int64_t sb[4] = {0, 0, 0, 0};
+
+  bool moves_scores() const { return q != nullptr || k || bias != nullptr; }
+};
+
+// What the tangent pass reads of the primal call: q [B, Hq, Nq, d], v [B, Hkv, Nk, dv],
+// O [B, Hq, Nq, dv], the statistics [B, Hq, Nq, 2] (m, log l) and the key panels kt
+// [B, Hkv, KB, rows, block_k]: k^T (rows = d), or k^T above k'^T (rows = 2d).
+template <typename T>
+struct TangentOperands {
+  const T *q, *kt, *v, *o, *stats;
+  int64_t rows;
+};
+
+template <typename T>
+struct TangentScratch {  // one block of query rows
+  Buffer<T> q, a, s, t, slope, acc, mu;
+  std::unique_ptr<Runner<T>> mask;  // the BlockMask's mask program, when there is one
+};
+
+// S' of one tile row from the raw product (in t, or none: `raw` false) and P: t = P * S'
+// with S' = slope * t + bias' (slope, bias: nullptr for none; bias read every `step`
+// elements); returns rowsum(P * S').
+template <typename T>
+T tangent_row(const T* p, T* t, const T* slope, const T* bias, int64_t step, bool raw,
+              int64_t c) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  if (!raw) std::fill(t, t + c, T(0));
+  if (slope != nullptr && raw)
+    at::vec::map2([](Vec x, Vec s) { return x * s; }, t, t, slope, c);
+  if (bias != nullptr && step == 1) add_row(t, bias, c);
+  if (bias != nullptr && step != 1)
+    for (int64_t j = 0; j < c; ++j) t[j] += bias[j * step];
+  Vec s0(T(0)), s1(T(0));  // two chains, as `exp_row_`
+  int64_t j = 0;
+  for (; j + 2 * W <= c; j += 2 * W) {
+    const Vec x0 = Vec::loadu(p + j) * Vec::loadu(t + j);
+    const Vec x1 = Vec::loadu(p + j + W) * Vec::loadu(t + j + W);
+    x0.store(t + j);
+    x1.store(t + j + W);
+    s0 = s0 + x0;
+    s1 = s1 + x1;
+  }
+  for (; j < c; j += W) {
+    const int64_t n = std::min(W, c - j);
+    const Vec x = Vec::loadu(p + j, n) * Vec::loadu(t + j, n);
+    x.store(t + j, n);
+    s0 = s0 + Vec::set(Vec(T(0)), x, n);
+  }
+  return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, s0 + s1);
+}
+
+template <typename T>
+TangentScratch<T> tangent_scratch(const Problem<T>& pb) {
+  const int64_t bq = pb.block_q, bk = pb.block_k;
+  TangentScratch<T> s;
+  s.q.resize(bq * pb.d);
+  s.a.resize(bq * 2 * pb.d);
+  s.s.resize(bq * bk);
+  s.t.resize(bq * bk);
+  if (pb.cap != T(0)) s.slope.resize(bq * bk);
+  s.acc.resize(bq * pb.dv);
+  s.mu.resize(bq);
+  if (pb.mask_program != nullptr) s.mask = std::make_unique<Runner<T>>(*pb.mask_program, bk);
+  return s;
+}
+
+// The pass (file comment): O' into dout [B, Hq, Nq, dv] and lse' into dlse [B, Hq, Nq].
+template <typename T>
+void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>& x,
+                  const Direction<T>& dir, T* dout, T* dlse) {
+  const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
+  // S' = A B: A = [s q' | s q] against [k^T ; k'^T], or the half whose tangent is given
+  const int64_t inner = ((dir.q != nullptr) + dir.k) * d;
+  const int64_t from = dir.q != nullptr ? 0 : d;  // B's first row in the panel
+  for_each_unit<TangentScratch<T>>(
+      pb.B * pb.Hkv * pb.row_blocks(), engine, [&] { return tangent_scratch(pb); },
+      [&](int64_t u, TangentScratch<T>& w) {
+        int64_t b, hk, blk;
+        pb.row_unit(u, b, hk, blk);
+        const int64_t i0 = blk * bq, r = std::min(bq, pb.Nq - i0), bhk = b * pb.Hkv + hk;
+        const T* kt_h = x.kt + bhk * pb.key_blocks() * x.rows * bk;
+        const T* v_h = x.v + bhk * nk * dv;
+        const T* tv_h = dir.v == nullptr ? nullptr : dir.v + bhk * nk * dv;
+        T* slope = w.slope.empty() ? nullptr : w.slope.data();
+        T *acc = w.acc.data(), *mu = w.mu.data();
+        for (int64_t g = 0; g < pb.G; ++g) {
+          const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h, row0 = bh * pb.Nq + i0;
+          scaled_rows(x.q + row0 * d, r, d, pb.scale, w.q.data(), d);
+          const T* a = w.q.data();
+          if (dir.q != nullptr) {
+            scaled_rows(dir.q + row0 * d, r, d, pb.scale, w.a.data(), inner);
+            if (dir.k) scaled_rows(x.q + row0 * d, r, d, pb.scale, w.a.data() + d, inner);
+            a = w.a.data();
+          }
+          std::fill(acc, acc + r * dv, T(0));
+          std::fill(mu, mu + r, T(0));
+          pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t ka, int64_t c) {
+            const int64_t j0 = kb * bk + ka;
+            const T* panel = kt_h + kb * x.rows * bk + ka;
+            T *P = w.s.data(), *t = w.t.data();
+            product(engine, r, c, d, w.q.data(), d, panel, bk, P, bk, false);  // forward's S
+            mask_tile(pb, b, h, i0, r, j0, c, P, bk, slope, static_cast<Runner<T>*>(nullptr),
+                      static_cast<T*>(nullptr), w.mask.get());
+            probabilities(r, c, P, bk, x.stats + row0 * 2);
+            if (dir.moves_scores()) {
+              if (inner > 0) product(engine, r, c, inner, a, inner, panel + from * bk, bk, t, bk, false);
+              for (int64_t ii = 0; ii < r; ++ii) {
+                const int64_t i = i0 + ii;
+                const T* bias = dir.bias == nullptr ? nullptr
+                    : dir.bias + b * dir.sb[0] + h * dir.sb[1] + i * dir.sb[2] + j0 * dir.sb[3];
+                mu[ii] += tangent_row(P + ii * bk, t + ii * bk,
+                                      slope == nullptr ? nullptr : slope + ii * bk, bias,
+                                      dir.sb[3], inner > 0, c);
+              }
+              if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, t, bk);
+              product(engine, r, dv, c, t, bk, v_h + j0 * dv, dv, acc, dv, true);
+            }
+            if (tv_h != nullptr) {
+              if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, P, bk);
+              product(engine, r, dv, c, P, bk, tv_h + j0 * dv, dv, acc, dv, true);
+            }
+          });
+          const T* o_h = x.o + row0 * dv;
+          T* do_h = dout + row0 * dv;
+          for (int64_t ii = 0; ii < r; ++ii) {
+            for (int64_t e = 0; e < dv; ++e)
+              do_h[ii * dv + e] = acc[ii * dv + e] * pb.keep_scale - mu[ii] * o_h[ii * dv + e];
+            dlse[row0 + ii] = mu[ii];
+          }
+        }
+      });
+}
+
+}  // namespace attngrad_fused

@@ -1,0 +1,422 @@
+"""Forward mode in fused's C++ kernels (``csrc/tangent.h``): O' and lse' against float64.
+
+Every test but the fallback's runs with the shared tiled pass
+(`attngrad.autograd.tangent.tiled_tangent`) made to raise, so each answer here is the
+kernel's.  float64 agrees with torch.func.jvp through the reference to 1e-9 with every
+keyword; float32 and bfloat16 pass the error rule (`attngrad.verify.rule`) with a floor
+derived for the tangent below (`_floors`); each tangent's term is checked on its own, so a
+term the kernel dropped shows; results are bitwise the same for any thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import attngrad
+from attngrad.autograd import tangent
+from attngrad.core.dropout import Dropout, draw_seed, keep_mask
+from attngrad.strategies.fused import build
+from attngrad.verify.derivatives import relative_error
+from attngrad.verify.reference import plain_attention, reference_attention, reference_lse
+from attngrad.verify.rule import judge, rounding_floor
+
+TILES = {"block_q": 16, "block_k": 24}  # several tiles each way at these sizes
+TOL64 = 1e-9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library() -> None:
+    build.load()
+
+
+@pytest.fixture
+def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared tiled pass raises: forward mode must take fused's kernel."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the shared tiled tangent pass ran, not fused's kernel")
+
+    monkeypatch.setattr(tangent, "tiled_tangent", refuse)
+
+
+@contextmanager
+def threads(n: int):  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class Call:
+    """One call: its tensors (``primals``, each with a tangent; ``fixed``: a bool mask),
+    fused's (O, lse) and the reference's from them (with ``options``, its keywords), and a
+    dense keep of its scores (band included) for the floors."""
+
+    primals: dict[str, torch.Tensor]
+    fused: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    reference: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    keep: torch.Tensor | None = None  # the floors' mask, [Nq, Nk] or like the scores
+    fixed: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # the reference's keywords
+
+
+def _sdpa_call(shape: tuple[int, ...], mask: str | None = None, **kw: Any) -> Callable[..., Call]:
+    """A `Call` builder over attngrad.attention: shape (B, Hq, Hkv, Nq, Nk, d, dv), the
+    mask "float" (with a tangent), "broadcast" ([Nq, Nk], with a tangent), "bool" (a dead
+    row), "padding" (a bias at finfo.min on the last keys of batch 0) or None; ``kw``: the
+    call's keywords ("sinks" gets a tangent)."""
+    b, hq, hkv, nq, nk, d, dv = shape
+
+    def build_call(dtype: torch.dtype, seed: int = 0) -> Call:
+        g = torch.Generator().manual_seed(seed)
+        x = {
+            "q": torch.randn(b, hq, nq, d, generator=g, dtype=torch.float64),
+            "k": torch.randn(b, hkv, nk, d, generator=g, dtype=torch.float64),
+            "v": torch.randn(b, hkv, nk, dv, generator=g, dtype=torch.float64),
+        }
+        fixed: dict[str, Any] = {}
+        if mask in ("float", "broadcast"):
+            size = (1, hq, nq, nk) if mask == "float" else (nq, nk)
+            x["mask"] = torch.randn(size, generator=g, dtype=torch.float64)
+        elif mask == "padding":
+            pad = torch.zeros(b, 1, 1, nk, dtype=torch.float64)
+            pad[0, ..., nk - 5 :] = torch.finfo(dtype).min
+            x["mask"] = pad
+        elif mask == "bool":
+            keep = torch.rand(b, hq, nq, nk, generator=g) > 0.3
+            keep[:, :, 3] = False  # rows that attend nothing
+            fixed["mask"] = keep
+        options = dict(kw)
+        if "sinks" in options:
+            x["sinks"] = options.pop("sinks") * torch.randn(hq, generator=g, dtype=torch.float64)
+        x = {n: t.to(dtype).double() for n, t in x.items()}  # rounded as the kernel receives
+        if mask == "padding":  # finfo.min of the dtype, not its rounding
+            x["mask"] = x["mask"].clamp(min=torch.finfo(dtype).min)
+        gqa = {"enable_gqa": hq != hkv}
+        dropout = options.pop("dropout_p", 0.0)
+        z = None
+        if dropout:
+            drop = Dropout(
+                dropout, *draw_seed(torch.device("cpu"), torch.Generator().manual_seed(7))
+            )
+            z = keep_mask(drop, b, hq, nq, nk, torch.device("cpu"))
+
+        def fused(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            t = {n: a.to(dtype) if n != "mask" or mask != "padding" else a for n, a in t.items()}
+            extra = {"generator": torch.Generator().manual_seed(7)} if dropout else {}
+            out, lse = attngrad.attention(
+                t["q"], t["k"], t["v"], attn_mask=t.get("mask", fixed.get("mask")),
+                sinks=t.get("sinks"), dropout_p=dropout, return_lse=True, strategy="fused",
+                **TILES, **gqa, **options, **extra,
+            )  # fmt: skip
+            return out, lse
+
+        def reference(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            m = t.get("mask", fixed.get("mask"))
+            out = reference_attention(
+                t["q"], t["k"], t["v"], m, sinks=t.get("sinks"), dropout_mask=z,
+                dropout_p=dropout, **gqa, **options,
+            )  # fmt: skip
+            return out, reference_lse(t["q"], t["k"], m, sinks=t.get("sinks"), **gqa, **options)
+
+        keep = fixed.get("mask")
+        if options.get("is_causal"):  # the band as the floors read it
+            keep = torch.ones(nq, nk, dtype=torch.bool).tril()
+        return Call(x, fused, reference, keep, fixed, {**gqa, **options})
+
+    return build_call
+
+
+def _causal(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return i >= j
+
+
+def _dilated(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return (j % 3 == 0) & (i >= j)
+
+
+def _flex_call(mask_mod: Callable[..., torch.Tensor]) -> Callable[..., Call]:
+    """A `Call` builder over attngrad.flex_attention with a BlockMask of ``mask_mod``
+    (B=2, H=2, N=80, blocks of 16: a band for causal, a mask program for dilated)."""
+    b, h, n, d = 2, 2, 80, 16
+
+    def build_call(dtype: torch.dtype, seed: int = 0) -> Call:
+        g = torch.Generator().manual_seed(seed)
+        x = {name: torch.randn(b, h, n, d, generator=g).to(dtype).double() for name in "qkv"}
+        blocks = create_block_mask(mask_mod, None, None, n, n, "cpu", BLOCK_SIZE=16)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = mask_mod(torch.tensor(0), torch.tensor(0), i, j)
+
+        def fused(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, k, v = (t[n_].to(dtype) for n_ in "qkv")
+            out, lse = attngrad.flex_attention(
+                q, k, v, block_mask=blocks, return_lse=True, strategy="fused"
+            )
+            return out, lse
+
+        def reference(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                reference_attention(t["q"], t["k"], t["v"], keep),
+                reference_lse(t["q"], t["k"], keep),
+            )
+
+        return Call(x, fused, reference, keep, {"mask": keep})
+
+    return build_call
+
+
+SHAPE = (2, 3, 3, 37, 45, 16, 12)
+CASES: dict[str, Callable[..., Call]] = {
+    "plain": _sdpa_call(SHAPE),
+    "bias": _sdpa_call(SHAPE, "float"),
+    "bias-broadcast": _sdpa_call(SHAPE, "broadcast"),
+    "bool-dead-row": _sdpa_call(SHAPE, "bool"),
+    "padding": _sdpa_call(SHAPE, "padding"),
+    "causal": _sdpa_call(SHAPE, is_causal=True),
+    "window": _sdpa_call(SHAPE, "float", window=(6, 3)),
+    "gqa-causal": _sdpa_call((2, 4, 2, 37, 45, 16, 12), is_causal=True),
+    "dropout": _sdpa_call(SHAPE, "float", dropout_p=0.3),
+    "softcap": _sdpa_call(SHAPE, "float", softcap=2.0),
+    "sinks": _sdpa_call(SHAPE, window=(None, 0), sinks=1.0),
+    "blockmask-causal": _flex_call(_causal),
+    "blockmask-dilated": _flex_call(_dilated),
+}
+
+
+def _tangents(call: Call, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in call.primals.items()
+    }
+
+
+def _jvp(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    primals: dict[str, torch.Tensor],
+    tangents: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O', lse') of fn along ``tangents`` (inputs cast to ``dtype`` first, when given)."""
+    names = list(primals)
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+
+    def call(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fn(**dict(zip(names, xs, strict=True)))
+
+    args = tuple(cast(primals[n]) for n in names)
+    dirs = tuple(cast(tangents[n]) for n in names)
+    _, (d_out, d_lse) = torch.func.jvp(call, args, dirs)
+    return d_out, d_lse
+
+
+def _check64(call: Call, tangents: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's (O', lse') in float64 against the reference's, within 1e-9; lse' is 0 on
+    rows that attend nothing (the reference's is NaN there)."""
+    d_out, d_lse = _jvp(call.fused, call.primals, tangents)
+    r_out, r_lse = _jvp(call.reference, call.primals, tangents)
+    assert relative_error({"out": d_out}, {"out": r_out}) <= TOL64
+    live = torch.isfinite(call.reference(**call.primals)[1])
+    assert relative_error({"lse": d_lse[live]}, {"lse": r_lse[live]}) <= TOL64
+    assert not d_lse[~live].any() and torch.isfinite(d_out).all()
+    return d_out, d_lse
+
+
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("name", list(CASES))
+def test_float64_matches_the_reference(name: str) -> None:
+    call = CASES[name](torch.float64)
+    _check64(call, _tangents(call))
+
+
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("name", ["softcap", "gqa-causal", "dropout", "blockmask-dilated"])
+def test_each_tangent_is_its_own_term(name: str) -> None:
+    # one input moves at a time: each of the kernel's terms (q' k^T, q k'^T, P v', bias',
+    # sinks') is checked alone against the reference, and moves the answer
+    call = CASES[name](torch.float64)
+    full = _tangents(call)
+    for moved in full:
+        alone = {n: t if n == moved else torch.zeros_like(t) for n, t in full.items()}
+        d_out, d_lse = _check64(call, alone)
+        assert d_out.abs().max() > 1e-3 or d_lse.abs().max() > 1e-3, moved
+
+
+@pytest.mark.usefixtures("kernel_only")
+def test_none_tangents_and_non_contiguous_inputs() -> None:
+    # q, k, v, their tangents and the bias as transposed views; torch.func.jvp over q and v
+    # only (k' and bias' None), then over the bias only
+    g = torch.Generator().manual_seed(3)
+    q, k, v, tq, tv = (torch.randn(2, 41, 3, 16, generator=g, dtype=torch.float64).transpose(1, 2)
+                       for _ in range(5))  # fmt: skip
+    bias = torch.randn(2, 3, 41, 41, generator=g, dtype=torch.float64).transpose(-2, -1)
+    tb = torch.randn(2, 3, 41, 41, generator=g, dtype=torch.float64).transpose(-2, -1)
+    assert not q.is_contiguous() and not bias.is_contiguous()
+
+    def ours(q: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = attngrad.attention(q, k, v, attn_mask=m, strategy="fused", **TILES)
+        return out
+
+    def ref(q: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return reference_attention(q, k, v, m)
+
+    for fn_ours, fn_ref, primals, dirs in (
+        (lambda q, v: ours(q, v, bias), lambda q, v: ref(q, v, bias), (q, v), (tq, tv)),
+        (lambda m: ours(q, v, m), lambda m: ref(q, v, m), (bias,), (tb,)),
+    ):
+        got = torch.func.jvp(fn_ours, primals, dirs)[1]
+        want = torch.func.jvp(fn_ref, primals, dirs)[1]
+        assert relative_error({"out": got}, {"out": want}) <= TOL64
+
+
+def _floors(
+    call: Call, tangents: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """The rule's floors of O' and lse' (`attngrad.verify.rule.rounding_floor`), derived for
+    O' = (P o S') v + P v' - mu O, mu = rowsum(P o S') = lse', in float64 from the call's
+    inputs (no dropout, softcap or sinks here):
+
+    * sums (A): (P o |S'|)|v| + P |v'| + |mu| |O|, and S' itself, a 2d-term sum of
+      C_S' = s (|q'||k|^T + |q||k'|^T) + |bias'|, through P: (P o C_S')|v| + rowsum(P o C_S')|O|;
+      lse': rowsum(P o |S'|) + rowsum(P o C_S');
+    * the scores' rounding (C): a move of every score by e C_S (C_S = s |q||k|^T + |bias|)
+      moves P by at most P o (C_S + rowsum(P o C_S)) per unit e: O' by that times
+      (|S'| |v| + |v'| + |mu| |O|), and by rowsum(P o C_S o |S'|) |O| through mu;
+    * O as stored in the dtype and read back (R): |mu| |O|.
+    """
+    x, t = call.primals, tangents
+    q, k, v = x["q"], x["k"], x["v"]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    tk, tv = t["k"].repeat_interleave(g, 1), t["v"].repeat_interleave(g, 1)
+    s = q.shape[-1] ** -0.5
+    bias = x.get("mask", torch.zeros(()))
+    tb = t.get("mask", torch.zeros(()))
+    scores = s * q @ k.transpose(-2, -1) + bias
+    keep = torch.ones_like(scores, dtype=torch.bool) if call.keep is None else call.keep
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num()
+    sd = (s * (t["q"] @ k.transpose(-2, -1) + q @ tk.transpose(-2, -1)) + tb).abs()
+    cs = s * q.abs() @ k.abs().transpose(-2, -1) + bias.abs()
+    csd = s * (t["q"].abs() @ k.abs().transpose(-2, -1) + q.abs() @ tk.abs().transpose(-2, -1))
+    csd = csd + tb.abs()
+    o = (p @ v).abs()
+    mu = (p * sd).sum(-1, keepdim=True)
+    row = lambda a: a.sum(-1, keepdim=True)  # noqa: E731
+    a_out = (p * sd) @ v.abs() + p @ tv.abs() + mu * o + (p * csd) @ v.abs() + row(p * csd) * o
+    moved = p * (cs + row(p * cs))  # P's move per unit e
+    c_out = (moved * sd) @ v.abs() + moved @ tv.abs() + row(moved) * mu * o + row(p * cs * sd) * o
+    a_lse, c_lse = row(p * sd) + row(p * csd), row(moved * sd) + row(p * cs * sd)
+    n = max(2 * q.shape[-1], v.shape[-1], k.shape[-2])
+    d = q.shape[-1]
+    return (
+        rounding_floor(a_out, c_out, dtype, n, d, readback=mu * o),
+        rounding_floor(a_lse, c_lse, dtype, n, d).squeeze(-1),
+    )
+
+
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["plain", "bias", "padding", "gqa-causal", "blockmask-dilated"])
+def test_low_precision_passes_the_rule(name: str, dtype: torch.dtype) -> None:
+    call = CASES[name](dtype)
+    tangents = {n: t.to(dtype).double() for n, t in _tangents(call).items()}
+    got = _jvp(call.fused, call.primals, tangents, dtype)
+    ref = _jvp(call.reference, call.primals, tangents)
+    plain = _jvp(_plain(call), call.primals, tangents, dtype)
+    floors = _floors(call, tangents, dtype)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for what, a, r, p, f in zip(("out'", "lse'"), got, ref, plain, floors, strict=True):
+        verdict = judge(what, a, r, f, p)
+        assert verdict.passed, str(verdict)
+        # a tangent 1% off in float32, 5% in bfloat16, fails the same rule
+        off = 1.01 if dtype == torch.float32 else 1.05
+        assert not judge(what, a.double() * off, r, f, p).passed, what
+
+
+def _plain(call: Call) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The plain PyTorch computation of the call in its dtype (the rule's 2x baseline)."""
+
+    def plain(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, m = t["q"], t["k"], t["v"], t.get("mask", call.fixed.get("mask"))
+        out = plain_attention(q, k, v, m, **call.options)
+        return out, reference_lse(q, k, m, **call.options)
+
+    return plain
+
+
+@pytest.mark.usefixtures("kernel_only")
+def test_gradcheck_with_forward_ad() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+         for s in ((1, 2, 5, 3), (1, 1, 6, 3), (1, 1, 6, 2), (1, 2, 5, 6))]  # fmt: skip
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> Any:
+        return attngrad.attention(
+            q, k, v, attn_mask=m, enable_gqa=True, softcap=1.5, window=(None, 1),
+            return_lse=True, strategy="fused", block_q=2, block_k=4,
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, x, check_forward_ad=True, check_batched_forward_grad=True)
+
+
+@pytest.mark.usefixtures("kernel_only")
+def test_jacfwd_matches_the_reference() -> None:
+    # jacfwd vmaps the tangent: the batch folding happens before the kernel runs
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(2, 6, 6, generator=g, dtype=torch.float64)
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return attngrad.attention(q, k, v, attn_mask=m, strategy="fused", block_q=4, block_k=4)
+
+    got = torch.func.jacfwd(ours, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    want = torch.func.jacfwd(reference_attention, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for a, b in zip(got, want, strict=True):
+        assert relative_error({"j": a}, {"j": b}) <= TOL64
+
+
+@pytest.mark.usefixtures("kernel_only")
+def test_bitwise_identical_for_any_thread_count() -> None:
+    call = CASES["dropout"](torch.float32)
+    tangents = _tangents(call)
+    with threads(1):
+        one = _jvp(call.fused, call.primals, tangents, torch.float32)
+    with threads(2):
+        two = _jvp(call.fused, call.primals, tangents, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+def test_a_score_function_falls_back_to_the_tiled_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[bool] = []
+    tiled = tangent.tiled_tangent
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ran.append(True)
+        return tiled(*args)
+
+    monkeypatch.setattr(tangent, "tiled_tangent", counted)
+    g = torch.Generator().manual_seed(6)
+    q, k, v, tq = (torch.randn(1, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    table, t_table = (torch.randn(2, 20, 20, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def ours(q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        def score(s, b, h, i, j):  # type: ignore[no-untyped-def]
+            return s + table[h, i, j]
+
+        out: torch.Tensor = attngrad.flex_attention(q, k, v, score_mod=score, strategy="fused")
+        return out
+
+    _, got = torch.func.jvp(ours, (q, table), (tq, t_table))
+    _, want = torch.func.jvp(
+        lambda q, m: reference_attention(q, k, v, m), (q, table), (tq, t_table)
+    )
+    assert ran and relative_error({"out": got}, {"out": want}) <= TOL64
