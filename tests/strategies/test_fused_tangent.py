@@ -395,6 +395,34 @@ def test_bitwise_identical_for_any_thread_count() -> None:
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
+@pytest.mark.usefixtures("kernel_only")
+def test_a_relative_score_function_runs_in_the_kernel() -> None:
+    # learnable ALiBi with a causal BlockMask: its term's tangent D' joins S' by diagonal
+    g = torch.Generator().manual_seed(8)
+    q, k, v, tq, tk = (torch.randn(2, 3, 50, 8, generator=g, dtype=torch.float64) for _ in range(5))
+    slopes, t_slopes = torch.rand(3, generator=g, dtype=torch.float64), torch.randn(3, generator=g)
+    blocks = create_block_mask(_causal, None, None, 50, 50, "cpu", BLOCK_SIZE=16)
+    i, j = torch.arange(50)[:, None], torch.arange(50)[None, :]
+
+    def ours(q: torch.Tensor, k: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        def alibi(s, b, h, i, j):  # type: ignore[no-untyped-def]
+            return s - m[h] * (i - j)
+
+        out: torch.Tensor = attngrad.flex_attention(
+            q, k, v, score_mod=alibi, block_mask=blocks, strategy="fused"
+        )
+        return out
+
+    def ref(q: torch.Tensor, k: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        bias = (-m[:, None, None] * (i - j)).masked_fill(i < j, float("-inf"))
+        return reference_attention(q, k, v, bias)
+
+    for dirs in ((tq, tk, t_slopes.double()), (0 * tq, 0 * tk, t_slopes.double())):
+        _, got = torch.func.jvp(ours, (q, k, slopes), dirs)
+        _, want = torch.func.jvp(ref, (q, k, slopes), dirs)
+        assert relative_error({"out": got}, {"out": want}) <= TOL64 and got.abs().max() > 1e-3
+
+
 def test_a_score_function_falls_back_to_the_tiled_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[bool] = []
     tiled = tangent.tiled_tangent

@@ -12,10 +12,11 @@ requires grad gets its gradient through dS written at the scores' shape
 [B, Hq, Nq, Nk] and summed over the dims the mask broadcasts (that one
 gradient costs O(Nq * Nk) memory).  Forward mode runs in the kernels too
 (``csrc/tangent.h``: O' and lse' in one walk over each block of query rows'
-key tiles, P rebuilt from the saved statistics), with every keyword but a score
-function: a call with a ``score_mod`` (a program, a relative term or a softcap
-written as one) takes the shared tiled pass (`attngrad.autograd.tangent`), as
-double backward always does.
+key tiles, P rebuilt from the saved statistics), with every keyword and a relative
+score function (its term's tangent D' added along the diagonals like a bias row); a
+call with any other ``score_mod`` (one run as a program, or a softcap written as
+one) takes the shared tiled pass (`attngrad.autograd.tangent`), as double backward
+always does.
 
 A FlexAttention BlockMask reaches the kernels as their band when each row keeps one
 interval of keys; else as the band of its rows' non-empty blocks, its block status and
@@ -51,6 +52,7 @@ from attngrad.core.block_table import BlockTable
 from attngrad.core.contract import ArgumentError, Shapes
 from attngrad.core.interface import Backward, Problem, Saved
 from attngrad.core.ops import compute_dtype
+from attngrad.core.score_function import TERM_KEY
 from attngrad.core.score_program import (
     MaskProgram,
     Program,
@@ -181,6 +183,19 @@ def _diagonal(problem: Problem[Tiles]) -> tuple[Diagonal, torch.Tensor] | None:
     return Diagonal.of(score, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), problem.dtype)
 
 
+def _diagonal_tangent(
+    diagonal: Diagonal, captured_dot: Sequence[torch.Tensor | None]
+) -> torch.Tensor | None:
+    """D' [B, Hq, Nq + Nk - 1], laid out as D: the term's tangent along its captured
+    tensors' tangents (the term's push at every distance), or None where none moves."""
+    if all(t is None for t in captured_dot):
+        return None
+    zero = diagonal.zero  # [B, 1, Hq, Nq + Nk - 1, 1], ascending i - j
+    x = diagonal.term.push(zero, diagonal.distances, TERM_KEY, torch.zeros_like(zero), captured_dot)
+    b, _, hq, n = zero.shape[:4]
+    return x.reshape(b, hq, n).flip(-1).to(zero.dtype).contiguous()  # ascending j - i, as D
+
+
 def _score_args(
     problem: Problem[Tiles], diagonal: tuple[Diagonal, torch.Tensor] | None,
     dcaptured: Sequence[object] | None,
@@ -287,11 +302,17 @@ class Fused(KeepsOutput[Tiles]):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """O' [B, Hq, Nq, dv] (input dtype) and lse' [B, Hq, Nq] (compute dtype) from the
         tangent kernel along tangents = (q', k', v', bias', *captured') (None: zero); None
-        for a call with a score function, which the shared tiled pass runs."""
-        if problem.mods.score is not None:
+        for a score function other than a relative one (a program), which the shared tiled
+        pass runs.  A relative score function's term moves by D' (`_diagonal_tangent`)."""
+        diagonal = _diagonal(problem)
+        if problem.mods.score is not None and diagonal is None:
             return None
         library = build.load()
-        t_q, t_k, t_v, t_bias = tangents[:4]
+        t_q, t_k, t_v, t_bias, *t_captured = tangents
+        by_diagonal = {}
+        if diagonal is not None:
+            dot = _diagonal_tangent(diagonal[0], t_captured)
+            by_diagonal = {"diagonal": diagonal[1], "tdiagonal": dot}
         qc, kc, vc, oc = _operands(problem.q, problem.k, problem.v, o)
         moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
         scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
@@ -301,7 +322,7 @@ class Fused(KeepsOutput[Tiles]):
         tiles = problem.tiles
         do, dlse = torch.ops.attngrad_fused.tangent(
             qc, kc, vc, oc, stats, *moved, bias_dot, *before, problem.scale, *after,
-            tiles.block_q, tiles.block_k, library.engine_id, **blocks,
+            tiles.block_q, tiles.block_k, library.engine_id, **blocks, **by_diagonal,
         )  # fmt: skip
         return do.to(problem.q.dtype), dlse
 

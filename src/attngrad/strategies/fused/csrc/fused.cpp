@@ -555,18 +555,22 @@ void check_mask(const Tensor& q, const Tensor& k, const std::optional<Tensor>& b
 }
 
 // k: [B, H, N, x] -> [B, H, ceil(N / block), x, block]: each key block's panel of k^T
-// (zero past N), so a tile's product reads one dense [x, block] panel.
+// (zero past N), so a tile's product reads one dense [x, block] panel.  With `below` (like
+// k): [.., 2x, block], its panel of below^T under k^T's (forward mode's [k^T ; k'^T]).
 template <typename T>
-Tensor panels(const Tensor& k, int64_t block) {
+Tensor panels(const Tensor& k, int64_t block, const std::optional<Tensor>& below = std::nullopt) {
   const int64_t bh = k.size(0) * k.size(1), n = k.size(2), x = k.size(3);
-  const int64_t blocks = (n + block - 1) / block;
-  Tensor out = at::zeros({k.size(0), k.size(1), blocks, x, block}, k.options());
+  const int64_t blocks = (n + block - 1) / block, rows = below ? 2 * x : x;
+  Tensor out = at::zeros({k.size(0), k.size(1), blocks, rows, block}, k.options());
   const T* src = k.data_ptr<T>();
+  const T* low = below ? below->data_ptr<T>() : nullptr;
   T* dst = out.data_ptr<T>();
   at::parallel_for(0, bh * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t kb = u % blocks, c = std::min(block, n - kb * block);
-      panel(c, x, src + ((u / blocks) * n + kb * block) * x, dst + u * x * block, block);
+      const int64_t from = ((u / blocks) * n + kb * block) * x;
+      panel(c, x, src + from, dst + u * rows * block, block);
+      if (low != nullptr) panel(c, x, low + from, dst + (u * rows + x) * block, block);
     }
   });
   return out;
@@ -692,8 +696,9 @@ void check_like(const std::optional<Tensor>& t, const char* name, const Tensor& 
 }
 
 // Forward mode (`tangent.h`): O' [B, Hq, Nq, dv] and lse' [B, Hq, Nq] along the tangents
-// tq, tk, tv (like q, k, v) and tbias (like bias, at the scores' shape), None for zero; o
-// and stats are the forward's.  The mask arguments as forward's; no score program.
+// tq, tk, tv (like q, k, v), tbias (like bias, at the scores' shape) and tdiagonal (like
+// the diagonal term D), None for zero; o and stats are the forward's.  The mask arguments
+// and D as forward's; no score program.
 std::tuple<Tensor, Tensor> tangent(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& stats,
     const std::optional<Tensor>& tq, const std::optional<Tensor>& tk,
@@ -705,10 +710,14 @@ std::tuple<Tensor, Tensor> tangent(
     int64_t engine, const std::optional<Tensor>& mask_code,
     const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
     int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
-    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k) {
+    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   check_mask(q, k, tbias, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  check_diagonal(q, k, std::nullopt, diagonal);
+  TORCH_CHECK_VALUE(diagonal || !tdiagonal, "attngrad_fused: tdiagonal without a diagonal");
+  check_diagonal(q, k, std::nullopt, tdiagonal);
   check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
   const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   check_like(o, "o", out_like);
@@ -723,11 +732,13 @@ std::tuple<Tensor, Tensor> tangent(
   Tensor dlse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::tangent", [&] {
     // k'^T below k^T in each key block's panel: one product of inner dim 2d forms S'
-    const Tensor kt = panels<scalar_t>(tk ? at::cat({k, *tk}, 3) : k, block_k);
+    const Tensor kt = panels<scalar_t>(k, block_k, tk);
     auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
                                 threshold, keep_scale, block_q, block_k);
     read_blocks(pb, status, mask, mask_block_q, mask_block_k);
+    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
     Direction<scalar_t> dir;
+    dir.diagonal = tdiagonal ? tdiagonal->data_ptr<scalar_t>() : nullptr;
     dir.q = tq ? tq->data_ptr<scalar_t>() : nullptr;
     dir.k = tk.has_value();
     dir.v = tv ? tv->data_ptr<scalar_t>() : nullptr;
@@ -931,7 +942,8 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "float keep_scale, int block_q, int block_k, int engine, Tensor? mask_code=None, "
       "Tensor? mask_constants=None, Tensor? mask_indices=None, int mask_out=-1, "
       "Tensor[]? mask_captured=None, int mask_batch=1, Tensor? status=None, "
-      "int mask_block_q=1, int mask_block_k=1) -> (Tensor, Tensor)");
+      "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? tdiagonal=None) "
+      "-> (Tensor, Tensor)");
   m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
       "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");

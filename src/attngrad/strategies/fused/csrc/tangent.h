@@ -5,7 +5,9 @@
 // (`tile.h`, `probabilities`).  Per query row, with S' the scores' tangent pushed through
 // the score modifications (`attngrad.autograd.tangent`):
 //
-//   S'  = slope * s (q' k^T + q k'^T) + bias'      (slope = 1 - tanh^2 with a softcap, else 1)
+//   S'  = slope * s (q' k^T + q k'^T) + D' + bias'
+//         (slope = 1 - tanh^2 with a softcap, else 1; D': a relative score_mod's term's
+//         tangent along its captured tensors' tangents, by diagonal, `Problem::diagonal`)
 //   mu  = rowsum(P * S') = lse'
 //   O'  = (P * S') v + P v' - mu O                 (dropout: both products take M = Z / (1 - p))
 //
@@ -14,14 +16,14 @@
 //
 //   S   = (s q) k^T, masked, P = exp((S - m) - log l)
 //   S'  = [s q' | s q] [k^T ; k'^T]   (one product of inner dim 2d; d where one tangent is
-//         None, none where both are), times the slope, plus bias'
+//         None, none where both are), times the slope, plus D' and bias'
 //   mu += rowsum(P * S'),   acc += (P * S' Z) v + (P Z) v'
 //
 // then O' = acc / (1 - p) - mu O and lse' = mu.  A unit (b, kv head, block of query rows)
 // owns its rows of O' and lse' for every query head of the group: the results are bitwise
 // the same for any thread count.  Extra memory: the panels of [k, k'] and O(block) scratch
-// per thread.  A score program or a diagonal term is not handled here: the Python side
-// runs those calls through the shared tiled pass instead.
+// per thread.  A score program is not handled here: the Python side runs those calls
+// through the shared tiled pass instead.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -43,8 +45,9 @@ struct Direction {
   const T* v = nullptr;     // v' [B, Hkv, Nk, dv] contiguous
   const T* bias = nullptr;  // bias' at the scores' [B, Hq, Nq, Nk] through strides sb
   int64_t sb[4] = {0, 0, 0, 0};
+  const T* diagonal = nullptr;  // D' like `Problem::diagonal`: a relative score_mod's term
 
-  bool moves_scores() const { return q != nullptr || k || bias != nullptr; }
+  bool moves_scores() const { return q != nullptr || k || bias != nullptr || diagonal != nullptr; }
 };
 
 // What the tangent pass reads of the primal call: q [B, Hq, Nq, d], v [B, Hkv, Nk, dv],
@@ -63,16 +66,17 @@ struct TangentScratch {  // one block of query rows
 };
 
 // S' of one tile row from the raw product (in t, or none: `raw` false) and P: t = P * S'
-// with S' = slope * t + bias' (slope, bias: nullptr for none; bias read every `step`
-// elements); returns rowsum(P * S').
+// with S' = slope * t + D' + bias' (slope, D', bias: nullptr for none, the modifications'
+// pushes in the chain's order; bias read every `step` elements); returns rowsum(P * S').
 template <typename T>
-T tangent_row(const T* p, T* t, const T* slope, const T* bias, int64_t step, bool raw,
-              int64_t c) {
+T tangent_row(const T* p, T* t, const T* slope, const T* diagonal, const T* bias, int64_t step,
+              bool raw, int64_t c) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   if (!raw) std::fill(t, t + c, T(0));
   if (slope != nullptr && raw)
     at::vec::map2([](Vec x, Vec s) { return x * s; }, t, t, slope, c);
+  if (diagonal != nullptr) add_row(t, diagonal, c);
   if (bias != nullptr && step == 1) add_row(t, bias, c);
   if (bias != nullptr && step != 1)
     for (int64_t j = 0; j < c; ++j) t[j] += bias[j * step];
@@ -154,9 +158,11 @@ void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>&
                 const int64_t i = i0 + ii;
                 const T* bias = dir.bias == nullptr ? nullptr
                     : dir.bias + b * dir.sb[0] + h * dir.sb[1] + i * dir.sb[2] + j0 * dir.sb[3];
+                const T* diagonal = dir.diagonal == nullptr ? nullptr
+                    : dir.diagonal + (bh * pb.diagonals() + j0 - i + pb.Nq - 1);
                 mu[ii] += tangent_row(P + ii * bk, t + ii * bk,
-                                      slope == nullptr ? nullptr : slope + ii * bk, bias,
-                                      dir.sb[3], inner > 0, c);
+                                      slope == nullptr ? nullptr : slope + ii * bk, diagonal,
+                                      bias, dir.sb[3], inner > 0, c);
               }
               if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, t, bk);
               product(engine, r, dv, c, t, bk, v_h + j0 * dv, dv, acc, dv, true);
