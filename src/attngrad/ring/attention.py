@@ -50,16 +50,24 @@ import torch
 import torch.distributed as dist
 
 from attngrad.api import attention
-from attngrad.core.contract import ArgumentTypeError, Shapes, check_flag, validate_attention
-from attngrad.core.dropout import Dropout, draw_seed
+from attngrad.core.band import validate_window
+from attngrad.core.contract import (
+    ArgumentError,
+    ArgumentTypeError,
+    Shapes,
+    check_flag,
+    validate_attention,
+)
+from attngrad.core.dropout import Dropout
 from attngrad.core.interface import Backward, Problem, Strategy
-from attngrad.core.keywords import validate_generator, validate_sinks
+from attngrad.core.keywords import validate_generator, validate_sinks, validate_softcap
 from attngrad.core.ops import compute_dtype, log_normalizer, lse
 from attngrad.core.sinks import merge_sinks
-from attngrad.ring.checks import check_same_shards, validate_ring
-from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm
+from attngrad.ring.all_to_all import Keywords, all_to_all_attention
+from attngrad.ring.checks import Settings, check_same_shards, validate_ring, validate_scheme
+from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm, shared_dropout
 from attngrad.ring.layout import Block, step_blocks
-from attngrad.strategies import REGISTRY, TILED, tiled_default, unavailable_reason
+from attngrad.strategies import REGISTRY, STRATEGIES, TILED, tiled_default, unavailable_reason
 
 __all__ = ["BLOCK_STRATEGIES", "merge_partial_", "ring_attention"]
 
@@ -340,19 +348,16 @@ def _ring_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def _shared_dropout(
-    comm: RingComm, dropout_p: float, device: torch.device, generator: torch.Generator | None
-) -> Dropout | None:
-    """The call's dropout, one on every rank: each rank draws (seed, offset), rank 0's is used.
-
-    Each rank's generator advances by the one draw `attention` makes, so ranks
-    seeded alike stay alike; the broadcast makes the mask one even when they are not.
-    """
-    if dropout_p == 0:
-        return None
-    words = torch.tensor(draw_seed(device, generator), dtype=torch.int64, device=device)
-    seed, offset = comm.broadcast(words, "sharing the dropout seed").tolist()
-    return Dropout(float(dropout_p), int(seed), int(offset))
+def _refuse_on_ring(scheme: str, **given: object) -> None:
+    """ValueError naming the keywords the ring scheme does not take yet (issue 40)."""
+    names = [name for name, value in given.items() if value is not None]
+    if scheme == "ring" and names:
+        raise ArgumentError(
+            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported by "
+            "scheme='ring' yet (it takes is_causal, scale, dropout and sinks); pass "
+            "scheme='all_to_all', which runs attngrad.attention over whole sequences of "
+            "H/P heads per rank and takes every keyword."
+        )
 
 
 def ring_attention(
@@ -370,6 +375,10 @@ def ring_attention(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     sinks: torch.Tensor | None = None,
+    scheme: str = "ring",
+    attn_mask: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention over a sequence sharded across the ranks of ``group``; each rank passes its shard.
 
@@ -383,13 +392,31 @@ def ring_attention(
     one); without an initialised process group, or with one rank, this is
     plain `attngrad.attention`.
 
-    ``timeout``: seconds a rank waits on its neighbours at each step before it
+    ``scheme``: how the ranks share the work.  ``"ring"`` (the default): each
+    rank keeps its queries and the k/v shards travel around the ranks
+    (`attngrad.ring.attention`); first order only, and is_causal, scale,
+    dropout and sinks only.  ``"all_to_all"`` (DeepSpeed-Ulysses): an
+    all-to-all trades the sequence shards for whole sequences of H/P heads
+    per rank, plain `attngrad.attention` runs on them with any strategy
+    (``strategy``, default "auto") and every keyword, and a second all-to-all
+    trades the output back (`attngrad.ring.all_to_all`); Hq and Hkv must
+    divide by P.  Every derivative carries over: double backward
+    (``create_graph=True``), forward mode (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``) and ``torch.func.vmap`` (every rank vmapping alike).
+    Its keywords beyond the ring's: ``attn_mask`` (bool or float, the rows of
+    this rank's shard against every key: broadcastable to [..., Hq, N/P, N],
+    keys in the true order -- ``shard(mask, rank, P, layout)`` of the full
+    [..., N, N] mask; its gradient is this rank's rows'), ``window`` and
+    ``softcap`` as in `attngrad.attention`.
+
+    ``timeout``: seconds a rank waits on its peers at each step before it
     raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
-    called).  ``strategy``: the per-block kernel, one of `BLOCK_STRATEGIES`
-    (None: triton on CUDA when Triton is installed, else flash).
+    called).  ``strategy``: under "ring" the per-block kernel, one of
+    `BLOCK_STRATEGIES` (None: triton on CUDA when Triton is installed, else
+    flash); under "all_to_all" any of `attngrad.STRATEGIES` or "auto".
     ``return_lse=True`` returns ``(out, lse)`` as `attngrad.attention` does:
     lse [..., Hq, N/P], this shard's rows' log-sum-exp over the full sequence.
-    First order only: ``create_graph=True`` raises NotImplementedError.
+    Under "ring", first order only: ``create_graph=True`` raises NotImplementedError.
 
     ``dropout_p``, ``generator``: attention dropout as in `attngrad.attention`,
     with the mask of the gathered call: every rank draws (seed, offset) from
@@ -402,42 +429,68 @@ def ring_attention(
     ``sinks``: as in `attngrad.attention`, [Hq] (one logit per head) or
     broadcastable to [..., Hq, N/P] (per token: this rank's rows; cut a
     [..., Hq, N] one with ``shard(s.unsqueeze(-1), rank, P, layout).squeeze(-1)``).
-    Each row's sink is merged once, into the ring's final (O, lse).  The
-    gradient a rank gets for ``sinks`` is its own rows' share: for a sink
-    parameter shared by the ranks, sum its ``.grad`` over ``group``
-    (``dist.all_reduce``), as for any parameter replicated across them.
+    The gradient a rank gets for a per-head (or any row-shared) ``sinks`` is
+    its own share: for a sink parameter shared by the ranks, sum its ``.grad``
+    over ``group`` (``dist.all_reduce``), as for any parameter replicated
+    across them; a per-token one's is its rows'.  The same holds for an
+    ``attn_mask`` shared by the rows.
 
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
-    all_gather).  Saved for backward per rank: its own q, k, v, O and stats.
-    Backward is a ring too: every rank that called forward must run it.
+    all_gather).  Backward is collective too: every rank that called forward
+    must run it.
     """
+    scheme = validate_scheme(scheme)
+    _refuse_on_ring(scheme, attn_mask=attn_mask, window=window, softcap=softcap)
     shapes = validate_attention(q, k, v, None, dropout_p, is_causal, scale, True)
     check_flag("return_lse", return_lse)
     sink = validate_sinks(sinks, q, shapes)
     generator = validate_generator(generator, q.device)
+    window = validate_window(window)
+    softcap = validate_softcap(softcap)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ArgumentTypeError(
             f"group must be a torch.distributed.ProcessGroup or None (the default group), "
             f"got {type(group).__name__}; make one with dist.new_group(ranks)."
         )
-    if strategy is None:
-        strategy = tiled_default(q.device, shapes.head_dim, shapes.value_dim)
-    validate_ring(shapes, layout, timeout, strategy, BLOCK_STRATEGIES)
-    reason = unavailable_reason(strategy, q.device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    REGISTRY[strategy].tiles(shapes, q.dtype, None, None)  # ValueError for sizes it cannot take
+    if scheme == "all_to_all":
+        strategy = "auto" if strategy is None else strategy
+        validate_ring(
+            shapes,
+            layout,
+            timeout,
+            strategy,
+            ("auto", *STRATEGIES),
+            "local call (scheme='all_to_all')",
+        )
+    else:
+        if strategy is None:
+            strategy = tiled_default(q.device, shapes.head_dim, shapes.value_dim)
+        validate_ring(shapes, layout, timeout, strategy, BLOCK_STRATEGIES)
+    if strategy != "auto":
+        reason = unavailable_reason(strategy, q.device)
+        if reason is not None:
+            raise RuntimeError(reason)
+    if scheme == "ring":  # ValueError for sizes it cannot take
+        REGISTRY[strategy].tiles(shapes, q.dtype, None, None)
     ring_group = _ring_group(group)
     if ring_group is None:
         return attention(
-            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=True,
-            strategy=strategy, return_lse=return_lse, sinks=sinks, generator=generator,
+            q, k, v, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=True, strategy=strategy, return_lse=return_lse, sinks=sinks,
+            generator=generator, window=window, softcap=softcap,
         )  # fmt: skip
     s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
     comm = RingComm(ring_group, float(timeout))
-    check_same_shards(comm, q, shapes, is_causal, layout, s, float(dropout_p))
-    dropout = _shared_dropout(comm, dropout_p, q.device, generator)
+    settings = Settings(is_causal, layout, s, float(dropout_p), scheme, window, softcap)
+    if scheme == "all_to_all":
+        kw = Keywords(is_causal, scale, strategy, window, softcap)
+        out, lse_a = all_to_all_attention(
+            comm, q, k, v, shapes, settings, kw, attn_mask, sink, generator, return_lse
+        )
+        return (out, lse_a) if lse_a is not None else out
+    check_same_shards(comm, q, shapes, settings)
+    dropout = shared_dropout(comm, dropout_p, q.device, generator)
     n = shapes.seq_q
     b, hq, hkv = shapes.batch, shapes.heads_q, shapes.heads_kv
     qb = q.reshape(b, hq, n, shapes.head_dim)  # (B, Hq, n, d)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -16,27 +18,108 @@ from attngrad.core.contract import DTYPES, ArgumentError, ArgumentTypeError, Sha
 from attngrad.ring.comm import RingComm
 from attngrad.ring.layout import LAYOUTS, validate_layout
 
-__all__ = ["check_same_shards", "validate_ring"]
+__all__ = [
+    "SCHEMES",
+    "Settings",
+    "check_same_shards",
+    "tensor_kind",
+    "validate_ring",
+    "validate_scheme",
+]
 
 _DTYPES = list(DTYPES.values())
-_FIELDS = (
-    "batch",
-    "heads_q",
-    "heads_kv",
-    "seq_len",
-    "head_dim",
-    "value_dim",
-    "dtype",
-    "is_causal",
-    "layout",
-    "scale",
-    "dropout_p",
+SCHEMES = ("ring", "all_to_all")
+_NONE = -1  # an absent window side, mask or sinks
+_BOOL = 1  # a bool attn_mask; a float one is 2 + its dtype's index in _DTYPES
+# requires_grad's bits, in this order
+_GRADS = ("q", "k", "v", "attn_mask", "sinks")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank must pass alike besides the shapes (`check_same_shards`).
+
+    mask: the attn_mask as (kind, Bm, Hm, rows, keys) -- kind `_BOOL` or 2 + the
+    float dtype's index -- or () without one; sinks: (kind, Bs, Hs, rows) of
+    the same kinds, or (); requires_grad: which of `_GRADS` need a gradient (the
+    backward collectives run only for those).
+    """
+
+    is_causal: bool
+    layout: str
+    scale: float
+    dropout_p: float
+    scheme: str = "ring"
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    mask: tuple[int, ...] = ()
+    sinks: tuple[int, ...] = ()
+    requires_grad: tuple[str, ...] = ()
+
+
+def tensor_kind(t: torch.Tensor) -> int:
+    """The kind code of a mask or sinks tensor in `Settings`."""
+    return _BOOL if t.dtype == torch.bool else 2 + _DTYPES.index(t.dtype)
+
+
+def _bits(x: float) -> int:
+    """The float64 ``x`` as the int64 of its bits (exact, so equal floats compare equal)."""
+    (bits,) = struct.unpack("<q", struct.pack("<d", x))
+    return int(bits)
+
+
+def _float(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def _side(w: int | None) -> int:
+    return _NONE if w is None else w
+
+
+def _tensor(words: list[int]) -> object:
+    kind, *dims = words
+    if kind == _NONE:
+        return None
+    name = "bool" if kind == _BOOL else str(_DTYPES[kind - 2]).removeprefix("torch.")
+    return f"{name}{dims}"
+
+
+# (field, width in int64 words, decoder) in the order `_describe` writes them
+_FIELDS: tuple[tuple[str, int, Callable[[list[int]], object]], ...] = (
+    *((f, 1, lambda w: w[0]) for f in ("batch", "heads_q", "heads_kv", "seq_len")),
+    *((f, 1, lambda w: w[0]) for f in ("head_dim", "value_dim")),
+    ("dtype", 1, lambda w: _DTYPES[w[0]]),
+    ("is_causal", 1, lambda w: bool(w[0])),
+    ("layout", 1, lambda w: LAYOUTS[w[0]]),
+    ("scale", 1, lambda w: _float(w[0])),
+    ("dropout_p", 1, lambda w: _float(w[0])),
+    ("scheme", 1, lambda w: SCHEMES[w[0]]),
+    ("window", 3, lambda w: None if w[0] == 0 else tuple(None if x == _NONE else x for x in w[1:])),
+    ("softcap", 2, lambda w: None if w[0] == 0 else _float(w[1])),
+    ("attn_mask", 5, _tensor),
+    ("sinks", 4, _tensor),
+    ("requires_grad", 1, lambda w: [g for i, g in enumerate(_GRADS) if w[0] >> i & 1]),
 )
-_FLOATS = ("scale", "dropout_p")  # sent as the int64 of their float64 bits
+
+
+def validate_scheme(scheme: object) -> str:
+    """The scheme's name, or ValueError naming the choices."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ArgumentError(
+            f"scheme must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r:.80}. "
+            "'ring' moves k/v blocks around the ranks; 'all_to_all' trades sequence shards "
+            "for head shards (H/P heads per rank, every keyword and derivative)."
+        )
+    return scheme
 
 
 def validate_ring(
-    shapes: Shapes, layout: object, timeout: object, strategy: object, kernels: tuple[str, ...]
+    shapes: Shapes,
+    layout: object,
+    timeout: object,
+    strategy: object,
+    kernels: tuple[str, ...],
+    role: str = "per-block compute",
 ) -> None:
     """This rank's own arguments: one sequence shard, a layout that can split it, a timeout."""
     validate_layout(layout)
@@ -62,82 +145,52 @@ def validate_ring(
     if strategy not in kernels:
         raise ArgumentError(
             f"strategy must be one of {', '.join(map(repr, kernels))} for ring_attention's "
-            f"per-block compute, got {strategy!r}."
+            f"{role}, got {strategy!r}."
         )
 
 
-def _describe(
-    shapes: Shapes,
-    dtype: torch.dtype,
-    is_causal: bool,
-    layout: str,
-    scale: float,
-    dropout_p: float,
-    device: torch.device,
-) -> torch.Tensor:
-    """What every rank must agree on, as int64 in the order of _FIELDS (floats as their bits)."""
-    return torch.tensor(
-        [
-            shapes.batch,
-            shapes.heads_q,
-            shapes.heads_kv,
-            shapes.seq_q,
-            shapes.head_dim,
-            shapes.value_dim,
-            _DTYPES.index(dtype),
-            int(is_causal),
-            LAYOUTS.index(layout),
-            _bits(scale),
-            _bits(dropout_p),
-        ],
-        dtype=torch.int64,
-        device=device,  # where the backend communicates (NCCL: on the GPU)
-    )
+def _describe(shapes: Shapes, dtype: torch.dtype, st: Settings) -> list[int]:
+    """What every rank must agree on, as int64 words in the order of _FIELDS."""
+    window = [0, 0, 0] if st.window is None else [1, *map(_side, st.window)]
+    softcap = [0, 0] if st.softcap is None else [1, _bits(st.softcap)]
+    grads = sum(1 << i for i, g in enumerate(_GRADS) if g in st.requires_grad)
+    return [
+        *(shapes.batch, shapes.heads_q, shapes.heads_kv, shapes.seq_q),
+        *(shapes.head_dim, shapes.value_dim, _DTYPES.index(dtype)),
+        *(int(st.is_causal), LAYOUTS.index(st.layout), _bits(st.scale), _bits(st.dropout_p)),
+        *(SCHEMES.index(st.scheme), *window, *softcap),
+        *(st.mask or (_NONE, 0, 0, 0, 0)),
+        *(st.sinks or (_NONE, 0, 0, 0)),
+        grads,
+    ]
 
 
-def _bits(x: float) -> int:
-    """The float64 ``x`` as the int64 of its bits (exact, so equal floats compare equal)."""
-    (bits,) = struct.unpack("<q", struct.pack("<d", x))
-    return int(bits)
-
-
-def _decode(field: str, value: int) -> object:
-    if field == "dtype":
-        return _DTYPES[value]
-    if field == "layout":
-        return LAYOUTS[value]
-    if field == "is_causal":
-        return bool(value)
-    if field in _FLOATS:
-        return struct.unpack("<d", struct.pack("<q", value))[0]
-    return value
-
-
-def check_same_shards(
-    comm: RingComm,
-    q: torch.Tensor,
-    shapes: Shapes,
-    is_causal: bool,
-    layout: str,
-    scale: float,
-    dropout_p: float,
-) -> None:
+def check_same_shards(comm: RingComm, q: torch.Tensor, shapes: Shapes, settings: Settings) -> None:
     """ValueError unless every rank's shard (query ``q``) has the same sizes, dtype and settings.
 
     dropout_p must agree too: with dropout every rank takes part in one more
-    collective (the seed's broadcast), and all ranks drop with one mask.
+    collective (the seed's broadcast), and all ranks drop with one mask; so must
+    the scheme and, under all_to_all, the keywords that add collectives (a mask,
+    sinks, which inputs need a gradient).
     """
-    mine = _describe(shapes, q.dtype, is_causal, layout, scale, dropout_p, q.device)
-    table = torch.stack(comm.all_gather(mine)).cpu()
-    differ = [f for i, f in enumerate(_FIELDS) if not bool((table[:, i] == table[0, i]).all())]
-    if not differ:
+    words = _describe(shapes, q.dtype, settings)
+    # where the backend communicates (NCCL: on the GPU)
+    mine = torch.tensor(words, dtype=torch.int64, device=q.device)
+    table = torch.stack(comm.all_gather(mine)).cpu().tolist()
+    per_field: list[tuple[str, list[object]]] = []
+    at = 0
+    for field, width, decode in _FIELDS:
+        values = [decode(row[at : at + width]) for row in table]
+        if any(row[at : at + width] != table[0][at : at + width] for row in table):
+            per_field.append((field, values))
+        at += width
+    if not per_field:
         return
     per_rank = "; ".join(
-        f"{f}: " + ", ".join(f"rank {r} {_decode(f, int(v))}" for r, v in enumerate(table[:, i]))
-        for i, f in enumerate(_FIELDS)
-        if f in differ
+        f"{f}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values))
+        for f, values in per_field
     )
-    if differ == ["seq_len"]:
+    if [f for f, _ in per_field] == ["seq_len"]:
         raise ArgumentError(
             f"ring_attention needs shards of equal length on every rank, got {per_rank}. "
             "Cut the sequence with attngrad.ring.shard(x, rank, world, layout), which needs "
@@ -146,5 +199,7 @@ def check_same_shards(
     raise ArgumentError(
         f"ring_attention got different shards or settings on different ranks: {per_rank}. "
         "Every rank passes its shard of the same q, k, v (same batch, heads, head dims and "
-        "dtype) and the same is_causal, layout, scale and dropout_p."
+        "dtype) and the same is_causal, layout, scale, dropout_p and scheme (and under "
+        "scheme='all_to_all' the same window, softcap, attn_mask and sinks shapes, with "
+        "gradients wanted for the same of them)."
     )

@@ -1,4 +1,5 @@
-"""The ring's messages: non-blocking sends to the next rank, receives from the previous one.
+"""The ring's messages: non-blocking sends to the next rank, receives from the previous one;
+and the collectives both schemes use (all_gather, broadcast, all-to-all).
 
 Every wait has a deadline (`RingComm.timeout` seconds, passed to
 ``Work.wait(timeout=...)``); a message that does not arrive in time, or a
@@ -14,7 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "Exchange", "RingComm", "RingTimeoutError"]
+from attngrad.core.dropout import Dropout, draw_seed
+
+__all__ = ["DEFAULT_TIMEOUT", "Exchange", "RingComm", "RingTimeoutError", "shared_dropout"]
 
 # Seconds one ring step may wait on a peer.  A step moves one k/v block
 # (backward: k/v and dk/dv) while computing on another: seconds on a CPU even
@@ -95,12 +98,22 @@ class RingComm:
             raise self._error("posting a send or receive", e) from e
         return Exchange(self, works, list(tensors), received)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(
+        self, t: torch.Tensor, what: str = "gathering the shard shapes"
+    ) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all), in rank order."""
         out = [torch.empty_like(t) for _ in range(self.world)]
+        t = t.contiguous()
+        self._collective(lambda: dist.all_gather(out, t, group=self.group, async_op=True), what)
+        return out
+
+    def all_to_all(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """t: [P, ...] (the same shape on every rank): piece i goes to rank i; returns [P, ...]
+        whose piece i came from rank i (``dist.all_to_all_single``)."""
+        t = t.contiguous()
+        out = torch.empty_like(t)
         self._collective(
-            lambda: dist.all_gather(out, t, group=self.group, async_op=True),
-            "gathering the shard shapes",
+            lambda: dist.all_to_all_single(out, t, group=self.group, async_op=True), what
         )
         return out
 
@@ -118,3 +131,18 @@ class RingComm:
             raise self._error(what, e) from e
         assert work is not None  # async_op=True always returns a Work
         self.wait(work, what)
+
+
+def shared_dropout(
+    comm: RingComm, dropout_p: float, device: torch.device, generator: torch.Generator | None
+) -> Dropout | None:
+    """The call's dropout, one on every rank: each rank draws (seed, offset), rank 0's is used.
+
+    Each rank's generator advances by the one draw `attention` makes, so ranks
+    seeded alike stay alike; the broadcast makes the mask one even when they are not.
+    """
+    if dropout_p == 0:
+        return None
+    words = torch.tensor(draw_seed(device, generator), dtype=torch.int64, device=device)
+    seed, offset = comm.broadcast(words, "sharing the dropout seed").tolist()
+    return Dropout(float(dropout_p), int(seed), int(offset))
