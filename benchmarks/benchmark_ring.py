@@ -2,6 +2,15 @@
 
     torchrun --nproc_per_node 2 benchmarks/benchmark_ring.py --seq 8192 --heads 4 --head-dim 64
         [--batch 1] [--causal] [--layout contiguous|zigzag] [--repeats 5] [--csv PATH]
+        [--scheme ring|all_to_all] [--strategy NAME] [--penalty]
+
+``--scheme all_to_all`` runs `ring_attention`'s all-to-all scheme (H/P heads per
+rank over the whole sequence) instead of the ring; ``--strategy`` is then the
+local call's strategy and the single process's too (default: flash on both
+sides; under the ring scheme the ring's own default per block, fused on CPU,
+against single-process flash).  ``--penalty`` times a gradient penalty instead:
+forward, the gradients with create_graph=True, then the gradient of the sum of
+their squares (all_to_all only: the ring has no double backward).
 
 Both run in this one torchrun job, interleaved round by round after a warm-up
 round: each ring rank computes on 1 thread; then rank 0 runs single-process
@@ -29,6 +38,7 @@ import torch.distributed as dist
 import attngrad
 from attngrad.cli.table import write_csv
 from attngrad.ring import LAYOUTS, ring_attention, shard
+from attngrad.ring.checks import SCHEMES
 from attngrad.tools.machine import Machine, probe
 from attngrad.tools.memory import measure_peak_bytes
 from attngrad.tools.timing import interleaved, medians
@@ -48,8 +58,22 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--layout", choices=LAYOUTS, default="contiguous")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--scheme", choices=SCHEMES, default="ring")
+    parser.add_argument("--strategy", default=None, help="see above (default: flash)")
+    parser.add_argument("--penalty", action="store_true", help="a gradient penalty's time")
     parser.add_argument("--csv", default=None, help="write the results here (rank 0)")
     return parser.parse_args()
+
+
+def gradient_penalty(fn, q, k, v, dout, **kwargs):
+    """A run of forward, first derivatives with create_graph=True, then the penalty's gradient."""
+
+    def run() -> None:
+        out = fn(q, k, v, **kwargs)
+        grads = torch.autograd.grad((out * dout).sum(), (q, k, v), create_graph=True)
+        torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v))
+
+    return run
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -69,9 +93,15 @@ def main() -> None:
     if rank != 0:
         del full  # only rank 0 runs the single-process baseline
     q, k, v = (t.requires_grad_() for t in mine[:3])
-    ring = forward_backward(
-        ring_attention, q, k, v, mine[3], is_causal=args.causal, layout=args.layout
-    )
+    if args.penalty and args.scheme == "ring":
+        raise SystemExit("--penalty needs --scheme all_to_all: the ring has no double backward")
+    measure = gradient_penalty if args.penalty else forward_backward
+    single_strategy = args.strategy or "flash"
+    ring_strategy = args.strategy or (single_strategy if args.scheme == "all_to_all" else None)
+    ring = measure(
+        ring_attention, q, k, v, mine[3], is_causal=args.causal, layout=args.layout,
+        scheme=args.scheme, strategy=ring_strategy,
+    )  # fmt: skip
 
     def ring_round() -> None:
         torch.set_num_threads(1)
@@ -80,9 +110,10 @@ def main() -> None:
 
     if rank == 0:
         fq, fk, fv = (t.requires_grad_() for t in full[:3])
-        single = forward_backward(
-            attngrad.attention, fq, fk, fv, full[3], is_causal=args.causal, strategy="flash"
-        )
+        single = measure(
+            attngrad.attention, fq, fk, fv, full[3], is_causal=args.causal,
+            strategy=single_strategy,
+        )  # fmt: skip
 
     def single_round() -> None:
         if rank == 0:
@@ -102,38 +133,43 @@ def main() -> None:
         single_peak = measure_peak_bytes(single)
         machine = probe(torch.float32)
         peaks_ = [int(p) for p in peaks]
-        _report(args, world, threads, times, peaks_, single_peak, full, mine, machine)
+        names = (f"single {single_strategy}", f"{args.scheme} P={world}")
+        _report(args, world, threads, times, peaks_, single_peak, full, mine, machine, names)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _report(args, world, threads, times, ring_peaks, single_peak, full, mine, machine: Machine):
+def _report(
+    args, world, threads, times, ring_peaks, single_peak, full, mine, machine: Machine, names
+):
     ring_peak = max(ring_peaks)
     ring_in, single_in = _nbytes(*mine), _nbytes(*full)
     rows = [
-        ("single flash", threads, times["single"], single_peak, single_peak + single_in),
-        (f"ring P={world}", 1, times["ring"], ring_peak, ring_peak + ring_in),
+        (names[0], threads, times["single"], single_peak, single_peak + single_in),
+        (names[1], 1, times["ring"], ring_peak, ring_peak + ring_in),
     ]
     print(machine.line())
     print(
         f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 "
-        f"causal={args.causal} layout={args.layout}; ring: {world} ranks x 1 thread, "
+        f"causal={args.causal} layout={args.layout} scheme={args.scheme} "
+        f"{'gradient penalty' if args.penalty else 'forward+backward'}; "
+        f"{world} ranks x 1 thread, "
         f"single process: {threads} threads; medians of {args.repeats}"
     )
-    print(f"{'path':<14}{'threads':>8}{'fwd+bwd':>12}{'peak fwd+bwd':>15}{'+ inputs':>12}")
+    print(f"{'path':<18}{'threads':>8}{'time':>12}{'peak':>15}{'+ inputs':>12}")
     for name, n_threads, t, peak, with_inputs in rows:
         print(
-            f"{name:<14}{n_threads:>8}{t * 1e3:>9.0f} ms{peak / MIB:>11.1f} MiB"
+            f"{name:<18}{n_threads:>8}{t * 1e3:>9.0f} ms{peak / MIB:>11.1f} MiB"
             f"{with_inputs / MIB:>8.1f} MiB"
         )
-    print(f"ring peak per rank: {', '.join(f'{p / MIB:.1f} MiB' for p in ring_peaks)}")
+    print(f"peak per rank: {', '.join(f'{p / MIB:.1f} MiB' for p in ring_peaks)}")
     ratios = {
         "time": times["ring"] / times["single"],
         "peak": ring_peak / single_peak,
         "peak_with_inputs": (ring_peak + ring_in) / (single_peak + single_in),
     }
     print(
-        f"ring / single: time {ratios['time']:.2f} (target <= 1.3), peak per rank "
+        f"{args.scheme} / single: time {ratios['time']:.2f} (target <= 1.3), peak per rank "
         f"{ratios['peak']:.2f}, with inputs {ratios['peak_with_inputs']:.2f} (target <= 0.6)"
     )
     if args.csv:
@@ -147,6 +183,8 @@ def _report(args, world, threads, times, ring_peaks, single_peak, full, mine, ma
                 "head_dim": args.head_dim,
                 "causal": args.causal,
                 "layout": args.layout,
+                "scheme": args.scheme,
+                "penalty": args.penalty,
                 "median_s": f"{t:.6f}",
                 "peak_bytes": peak,
                 "peak_with_inputs_bytes": with_inputs,

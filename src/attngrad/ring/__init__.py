@@ -12,9 +12,15 @@ same seed; a sink is merged once per row, and a shared sink's gradient is
 summed over the ranks by the caller (``dist.all_reduce``), like any
 parameter's.
 
+``scheme="all_to_all"`` shards by heads instead (DeepSpeed-Ulysses): an
+all-to-all trades the sequence shards for H/P whole heads per rank, plain
+`attngrad.attention` runs there with every keyword and derivative, and the
+output is traded back (`attngrad.ring.all_to_all`).
+
 `layout` cuts and reassembles the shards, `comm` moves the blocks (with a
 timeout), `checks` validates the shards on each rank and across the ring,
-`attention` computes: forward, backward and the public `ring_attention`.
+`attention` computes: forward, backward and the public `ring_attention`;
+`all_to_all` is the other scheme.
 """
 
 from attngrad.ring.attention import BLOCK_STRATEGIES, ring_attention
