@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -142,6 +143,28 @@ def test_library_lives_in_the_cache_dir_per_torch_and_cpu(tmp_path, monkeypatch)
     assert directory.parent == tmp_path / "fused"
     assert torch.__version__.split("+")[0] in directory.name
     assert build.capability() in directory.name
+
+
+def test_a_build_removes_only_other_builds_unused_for_a_week(tmp_path, monkeypatch):
+    """Two checkouts of different sources on one machine keep their builds while in use."""
+    monkeypatch.setenv("ATTNGRAD_CACHE_DIR", str(tmp_path))
+    directory = build.library_dir()
+    stem = directory.name.rsplit("-", 1)[0]
+    recent, old, other_torch = (
+        directory.parent / name for name in (f"{stem}-aaaa", f"{stem}-bbbb", "torch0.0-x-cccc")
+    )
+    for d in (directory, recent, old, other_torch):
+        d.mkdir(parents=True)
+    week_ago = time.time() - build.UNUSED_SECONDS - 60
+    for d in (old, other_torch):
+        os.utime(d, (week_ago, week_ago))
+    build._prune(directory)
+    assert directory.exists() and recent.exists() and other_torch.exists()
+    assert not old.exists()
+    os.utime(recent, (week_ago, week_ago))
+    build._mark_used(recent)  # a process loads it: kept a week more
+    build._prune(directory)
+    assert recent.exists()
 
 
 def test_build_command_prints_where_the_library_went(capsys):

@@ -238,12 +238,28 @@ def _compile(directory: Path, quiet: bool) -> None:
     _prune(directory)
 
 
+# A build of other sources for the same torch and CPU is removed once no process has loaded
+# it for this long: two checkouts of different versions on one machine (two venvs, a clone
+# beside a working tree) each keep theirs while in use, where removing every other build at
+# once deleted one under a process that was building or loading it.
+UNUSED_SECONDS = 7 * 24 * 3600
+
+
 def _prune(directory: Path) -> None:
-    """Remove the builds of older sources for this torch and CPU (same tag, other digest)."""
+    """Remove the builds of other sources for this torch and CPU (same tag, other digest)
+    that no process has loaded for `UNUSED_SECONDS` (`_mark_used`)."""
     stem = directory.name.rsplit("-", 1)[0]
+    cutoff = time.time() - UNUSED_SECONDS
     for other in directory.parent.glob(f"{glob.escape(stem)}-*"):
-        if other != directory and other.is_dir():
+        if other != directory and other.is_dir() and other.stat().st_mtime < cutoff:
             shutil.rmtree(other, ignore_errors=True)
+
+
+def _mark_used(directory: Path) -> None:
+    """Note that a process loads this build now (its directory's mtime), which keeps it
+    from `_prune`; a read-only cache is left as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(directory)
 
 
 _loaded: Library | None = None
@@ -307,6 +323,7 @@ def load(quiet: bool = False) -> Library:
             path = _library_file(directory)
             if not path.exists():
                 _compile(directory, quiet)
+            _mark_used(directory)
             _load_library(path)
             _register_fakes()
             engine, rates, peak = _engine(directory)
