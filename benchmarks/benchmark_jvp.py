@@ -22,6 +22,7 @@ BlockMask, a relative score function, whose term's tangent the kernel adds by di
 
     flex-first-order  O, then dq, dk, dv and the slopes' gradient: the baseline
     flex-jvp          torch.func.jvp along tangents of q, k, v and the slopes (reported)
+    flex-jvp-tiled    the same through the shared tiled pass (reported)
 
 Nothing here asserts a target; the script prints each ratio with its target and verdict.
 """
@@ -46,7 +47,10 @@ from attngrad.tools.timing import interleaved, spreads
 
 HEADS, HEAD_DIM = 8, 64
 TARGET = 0.8  # jvp / first-order
-BASELINES = {"jvp": "first-order", "jvp-tiled": "first-order", "flex-jvp": "flex-first-order"}
+BASELINES = {
+    "jvp": "first-order", "jvp-tiled": "first-order",
+    "flex-jvp": "flex-first-order", "flex-jvp-tiled": "flex-first-order",
+}  # fmt: skip
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -101,6 +105,12 @@ def calls(n: int, flex: bool) -> dict[str, Callable[[], object]]:
         alibi(*leaves, learn), (*leaves, learn), do
     )
     out["flex-jvp"] = lambda: torch.func.jvp(alibi, (q, k, v, slopes), (tq, tk, tv, t_slopes))
+
+    def flex_jvp_tiled() -> object:
+        with tiled():
+            return out["flex-jvp"]()
+
+    out["flex-jvp-tiled"] = flex_jvp_tiled
     return out
 
 
