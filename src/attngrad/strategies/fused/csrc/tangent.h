@@ -1,4 +1,4 @@
-// Forward mode in the fused kernels: the tangents of O and lse along (q', k', v', bias').
+// Forward mode in the fused kernels: the tangents of O and lse along (q', k', v', bias', D').
 //
 // Autograd runs the primal forward first, so the row statistics (m, log l) are final when
 // this pass runs and each tile's P is rebuilt from them exactly as backward rebuilds it
