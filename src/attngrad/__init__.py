@@ -22,7 +22,7 @@ from attngrad.core.ops import (
 from attngrad.integrations.patch import patch_sdpa
 from attngrad.integrations.patch_flex import patch_flex_attention
 from attngrad.learn.chapter import CustomAttention
-from attngrad.ring import ring_attention
+from attngrad.ring import flex_ring_attention, ring_attention
 from attngrad.strategies import STRATEGIES
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "attention",
     "create_block_mask",
     "flex_attention",
+    "flex_ring_attention",
     "patch_flex_attention",
     "patch_sdpa",
     "probability_gradient",

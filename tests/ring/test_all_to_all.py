@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from filelock import FileLock
+from process_group import launch, shared_run
 from torch.autograd import forward_ad
 
 import attngrad
@@ -393,44 +392,14 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     os._exit(0)  # the group is broken now: do not wait on it at shutdown
 
 
-def _launch(out_dir: Path, deadline: float = 90.0) -> list[int | None]:
-    """Run `_worker` on WORLD processes; their exit codes.
-
-    They fork from a server that imported this module once (torch and attngrad
-    cost ~2.5 s of CPU to import, a spawned process each), before any thread
-    or computation: each rank then starts in milliseconds.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    procs = [
-        ctx.Process(target=_worker, args=(rank, str(out_dir / "store"), str(out_dir)))
-        for rank in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():  # never leave a worker behind, even when the test fails
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
-
-
 @pytest.fixture(scope="session")
 def group_run(tmp_path_factory, worker_id) -> dict:
     """The group's results: per-rank dicts, the failures and exit codes; one launch per session
-    (pytest-xdist's workers share it through a file lock in their common temporary folder)."""
-    root = tmp_path_factory.getbasetemp()
-    root = root if worker_id == "master" else root.parent
-    out = root / "all_to_all_group"
-    with FileLock(str(root / "all_to_all_group.lock")):
-        if not (out / "exits.pt").exists():
-            out.mkdir(exist_ok=True)
-            exits = _launch(out)
-            torch.save(exits, out / "exits.pt")
-    exits = torch.load(out / "exits.pt")
+    (`process_group.shared_run`)."""
+    out, exits = shared_run(
+        tmp_path_factory, worker_id, "all_to_all_group",
+        lambda folder: launch(_worker, __name__, folder, WORLD),
+    )  # fmt: skip
     assert exits == [0, 0, 0, 1], exits  # rank 3 died on purpose, at the end
     return {
         "ranks": [torch.load(out / f"rank{r}.pt") for r in range(WORLD)],

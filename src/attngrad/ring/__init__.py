@@ -20,18 +20,27 @@ output is traded back (`attngrad.ring.all_to_all`).
 `layout` cuts and reassembles the shards, `comm` moves the blocks (with a
 timeout), `checks` validates the shards on each rank and across the ring,
 `attention` computes: forward, backward and the public `ring_attention`;
-`all_to_all` is the other scheme.
+`all_to_all` is the other scheme (and `packed_ring_attention`, packed documents
+through it); `flex` runs `attngrad.flex_attention` through it
+(`flex_ring_attention`: a score_mod and a BlockMask); `layout.balanced_layout`
+balances the ring's work under a block-sparse mask.
 """
 
+from attngrad.ring.all_to_all import packed_ring_attention
 from attngrad.ring.attention import BLOCK_STRATEGIES, ring_attention
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingTimeoutError
-from attngrad.ring.layout import LAYOUTS, shard, unshard
+from attngrad.ring.flex import flex_ring_attention
+from attngrad.ring.layout import LAYOUTS, balanced_layout, rank_work, shard, unshard
 
 __all__ = [
     "BLOCK_STRATEGIES",
     "DEFAULT_TIMEOUT",
     "LAYOUTS",
     "RingTimeoutError",
+    "balanced_layout",
+    "flex_ring_attention",
+    "packed_ring_attention",
+    "rank_work",
     "ring_attention",
     "shard",
     "unshard",

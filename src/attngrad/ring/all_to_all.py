@@ -42,6 +42,7 @@ powers of two, smaller ones otherwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,13 +51,28 @@ import torch
 from attngrad.api import attention
 from attngrad.call import Call
 from attngrad.core.amp import autocast_inputs, outside_autocast
-from attngrad.core.contract import ArgumentError, ArgumentTypeError, Shapes
+from attngrad.core.band import validate_segments, validate_window
+from attngrad.core.contract import (
+    ArgumentError,
+    ArgumentTypeError,
+    Shapes,
+    check_flag,
+    validate_attention,
+)
 from attngrad.core.dropout import Dropout
 from attngrad.core.interface import Problem
-from attngrad.ring.checks import Settings, check_same_shards, tensor_kind
-from attngrad.ring.comm import RingComm, shared_dropout
+from attngrad.core.keywords import validate_generator, validate_sinks, validate_softcap
+from attngrad.ring.checks import (
+    Settings,
+    check_same_shards,
+    documents_of,
+    process_group,
+    tensor_kind,
+    validate_ring,
+)
+from attngrad.ring.comm import DEFAULT_TIMEOUT, RingComm, shared_dropout
 from attngrad.ring.layout import shard, unshard
-from attngrad.strategies import REGISTRY
+from attngrad.strategies import REGISTRY, STRATEGIES, unavailable_reason
 from attngrad.strategies.base import differentiable
 
 __all__ = [
@@ -65,6 +81,8 @@ __all__ = [
     "all_to_all_attention",
     "check_heads",
     "head_blocks",
+    "over_heads",
+    "packed_ring_attention",
     "retarget",
 ]
 
@@ -315,6 +333,7 @@ class Keywords:
     strategy: str
     window: tuple[int | None, int | None] | None
     softcap: float | None
+    cu_seqlens: torch.Tensor | None = None  # packed documents over the full sequence
 
 
 def _local(
@@ -329,6 +348,7 @@ def _local(
     out, lse = attention(
         q, k, v, mask, 0.0, kw.is_causal, kw.scale, True, strategy=kw.strategy,
         window=kw.window, return_lse=True, softcap=kw.softcap, sinks=sinks,
+        cu_seqlens_q=kw.cu_seqlens,
     )  # fmt: skip
     return out, lse
 
@@ -348,7 +368,8 @@ def _local_dropout(
     call = Call.build(
         query, key, value, mask, dropout.p, kw.is_causal, kw.scale, True, strategy=kw.strategy,
         window=kw.window, block_q=None, block_k=None, return_lse=True, softcap=kw.softcap,
-        sinks=sinks, align="top-left", cu_seqlens_q=None, cu_seqlens_k=None, generator=None,
+        sinks=sinks, align="top-left", cu_seqlens_q=kw.cu_seqlens, cu_seqlens_k=None,
+        generator=None,
     )  # fmt: skip
     qc, kc, vc = call.inputs(query, key, value)
     with outside_autocast(qc.device.type):
@@ -437,18 +458,118 @@ def all_to_all_attention(
     check_same_shards(comm, q, shapes, settings)
     check_heads(shapes, p)
     dropout = shared_dropout(comm, settings.dropout_p, q.device, generator)
+    hq, n = shapes.heads_q, shapes.seq_q
+
+    def local(
+        ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask_l = None if mask is None else _to_heads(mask, comm, layout, hq, n)  # (Bm, Hm', Nm, Nk)
+        sinks_l = None if sinks is None else _to_heads(sinks, comm, layout, hq, n)[..., 0]
+        return _attend(kw, dropout, comm.rank * (hq // p), hq, ql, kl, vl, mask_l, sinks_l)
+
+    return over_heads(comm, layout, shapes, q, k, v, local, return_lse)
+
+
+Local = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def over_heads(
+    comm: RingComm,
+    layout: str,
+    shapes: Shapes,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    local: Local,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scheme's frame: q, k, v traded to the rank's heads, ``local`` run there, its
+    (O, lse) traded back.
+
+    q: [*lead, Hq, n, d], k, v: [*lead, Hkv, n, d|dv] (this rank's shards, ``shapes``);
+    ``local(ql, kl, vl)`` takes ql: [B, Hq/P, N, d], kl, vl: [B, Hkv/P, N, d|dv] (heads
+    rank * H/P on, every position in the true order) and returns (O [B, Hq/P, N, dv],
+    lse [B, Hq/P, N]); it may run collectives of its own, alike on every rank.  Returns
+    (out [*lead, Hq, n, dv], lse [*lead, Hq, n] or None).
+    """
     b, n, hq, hkv = shapes.batch, shapes.seq_q, shapes.heads_q, shapes.heads_kv
     qb = q.reshape(b, hq, n, shapes.head_dim)  # (B, Hq, n, d)
     kb = k.reshape(b, hkv, n, shapes.head_dim)  # (B, Hkv, n, d)
     vb = v.reshape(b, hkv, n, shapes.value_dim)  # (B, Hkv, n, dv)
     to_heads = Trade(comm, layout, SEQ_TO_HEADS)
     ql, kl, vl = _trade(to_heads, qb, kb, vb)  # (B, Hq/P, N, d), (B, Hkv/P, N, d|dv)
-    mask_l = None if mask is None else _to_heads(mask, comm, layout, hq, n)  # (Bm, Hm', Nm, Nk)
-    sinks_l = None if sinks is None else _to_heads(sinks, comm, layout, hq, n)[..., 0]
-    o, lse = _attend(kw, dropout, comm.rank * (hq // p), hq, ql, kl, vl, mask_l, sinks_l)
+    o, lse = local(ql, kl, vl)
     back = Trade(comm, layout, HEADS_TO_SEQ)
     if return_lse:  # one trade of both: backward runs it when either is used
         out, lse_ = _trade(back, o, lse.unsqueeze(-1))
         return out.reshape(shapes.out_shape), lse_.reshape(shapes.lse_shape)
     (out,) = _trade(back, o)
     return out.reshape(shapes.out_shape), None
+
+
+# -- packed documents ------------------------------------------------------------------------
+
+
+def packed_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    group: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    timeout: float = DEFAULT_TIMEOUT,
+    strategy: str = "auto",
+    return_lse: bool = False,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    sinks: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ring_attention(..., scheme="all_to_all")`` over packed documents.
+
+    q: [..., Hq, N/P, d], k, v: [..., Hkv, N/P, d|dv] as for `attngrad.ring_attention`;
+    ``cu_seqlens``: the documents' cumulative lengths over the *full* sequence, [0, ...,
+    N] (1-D int), the same tensor on every rank.  Query i attends the keys of its own
+    document (causally with ``is_causal``, inside a ``window``): this rank's shard of
+    ``attention(Q, K, V, cu_seqlens_q=cu_seqlens, ...)``.  The local call of the
+    all-to-all scheme sees every position in the true order, so the documents pass to
+    it unchanged (any layout), and its work is balanced whatever their lengths: each
+    rank computes every document for H/P heads.  The other keywords are ring_attention's
+    under "all_to_all"; ranks that pass different cu_seqlens raise ValueError on every
+    rank.  Without a process group (or with one rank) this is `attngrad.attention`.
+    """
+    shapes = validate_attention(q, k, v, None, dropout_p, is_causal, scale, True)
+    check_flag("return_lse", return_lse)
+    sink = validate_sinks(sinks, q, shapes)
+    generator = validate_generator(generator, q.device)
+    window = validate_window(window)
+    softcap = validate_softcap(softcap)
+    validate_ring(shapes, layout, timeout, strategy, ("auto", *STRATEGIES),
+                  "local call (packed_ring_attention)")  # fmt: skip
+    if strategy != "auto":
+        reason = unavailable_reason(strategy, q.device)
+        if reason is not None:
+            raise RuntimeError(reason)
+    ring = process_group(group)
+    if ring is None:
+        return attention(
+            q, k, v, None, dropout_p, is_causal, scale, True, strategy=strategy,
+            window=window, return_lse=return_lse, softcap=softcap, sinks=sinks,
+            cu_seqlens_q=cu_seqlens, generator=generator,
+        )  # fmt: skip
+    comm = RingComm(ring, float(timeout))
+    full = replace(shapes, seq_q=shapes.seq_q * comm.world, seq_k=shapes.seq_k * comm.world)
+    segments = validate_segments(cu_seqlens, None, full, q.device)
+    assert segments is not None  # cu_seqlens is given
+    s = 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale)
+    settings = Settings(is_causal, layout, s, float(dropout_p), "all_to_all", window, softcap,
+                        documents=documents_of(segments[0]))  # fmt: skip
+    kw = Keywords(is_causal, scale, strategy, window, softcap, cu_seqlens)
+    out, lse = all_to_all_attention(
+        comm, q, k, v, shapes, settings, kw, None, sink, generator, return_lse
+    )
+    return (out, lse) if lse is not None else out

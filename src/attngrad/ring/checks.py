@@ -7,12 +7,14 @@ must agree on; all ranks see the same table and raise the same error.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from attngrad.core.contract import DTYPES, ArgumentError, ArgumentTypeError, Shapes
 from attngrad.ring.comm import RingComm
@@ -21,7 +23,10 @@ from attngrad.ring.layout import LAYOUTS, validate_layout
 __all__ = [
     "SCHEMES",
     "Settings",
+    "block_mask_of",
     "check_same_shards",
+    "documents_of",
+    "process_group",
     "tensor_kind",
     "validate_ring",
     "validate_scheme",
@@ -31,8 +36,8 @@ _DTYPES = list(DTYPES.values())
 SCHEMES = ("ring", "all_to_all")
 _NONE = -1  # an absent window side, mask or sinks
 _BOOL = 1  # a bool attn_mask; a float one is 2 + its dtype's index in _DTYPES
-# requires_grad's bits, in this order
-_GRADS = ("q", "k", "v", "attn_mask", "sinks")
+# requires_grad's bits, in this order ("score_mod": a tensor it captures)
+_GRADS = ("q", "k", "v", "attn_mask", "sinks", "score_mod")
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,9 @@ class Settings:
     mask: the attn_mask as (kind, Bm, Hm, rows, keys) -- kind `_BOOL` or 2 + the
     float dtype's index -- or () without one; sinks: (kind, Bs, Hs, rows) of
     the same kinds, or (); requires_grad: which of `_GRADS` need a gradient (the
-    backward collectives run only for those).
+    backward collectives run only for those).  Under `attngrad.ring.flex_ring_attention`:
+    score_mod: whether one is given; block_mask: `block_mask_of` the BlockMask, or ().
+    documents: packed documents' `documents_of`, or ().
     """
 
     is_causal: bool
@@ -55,6 +62,41 @@ class Settings:
     mask: tuple[int, ...] = ()
     sinks: tuple[int, ...] = ()
     requires_grad: tuple[str, ...] = ()
+    score_mod: bool = False
+    block_mask: tuple[int, ...] = ()
+    documents: tuple[int, ...] = ()
+
+
+def block_mask_of(block_mask: object) -> tuple[int, ...]:
+    """A BlockMask as every rank must pass it: (Bm, Hm, Nq, Nk, bq, bk, partial, full), the
+    last two its counts of partial and full blocks (a cheap fingerprint of its blocks)."""
+    num = block_mask.kv_num_blocks  # type: ignore[attr-defined]
+    full = block_mask.full_kv_num_blocks  # type: ignore[attr-defined]
+    bm, hm = num.shape[:2]
+    nq, nk = (int(x) for x in block_mask.seq_lengths)  # type: ignore[attr-defined]
+    bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)  # type: ignore[attr-defined]
+    counts = [int(num.sum()), 0 if full is None else int(full.sum())]
+    return (int(bm), int(hm), nq, nk, bq, bk, *counts)
+
+
+def documents_of(segments: tuple[int, ...]) -> tuple[int, ...]:
+    """Packed documents' boundaries [0, ..., N] as (count, a 63-bit digest of them)."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(segments)}q", *segments), digest_size=8)
+    return (len(segments) - 1, int.from_bytes(digest.digest(), "little") >> 1)
+
+
+def _block_mask(words: list[int]) -> object:
+    if words[0] == 0:
+        return None
+    bm, hm, nq, nk, bq, bk, partial, full = words[1:]
+    return (
+        f"BlockMask(B={bm}, H={hm}, {nq}x{nk}, BLOCK_SIZE=({bq}, {bk}), "
+        f"{partial} partial and {full} full blocks)"
+    )
+
+
+def _documents(words: list[int]) -> object:
+    return None if words[0] == 0 else f"{words[1]} documents (digest {words[2]:016x})"
 
 
 def tensor_kind(t: torch.Tensor) -> int:
@@ -99,7 +141,24 @@ _FIELDS: tuple[tuple[str, int, Callable[[list[int]], object]], ...] = (
     ("attn_mask", 5, _tensor),
     ("sinks", 4, _tensor),
     ("requires_grad", 1, lambda w: [g for i, g in enumerate(_GRADS) if w[0] >> i & 1]),
+    ("score_mod", 1, lambda w: "given" if w[0] else None),
+    ("block_mask", 9, _block_mask),
+    ("cu_seqlens", 3, _documents),
 )
+
+
+def process_group(group: object) -> dist.ProcessGroup | None:
+    """``group`` (None: the default one), or None when there is nothing to shard over: no
+    initialised process group, or a group of one rank; TypeError for a non-group."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ArgumentTypeError(
+            f"group must be a torch.distributed.ProcessGroup or None (the default group), "
+            f"got {type(group).__name__}; make one with dist.new_group(ranks)."
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def validate_scheme(scheme: object) -> str:
@@ -162,6 +221,9 @@ def _describe(shapes: Shapes, dtype: torch.dtype, st: Settings) -> list[int]:
         *(st.mask or (_NONE, 0, 0, 0, 0)),
         *(st.sinks or (_NONE, 0, 0, 0)),
         grads,
+        int(st.score_mod),
+        *((1, *st.block_mask) if st.block_mask else (0,) * 9),
+        *((1, *st.documents) if st.documents else (0, 0, 0)),
     ]
 
 
@@ -201,5 +263,7 @@ def check_same_shards(comm: RingComm, q: torch.Tensor, shapes: Shapes, settings:
         "Every rank passes its shard of the same q, k, v (same batch, heads, head dims and "
         "dtype) and the same is_causal, layout, scale, dropout_p and scheme (and under "
         "scheme='all_to_all' the same window, softcap, attn_mask and sinks shapes, with "
-        "gradients wanted for the same of them)."
+        "gradients wanted for the same of them; under flex_ring_attention a score_mod on "
+        "every rank or none, and the same BlockMask, built for the full sequence; under "
+        "packed_ring_attention the same cu_seqlens)."
     )

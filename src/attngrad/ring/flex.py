@@ -1,0 +1,321 @@
+r"""FlexAttention over a sharded sequence: ``score_mod`` and ``BlockMask`` through the all-to-all.
+
+`flex_ring_attention` runs `attngrad.flex_attention` in the all-to-all scheme
+(`attngrad.ring.all_to_all`): rank r trades its sequence shard of every head
+for all N positions of heads r H/P .. (r+1) H/P - 1, calls flex_attention
+there, and trades the output back.  The local call covers the whole sequence
+in its true order (whatever the layout), so a score_mod and a mask_mod see
+the positions of the gathered call as they are; only the head index differs:
+the local call numbers its heads from 0.  So each rank calls them through a
+wrapper that adds its first global head,
+
+    score_mod_r(s, b, h, i, j) = score_mod(s, b, h + r H/P, i, j)
+    mask_mod_r(b, h, i, j)     = mask_mod(b, h + r H/P, i, j)
+
+(a Python int baked in: the wrapper stays elementwise, fused's score and mask
+programs trace it as HEAD + CONST), and a BlockMask built for the full
+sequence with one entry per query head is sliced to the rank's heads (one
+shared by the heads stays whole).  Rank 0's offset is 0: it calls the
+functions themselves.
+
+The compiled programs (`attngrad.core.score_program`), the BlockMask's band
+(`attngrad.core.block_table`) and the local BlockMask are found once per
+function or BlockMask and kept across calls, so the wrappers are too: one per
+(function, offset), kept in the function's own ``__dict__`` (a plain Python
+function: it lives exactly as long as the function, no global table holds
+it), or, for another callable (a bound method, a callable object), in a table
+that holds it only while a call or an autograd graph uses it.  The local
+BlockMask is kept per (BlockMask, heads) in a table keyed weakly by the
+BlockMask, rebuilt when its mask_mod or block lists are replaced.
+
+A tensor the score_mod captures (ALiBi slopes, a relative table) is read by
+every rank's local call for that rank's heads, so its gradient on a rank is
+that rank's share: sum it over the group (``dist.all_reduce(t.grad)``), as
+for any parameter replicated across the ranks.  Every derivative of
+flex_attention carries over (the trades are linear `autograd.Function`\ s):
+backward, double backward, forward mode, torch.func's transforms.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attngrad.api import flex_attention
+from attngrad.call.flex import FlexCall
+from attngrad.core.block_table import is_no_mask
+from attngrad.core.contract import ArgumentError, ArgumentTypeError, check_flag, validate_attention
+from attngrad.core.pointwise import check_arity
+from attngrad.ring.all_to_all import check_heads, over_heads
+from attngrad.ring.checks import (
+    Settings,
+    block_mask_of,
+    check_same_shards,
+    process_group,
+    validate_ring,
+    validate_scheme,
+)
+from attngrad.ring.comm import DEFAULT_TIMEOUT, RingComm
+from attngrad.strategies import STRATEGIES, unavailable_reason
+
+__all__ = ["at_heads", "flex_ring_attention", "local_block_mask"]
+
+# -- the functions at global heads ------------------------------------------------------
+
+_AT_HEADS = "_attngrad_at_heads"  # a plain function's wrappers, {(arity, offset): wrapper}
+# other callables' wrappers, held only while in use (module docstring)
+_HELD: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[tuple[int, int], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _wrap(fn: Callable[..., torch.Tensor], offset: int, arity: int) -> Callable[..., torch.Tensor]:
+    """fn with its head argument moved by ``offset`` (a score_mod: arity 5; a mask_mod: 4)."""
+    if arity == 5:
+
+        def score_mod(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                      kv_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
+            return fn(s, b, h + offset, q_idx, kv_idx)
+
+        return score_mod
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return fn(b, h + offset, q_idx, kv_idx)
+
+    return mask_mod
+
+
+def at_heads(fn: Any, offset: int, arity: int) -> Any:
+    """``fn`` (a score_mod of ``arity`` 5 or a mask_mod of 4) as a call whose head h is the
+    gathered call's head h + ``offset`` sees it: fn itself for offset 0, else one wrapper
+    per (fn, offset), the same object at every call (module docstring).
+
+    >>> f = lambda s, b, h, i, j: s + h
+    >>> g = at_heads(f, 2, 5)
+    >>> g is at_heads(f, 2, 5), int(g(torch.tensor(0), 0, torch.tensor(1), 0, 0))
+    (True, 3)
+    """
+    if offset == 0 or fn is None:
+        return fn
+    key = (arity, offset)
+    if isinstance(fn, types.FunctionType):
+        table: Any = fn.__dict__.setdefault(_AT_HEADS, {})
+    else:
+        try:
+            table = _HELD.setdefault(fn, weakref.WeakValueDictionary())
+        except TypeError:  # takes no weak reference: a wrapper per call
+            return _wrap(fn, offset, arity)
+    found = table.get(key)
+    if found is None:
+        found = table[key] = _wrap(fn, offset, arity)
+    return found
+
+
+# -- the BlockMask at the rank's heads ------------------------------------------------------
+
+# BlockMask -> {(first head, heads): (its mask_mod, its block lists, the local BlockMask)}
+_LOCAL: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, tuple[Any, ...], Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def _sliced(block_mask: Any, heads: slice) -> Any:
+    """block_mask's block lists cut to ``heads`` (the orders torch derives from them left
+    out: nothing here reads them)."""
+    local = copy.copy(block_mask)
+    for name, t in vars(block_mask).items():
+        if isinstance(t, torch.Tensor) and t.dim() >= 3:
+            setattr(local, name, t[:, heads] if name in _ALL_LISTS else None)
+    return local
+
+
+_ALL_LISTS = frozenset(
+    prefix + suffix
+    for prefix in ("", "full_")
+    for suffix in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices")
+)
+
+
+def local_block_mask(block_mask: Any, start: int, heads: int) -> Any:
+    """``block_mask`` (built for the full sequence, [Bm, Hq or 1, ...]) as the local call
+    over query heads start .. start + heads - 1 takes it: a per-head one sliced to those
+    heads, its mask_mod given global heads (`at_heads`); kept across calls per
+    (BlockMask, start, heads) while its mask_mod and block lists stay the same objects."""
+    lists = tuple(getattr(block_mask, name) for name in _LISTS)
+    known = _LOCAL.setdefault(block_mask, {})
+    found = known.get((start, heads))
+    if (
+        found is not None
+        and found[0] is block_mask.mask_mod
+        and all(a is b for a, b in zip(found[1], lists, strict=True))
+    ):
+        return found[2]
+    if block_mask.kv_num_blocks.shape[1] > 1:  # one entry per head: the rank's
+        try:
+            local = block_mask[:, start : start + heads]
+        except NotImplementedError:  # torch's slice refuses some of its own orders
+            local = _sliced(block_mask, slice(start, start + heads))
+    elif start == 0:
+        local = block_mask
+    else:
+        local = copy.copy(block_mask)
+    if start != 0:
+        local.mask_mod = at_heads(block_mask.mask_mod, start, 4)
+    elif local is not block_mask:
+        local.mask_mod = block_mask.mask_mod  # torch's slice puts a stand-in there
+    known[start, heads] = (block_mask.mask_mod, lists, local)
+    return local
+
+
+# -- the call ----------------------------------------------------------------------------
+
+
+def _refuse_ring(scheme: str) -> None:
+    if scheme == "ring":
+        raise ArgumentError(
+            "flex_ring_attention's scheme='ring' does not take score functions or BlockMasks "
+            "yet (the ring computes each rank's queries against one key block at a time); "
+            "use scheme='all_to_all', which runs flex_attention over whole sequences of H/P "
+            "heads per rank."
+        )
+
+
+def _local_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    world: int,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    strategy: str,
+) -> FlexCall:
+    """The local call checked before any collective, on stand-ins of its traded inputs
+    [B, H/P, N, d] (zero-stride: no memory): its score_mod, BlockMask and strategy."""
+    b, hq, n, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+
+    def like(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        return t.new_zeros(()).expand(b, heads // world, n * world, dim)
+
+    return FlexCall.build(
+        like(q, hq, d), like(k, hkv, d), like(v, hkv, dv), score_mod, block_mask, scale,
+        enable_gqa, True, None, None, strategy,
+    )  # fmt: skip
+
+
+def flex_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Any = None,
+    block_mask: Any = None,
+    *,
+    group: Any = None,
+    scheme: str = "all_to_all",
+    layout: str = "contiguous",
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    strategy: str = "auto",
+) -> Any:
+    r"""`attngrad.flex_attention` over a sequence sharded across the ranks of ``group``.
+
+    q: [B, Hq, N/P, d], k: [B, Hkv, N/P, d], v: [B, Hkv, N/P, dv] -> [B, Hq, N/P, dv]: this
+    rank's shard of ``flex_attention(Q, K, V, score_mod, block_mask, scale, enable_gqa)``
+    over the full sequence, cut as ``layout`` says (`attngrad.ring.shard`: "contiguous"
+    or "zigzag").  ``score_mod`` and the ``block_mask``'s mask_mod are written for the full
+    sequence, as for a single call: global positions, global query heads; the BlockMask
+    is built for the full sequence, [B or 1, Hq or 1, N, N] (``create_block_mask(mask_mod,
+    B, H, N, N)``), the same on every rank.
+
+    ``scheme``: "all_to_all" (the only one that takes score functions yet; "ring" raises
+    ValueError naming it): each rank computes Hq/P whole heads over every position
+    (module docstring), so Hq and Hkv must divide by P, and the work is balanced whatever
+    the mask.  A tensor the score_mod captures gets this rank's share of its gradient:
+    sum it over ``group`` (``dist.all_reduce``).  Every derivative works: backward,
+    double backward, forward mode, torch.func's transforms (every rank alike).
+
+    ``return_lse=True`` returns (out, lse [B, Hq, N/P]).  ``strategy``: the local call's
+    (any of `attngrad.STRATEGIES`, or "auto").  ``group``, ``timeout``: as in
+    `attngrad.ring_attention`; without a process group, or with one rank, this is
+    `attngrad.flex_attention`.  Different shapes, settings, score_mod presence or
+    BlockMasks on different ranks raise ValueError on every rank.
+
+    >>> q = torch.randn(1, 2, 16, 8)                    # no process group: one rank
+    >>> flex_ring_attention(q, q, q, lambda s, b, h, i, j: s - (i - j).abs()).shape
+    torch.Size([1, 2, 16, 8])
+    """
+    scheme = validate_scheme(scheme)
+    _refuse_ring(scheme)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ArgumentError(
+                f"flex_ring_attention takes 4-D {name} [B, H, N/P, d] (as flex_attention "
+                f"does), got shape {tuple(t.shape)}."
+            )
+    shapes = validate_attention(q, k, v, None, 0.0, False, scale, enable_gqa)
+    check_flag("return_lse", return_lse)
+    validate_ring(shapes, layout, timeout, strategy, ("auto", *STRATEGIES),
+                  "local call (flex_ring_attention)")  # fmt: skip
+    if strategy != "auto":
+        reason = unavailable_reason(strategy, q.device)
+        if reason is not None:
+            raise RuntimeError(reason)
+    if score_mod is not None:
+        check_arity(score_mod, "score_mod", 5, "score_mod(score, b, h, q_idx, kv_idx) -> score")
+    group = process_group(group)
+    if group is None:
+        return flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse,
+                              strategy=strategy)  # fmt: skip
+    comm = RingComm(group, float(timeout))
+    p, n = comm.world, shapes.seq_q
+    if is_no_mask(block_mask, n * p, n * p):
+        block_mask = None  # torch's stand-in for no mask
+    heads = shapes.heads_q // p
+    start = comm.rank * heads
+    score_l, mask_l, wants = score_mod, block_mask, []
+    if shapes.heads_q % p == 0 and shapes.heads_kv % p == 0:  # else check_heads raises below
+        score_l = at_heads(score_mod, start, 5)
+        if block_mask is not None:
+            if not hasattr(block_mask, "kv_num_blocks"):
+                raise ArgumentTypeError(
+                    f"block_mask must be a torch.nn.attention.flex_attention.BlockMask (from "
+                    f"create_block_mask), got {type(block_mask).__name__}."
+                )
+            mask_l = local_block_mask(block_mask, start, heads)
+        call = _local_problem(q, k, v, p, score_l, mask_l, scale, enable_gqa, strategy)
+        score = call.problem.mods.score
+        if score is not None and any(t.requires_grad for t in score.captured_originals):
+            wants.append("score_mod")
+    wants += [name for name, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
+    settings = Settings(
+        False, layout, 1.0 / math.sqrt(shapes.head_dim) if scale is None else float(scale), 0.0,
+        scheme,
+        score_mod=score_mod is not None,
+        block_mask=() if block_mask is None else block_mask_of(block_mask),
+        requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
+    )  # fmt: skip
+    check_same_shards(comm, q, shapes, settings)
+    check_heads(shapes, p)
+
+    def local(
+        ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = flex_attention(ql, kl, vl, score_l, mask_l, scale, enable_gqa, True,
+                                strategy=strategy)  # fmt: skip
+        return o, lse
+
+    out, lse = over_heads(comm, layout, shapes, q, k, v, local, return_lse)
+    return (out, lse) if lse is not None else out

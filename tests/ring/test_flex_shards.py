@@ -1,0 +1,456 @@
+"""flex_ring_attention (score_mod, BlockMask) and packed_ring_attention (cu_seqlens) through the
+all-to-all scheme; balanced_layout.
+
+One group of 4 forkserver gloo processes (`process_group.shared_run`) runs every case at
+P = 2, 3 and 4 (subgroups of ranks 0..P-1), then the cross-rank errors at P = 2.  Each
+rank saves its shards of out, lse and the derivatives, and the score_mod's captured
+tensor's gradient all-reduced over the group; the tests reassemble the shards with
+`unshard` and judge them against the single-process `attngrad.flex_attention` (or
+`attngrad.attention` with cu_seqlens_q) call: float64 to 1e-10, float32 by the rule of
+`attngrad.verify.rule` against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from process_group import launch, shared_run
+from torch.autograd import forward_ad
+
+import attngrad
+from attngrad.core.contract import Shapes
+from attngrad.core.score_function import ScoreFunction
+from attngrad.core.score_program import compile_score
+from attngrad.ring import (
+    balanced_layout,
+    flex_ring_attention,
+    packed_ring_attention,
+    rank_work,
+    shard,
+    unshard,
+)
+from attngrad.ring.flex import at_heads, local_block_mask
+from attngrad.ring.layout import block_work
+from attngrad.verify.cases import Case, make_inputs
+from attngrad.verify.flex_cases import block_mask as verify_block_mask
+from attngrad.verify.flex_cases import scenario
+from attngrad.verify.rule import judge_outputs
+
+F64, F32 = torch.float64, torch.float32
+BLOCK = 4  # the BlockMasks' blocks: N = 8P spans 2P of them
+REACH = 3  # the relative table's clipped distances
+
+
+# ---------------------------------------------------------------------------
+# the score and mask functions, written for the full sequence and global heads
+
+
+def _alibi(theta: torch.Tensor):
+    return lambda s, b, h, i, j: s + theta[h] * (j - i)
+
+
+def _relative(theta: torch.Tensor):
+    def score_mod(s, b, h, i, j):
+        return s + theta[h, torch.clamp(j - i, -REACH, REACH) + REACH]
+
+    return score_mod
+
+
+SCORES = {"alibi": _alibi, "relative": _relative}
+
+
+def _documents(n: int) -> list[int]:
+    """Mixed lengths, no boundary on a block's edge: [0, 3, N/2 + 1, N - 2, N]."""
+    return [0, 3, n // 2 + 1, n - 2, n]
+
+
+def _doc_ids(n: int) -> torch.Tensor:
+    cu = _documents(n)
+    return torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+
+
+@functools.cache
+def _block_mask(name: str, n: int, heads: int):
+    """The BlockMask called ``name`` over [N, N], built once per process (the same object at
+    every call: the caches keyed by it are exercised too)."""
+    docs = _doc_ids(n)
+    masks = {
+        "causal": lambda b, h, i, j: j <= i,
+        "document": lambda b, h, i, j: docs[i] == docs[j],
+        "causal-document": lambda b, h, i, j: (j <= i) & (docs[i] == docs[j]),
+        "per-head": lambda b, h, i, j: (j <= i) & (i - j < 2 + 3 * h),  # a window per head
+    }
+    per_head = heads if name == "per-head" else None
+    return attngrad.create_block_mask(masks[name], None, per_head, n, n, BLOCK_SIZE=BLOCK)
+
+
+@dataclass(frozen=True)
+class FlexShardCase:
+    """One call at ``world`` ranks over [B = 2, Hq = 2P, N = 8P, d = 4] against [Hkv = P, dv = 3].
+
+    score: a key of `SCORES` (its theta learnable) or None; mask: a `_block_mask` name or
+    None; verify: a scenario of `attngrad.verify.flex_cases` instead of both (its score,
+    theta and BlockMask, N = 48: the float32 cases the rule judges); packed: cu_seqlens
+    through `packed_ring_attention` (causal) instead of flex; order: "first" (out, lse
+    and the gradients of out * dout + sin(lse)), "second" (those with create_graph, then
+    the gradients of the sum of their squares) or "forward" (forward_ad tangents).
+    """
+
+    world: int
+    score: str | None = None
+    mask: str | None = None
+    layout: str = "zigzag"
+    dtype: torch.dtype = F64
+    order: str = "first"
+    strategy: str = "flash"
+    verify: str | None = None
+    packed: bool = False
+
+    @property
+    def id(self) -> str:
+        what = self.verify or ("packed" if self.packed else f"{self.score}+{self.mask}")
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"P{self.world}-{self.layout}-{what}-{dtype}-{self.order}-{self.strategy}"
+
+    @property
+    def case(self) -> Case:
+        n = 48 if self.verify else 8 * self.world
+        shapes = Shapes((2,), 2 * self.world, self.world, n, n, 4, 3)
+        return Case(shapes, self.dtype, enable_gqa=True, flex=self.verify)
+
+
+CASES = [
+    *(FlexShardCase(p, "alibi", "causal") for p in (2, 3, 4)),
+    FlexShardCase(3, "relative", None, "contiguous"),
+    FlexShardCase(2, "relative", "causal-document"),
+    FlexShardCase(4, None, "document"),
+    FlexShardCase(4, "alibi", "per-head", "contiguous"),
+    FlexShardCase(3, None, "per-head"),
+    FlexShardCase(2, "alibi", "causal", order="second"),
+    FlexShardCase(2, "relative", "per-head", order="forward"),
+    FlexShardCase(2, "alibi", "causal-document", strategy="fused"),
+    FlexShardCase(4, "relative", "per-head", strategy="fused"),
+    FlexShardCase(3, dtype=F32, verify="alibi"),
+    FlexShardCase(2, dtype=F32, verify="document", layout="contiguous"),
+    FlexShardCase(2, packed=True),
+    FlexShardCase(4, packed=True, layout="contiguous", order="second"),
+]
+
+
+def _inputs(fc: FlexShardCase) -> dict:
+    """The full float64 inputs (q, k, v, dout; theta when the score_mod reads one) and the
+    tangents of forward mode."""
+    seed = CASES.index(fc)
+    full = make_inputs(fc.case, seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    hq = fc.case.shapes.heads_q
+    if fc.score == "alibi":
+        full["theta"] = 2.0 ** (-torch.arange(1, hq + 1, dtype=F64)) + 0.1 * torch.rand(
+            hq, generator=gen, dtype=F64
+        )
+    elif fc.score == "relative":
+        full["theta"] = 0.5 * torch.randn(hq, 2 * REACH + 1, generator=gen, dtype=F64)
+    for name in ("q", "k", "v", "theta"):
+        if full.get(name) is not None:
+            full["t" + name] = torch.randn(full[name].shape, generator=gen, dtype=F64)
+    return full
+
+
+def _call(fc: FlexShardCase, x: dict, flex, packed):
+    """(out, lse) of ``flex`` (flex_attention-style) or ``packed`` on the tensors x."""
+    n = fc.case.shapes.seq_q
+    if fc.packed:
+        return packed(x["q"], x["k"], x["v"], torch.tensor(_documents(fc.case.shapes.seq_q)))
+    theta = x.get("theta")
+    if fc.verify:
+        s = scenario(fc.verify)
+        score = None if s.score is None else s.score(theta)
+        blocks = verify_block_mask(fc.verify, n, n)
+    else:
+        score = None if fc.score is None else SCORES[fc.score](theta)
+        blocks = None if fc.mask is None else _block_mask(fc.mask, n, fc.case.shapes.heads_q)
+    return flex(x["q"], x["k"], x["v"], score, blocks)
+
+
+def _run(fc: FlexShardCase, full: dict, rank: int, world: int, flex, packed, group=None) -> dict:
+    """out, lse and the case's derivatives on rank's shards (world 1: the whole); theta's
+    gradients all-reduced over ``group``."""
+    mine = {}
+    for name, t in full.items():
+        if t is None:
+            continue
+        if name.removeprefix("t") in ("q", "k", "v", "dout"):
+            t = shard(t, rank, world, fc.layout)
+        mine[name] = t.to(fc.dtype)
+    names = [n for n in ("q", "k", "v", "theta") if n in mine]
+    if fc.order == "forward":
+        with forward_ad.dual_level():
+            duals = {n: forward_ad.make_dual(mine[n], mine["t" + n]) for n in names}
+            out, lse = _call(fc, duals, flex, packed)
+            (o, to), (lse_, tlse) = (forward_ad.unpack_dual(x) for x in (out, lse))
+        return {"out": o, "lse": lse_, "tout": to, "tlse": tlse}
+    leaves = {n: mine[n].clone().requires_grad_() for n in names}
+    out, lse = _call(fc, leaves, flex, packed)
+    loss = (out * mine["dout"]).sum()
+    if fc.dtype == F64:  # lse's cotangent too (the rule judges out * dout alone)
+        loss = loss + torch.where(lse.isfinite(), lse, 0.0).sin().sum()
+    second = fc.order == "second"
+    grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=second)
+    got = {"out": out.detach(), "lse": lse.detach()}
+    got |= {"d" + n: g.detach() for n, g in zip(names, grads, strict=True)}
+    if second:
+        penalty = sum(g.square().sum() for g in grads)
+        seconds = torch.autograd.grad(penalty, list(leaves.values()))
+        got |= {"d2" + n: g for n, g in zip(names, seconds, strict=True)}
+    if world > 1:  # a replicated parameter's gradient: each rank's share, summed
+        for name in ("dtheta", "d2theta"):
+            if name in got:
+                dist.all_reduce(got[name], group=group)
+    return got
+
+
+def _sharded(fc: FlexShardCase, group):
+    def flex(q, k, v, score, blocks):
+        return flex_ring_attention(
+            q, k, v, score, blocks, group=group, layout=fc.layout, enable_gqa=True,
+            return_lse=True, strategy=fc.strategy,
+        )  # fmt: skip
+
+    def packed(q, k, v, cu):
+        return packed_ring_attention(
+            q, k, v, cu, group=group, is_causal=True, layout=fc.layout, return_lse=True,
+            strategy=fc.strategy,
+        )  # fmt: skip
+
+    return flex, packed
+
+
+def _single(fc: FlexShardCase):
+    def flex(q, k, v, score, blocks):
+        return attngrad.flex_attention(
+            q, k, v, score, blocks, enable_gqa=True, return_lse=True, strategy=fc.strategy
+        )
+
+    def packed(q, k, v, cu):
+        return attngrad.attention(
+            q, k, v, is_causal=True, enable_gqa=True, cu_seqlens_q=cu, return_lse=True,
+            strategy=fc.strategy,
+        )  # fmt: skip
+
+    return flex, packed
+
+
+def _gather(fc: FlexShardCase, ranks: list[dict]) -> dict:
+    got = {}
+    for name in ranks[0]:
+        parts = [res[name] for res in ranks]
+        if "theta" in name:  # all-reduced: every rank holds the sum
+            for part in parts[1:]:
+                torch.testing.assert_close(part, parts[0], rtol=0, atol=0)
+            got[name] = parts[0]
+        elif name.endswith("lse"):
+            got[name] = unshard([p.unsqueeze(-1) for p in parts], fc.layout).squeeze(-1)
+        else:
+            got[name] = unshard(parts, fc.layout)
+    return got
+
+
+# ---------------------------------------------------------------------------
+# the worker: every case, then the cross-rank errors at P = 2
+
+WORLD = 4
+
+
+def _error_of(call) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def _errors(rank: int, group) -> dict[str, tuple[str, str]]:
+    """What each rank raises when the ranks disagree (or when the heads do not divide)."""
+    q, kv = torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4)
+    q3 = torch.randn(1, 3, 8, 4)
+    slopes = torch.rand(4, requires_grad=rank == 0)
+    alibi = _alibi(slopes)
+
+    def call(*args, q=q, kv=kv, **kw):
+        return flex_ring_attention(q, kv, kv, *args, group=group, enable_gqa=True, **kw)
+
+    causal = _block_mask("causal", 16, 4)
+    coarse = attngrad.create_block_mask(lambda b, h, i, j: j <= i, None, None, 16, 16,
+                                        BLOCK_SIZE=8)  # fmt: skip
+    cu = torch.tensor([0, 5, 16] if rank == 0 else [0, 7, 16])
+    return {
+        "heads": _error_of(lambda: call(alibi, q=q3, kv=q3)),
+        "score_mod": _error_of(lambda: call(alibi if rank == 0 else None)),
+        "block_mask": _error_of(lambda: call(None, causal if rank == 0 else coarse)),
+        "requires_grad": _error_of(lambda: call(alibi)),
+        "cu_seqlens": _error_of(lambda: packed_ring_attention(q, kv, kv, cu, group=group)),
+    }
+
+
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}  # every rank makes each
+    groups[WORLD] = None
+    results: dict[str, object] = {}
+    for fc in CASES:
+        if rank < fc.world:
+            flex, packed = _sharded(fc, groups[fc.world])
+            group = groups[fc.world]
+            results[fc.id] = _run(fc, _inputs(fc), rank, fc.world, flex, packed, group)
+    if rank < 2:
+        results["errors"] = _errors(rank, groups[2])
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    os._exit(0)
+
+
+@pytest.fixture(scope="session")
+def group_run(tmp_path_factory, worker_id) -> list[dict]:
+    """Every rank's results; one launch per session (`process_group.shared_run`)."""
+    out, exits = shared_run(
+        tmp_path_factory, worker_id, "flex_shards_group",
+        lambda folder: launch(_worker, __name__, folder, WORLD),
+    )  # fmt: skip
+    assert exits == [0] * WORLD, exits
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------------------
+# the judgements
+
+
+@pytest.mark.parametrize("fc", CASES, ids=[fc.id for fc in CASES])
+def test_sharded_flex_matches_the_single_process_call(fc, group_run):
+    full = _inputs(fc)
+    got = _gather(fc, [res[fc.id] for res in group_run[: fc.world]])
+    want = _run(fc, full, 0, 1, *_single(fc))
+    assert got.keys() == want.keys()
+    if fc.dtype == F64:
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-10, msg=name)
+        return
+    names = [n for n in ("out", "dq", "dk", "dv", "dtheta", "lse") if n in got]
+    failed = [str(v) for v in judge_outputs(fc.case, full, got, names) if not v.passed]
+    assert not failed, "; ".join(failed)
+
+
+def test_heads_that_do_not_divide_by_p_raise_on_every_rank(group_run):
+    for rank, res in enumerate(group_run[:2]):
+        kind, message = res["errors"]["heads"]
+        assert kind == "ArgumentError", (rank, message)
+        assert "query heads (3)" in message and "P = 2 ranks" in message, message
+
+
+@pytest.mark.parametrize(
+    ("key", "table"),
+    [
+        ("score_mod", "score_mod: rank 0 given, rank 1 None"),
+        ("block_mask", "BLOCK_SIZE=(4, 4), 4 partial and 6 full blocks), rank 1 BlockMask"),
+        ("requires_grad", "requires_grad: rank 0 ['score_mod'], rank 1 []"),
+        ("cu_seqlens", "cu_seqlens: rank 0 2 documents"),
+    ],
+)
+def test_settings_that_differ_across_ranks_raise_the_same_error_on_every_rank(
+    group_run, key, table
+):
+    messages = [res["errors"][key] for res in group_run[:2]]
+    assert messages[0] == messages[1]
+    kind, message = messages[0]
+    assert kind == "ArgumentError" and table in message, message
+
+
+# ---------------------------------------------------------------------------
+# one process: the wrappers, the local BlockMask, the errors, balance
+
+
+def test_the_local_call_at_a_head_offset_is_the_full_calls_heads():
+    """What each rank computes, without a group: the wrapped functions over heads 2..3 of a
+    per-head mask give the full call's heads 2..3, on the fused kernels' programs too."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 16, 8, dtype=F64) for _ in range(3))
+    theta = torch.rand(4, dtype=F64)
+    blocks = _block_mask("per-head", 16, 4)
+    for strategy in ("flash", "fused"):
+        full = attngrad.flex_attention(q, k, v, _alibi(theta), blocks, strategy=strategy)
+        part = attngrad.flex_attention(
+            q[:, 2:], k[:, 2:], v[:, 2:], at_heads(_alibi(theta), 2, 5),
+            local_block_mask(blocks, 2, 2), strategy=strategy,
+        )  # fmt: skip
+        torch.testing.assert_close(part, full[:, 2:], rtol=1e-12, atol=1e-12)
+
+
+def test_wrappers_are_kept_per_function_and_offset_and_freed_with_the_function():
+    theta = torch.rand(4)
+    fn = _alibi(theta)
+    wrapped = at_heads(fn, 2, 5)
+    assert at_heads(fn, 2, 5) is wrapped and at_heads(fn, 0, 5) is fn
+    assert at_heads(fn, 1, 5) is not wrapped
+    q = torch.randn(1, 2, 8, 4)
+    score = ScoreFunction.of(wrapped, q, 1)
+    program = compile_score(wrapped, score.captured_originals, F32, [False])
+    assert not isinstance(program, str), program  # fused's programs trace the wrapper
+    assert compile_score(wrapped, score.captured_originals, F32, [False]) is program
+    gone = weakref.ref(fn), weakref.ref(wrapped)
+    del fn, wrapped, score, program
+    gc.collect()
+    assert gone[0]() is None and gone[1]() is None  # no table keeps them alive
+
+
+def test_the_local_block_mask_is_kept_per_block_mask_and_heads():
+    blocks = _block_mask("per-head", 16, 4)
+    local = local_block_mask(blocks, 2, 2)
+    assert local_block_mask(blocks, 2, 2) is local
+    assert local.kv_num_blocks.shape[1] == 2
+    shared = _block_mask("causal", 16, 4)
+    assert local_block_mask(shared, 0, 2) is shared  # rank 0 of a head-shared mask: itself
+    moved = local_block_mask(shared, 2, 2)
+    assert moved.kv_num_blocks is shared.kv_num_blocks and moved.mask_mod is not shared.mask_mod
+
+
+def test_without_a_process_group_it_is_flex_attention_and_ring_is_refused():
+    q = torch.randn(1, 2, 16, 4, dtype=F64)
+    theta = torch.rand(2, dtype=F64)
+    blocks = _block_mask("causal", 16, 2)
+    got = flex_ring_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
+    want = attngrad.flex_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match=r"scheme='ring' does not take score functions.*use"):
+        flex_ring_attention(q, q, q, _alibi(theta), scheme="ring")
+    cu = torch.tensor([0, 5, 16])
+    torch.testing.assert_close(
+        packed_ring_attention(q, q, q, cu, is_causal=True),
+        attngrad.attention(q, q, q, is_causal=True, cu_seqlens_q=cu),
+    )
+
+
+DOCS = [1500, 300, 640, 100, 900, 400, 192, 64]  # docs/ring.md's 8 documents, N = 4096
+
+
+def test_balanced_layout_gives_each_rank_its_share_within_ten_percent():
+    cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
+    perm = balanced_layout(cu, 4)
+    assert torch.equal(perm.sort().values, torch.arange(4096))
+    work = rank_work(cu, 4, perm)
+    mean = sum(work) / 4
+    assert sum(work) == sum(block_work(cu)) and max(work) <= 1.1 * mean, work
+    assert max(rank_work(cu, 4, "zigzag")) > 1.2 * mean  # what it is there for
+    # a BlockMask of the same documents counts the same blocks
+    docs = torch.repeat_interleave(torch.arange(8), torch.tensor(DOCS))
+    mask = attngrad.create_block_mask(
+        lambda b, h, i, j: (j <= i) & (docs[i] == docs[j]), None, None, 4096, 4096
+    )
+    assert block_work(mask) == block_work(cu)
+    assert rank_work(mask, 4, balanced_layout(mask, 4)) == work
