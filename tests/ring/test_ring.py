@@ -691,8 +691,9 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         ec.id: _attend(ec, full, rank, world, _ring_call(ec)) for ec, full in _extra_cases(world)
     }
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    # double backward runs on the ring (tests/ring/test_ring_derivatives.py judges it)
     results["create_graph"] = _error_of(
-        lambda: torch.autograd.grad(ring_attention(q, q, q).sum(), q, create_graph=True)
+        lambda: torch.autograd.grad(ring_attention(q, q, q).square().sum(), q, create_graph=True)
     )[:2]
     # shards that differ across ranks: every rank raises the same ValueError
     q = torch.randn(1, 2, 4 + 2 * (rank == 1), 8)
@@ -770,7 +771,7 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
     _assert_extra(ranks, world)
     for r, res in enumerate(ranks):
         kind, message = res["create_graph"]
-        assert kind == "NotImplementedError" and "attngrad.attention" in message, (r, message)
+        assert kind == "no error", (r, message)
         kind, message = res["unequal"]
         assert kind == "ArgumentError" and "seq_len: rank 0 4, rank 1 6" in message, (r, message)
         kind, message = res["heads"]

@@ -37,20 +37,50 @@ Dropout and sinks come out as in single-process `attngrad.attention`:
 * a sink joins each row's denominator once, so it is merged after the ring,
   into the final (O, lse) (`attngrad.core.sinks.merge_sinks`), and its gradient
   comes from autograd through that merge: dlse reaches the ring's backward.
+
+The keywords that act on scores are the block kernel's own, per block:
+
+* ``window``: the band i - left <= j <= i + right in *global* positions
+  becomes, for a block whose first row and key sit at global (q0, k0), the
+  block's band shifted by q0 - k0 (`_Ring.band`); a pair the band leaves
+  empty is skipped (no compute; its k/v shard still travels).
+* ``softcap``: the block kernel's score modification, unchanged.
+* ``attn_mask`` [Bm, Hm, N/P, N]: rows cut like q, keys the whole sequence in
+  true order; a block takes its rows and the columns of its keys' global
+  positions (views), and its bias gradient goes into the same columns of
+  dmask: the mask never travels.
+
+Window, mask and dropout need each block's global origin, so their blocks
+merge only where they stay contiguous in the sequence (`step_blocks`'s
+``positional``).
+
+Forward mode (`ring_tangent`): with the final statistics, P_b = exp(S_b - lse)
+of every block is the softmax over all keys, so each block's forward-mode
+pass gives (acc_b - mu_b O, mu_b), acc_b = (P_b * S'_b) v_b + P_b v'_b and
+mu_b = rowsum(P_b * S'_b), linear in the blocks' shares: their sums over a
+ring that carries k' and v' with k and v are (O', lse').
+
+Double backward (`ring_differentiable`): under ``create_graph=True``,
+`RingAttention`'s backward takes the gradients of the same forward built from
+differentiable pieces -- a rotation whose backward carries gradients home
+around the ring (`attngrad.ring.comm.RingShift`), each pair through the block
+kernel's `AttentionFunction` (itself differentiable twice), a merge by lse
+in tensor ops -- with create_graph, so autograd differentiates them again.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from attngrad.api import attention
-from attngrad.core.band import validate_window
+from attngrad.autograd.tangent import output_tangent
+from attngrad.core.band import Band, BandSpec, validate_window
 from attngrad.core.contract import (
     ArgumentError,
     ArgumentTypeError,
@@ -62,12 +92,20 @@ from attngrad.core.dropout import Dropout
 from attngrad.core.interface import Backward, Problem, Strategy
 from attngrad.core.keywords import validate_generator, validate_sinks, validate_softcap
 from attngrad.core.ops import compute_dtype, log_normalizer, lse
+from attngrad.core.scores import ScoreMods
 from attngrad.core.sinks import merge_sinks
 from attngrad.ring.all_to_all import Keywords, all_to_all_attention
-from attngrad.ring.checks import Settings, check_same_shards, validate_ring, validate_scheme
-from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm, shared_dropout
-from attngrad.ring.layout import Block, step_blocks
+from attngrad.ring.checks import (
+    Settings,
+    check_same_shards,
+    tensor_kind,
+    validate_ring,
+    validate_scheme,
+)
+from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm, RingShift, shared_dropout
+from attngrad.ring.layout import Block, chunks_of, step_blocks
 from attngrad.strategies import REGISTRY, STRATEGIES, TILED, tiled_default, unavailable_reason
+from attngrad.strategies.base import differentiable
 
 __all__ = ["BLOCK_STRATEGIES", "merge_partial_", "ring_attention"]
 
@@ -114,24 +152,83 @@ def merge_partial_(
 
 @dataclass(frozen=True)
 class _Ring:
-    """What forward and backward share: the comm, the layout, the block strategy, the dropout."""
+    """What forward and backward share: the comm, the layout, the block strategy, the band
+    (``is_causal`` and ``window``), the softcap, the dropout, and whether an attn_mask
+    is given (its tensors travel as the Function's arguments)."""
 
     comm: RingComm
     layout: str
     is_causal: bool
     strategy: Strategy[Any]
     dropout: Dropout | None = None
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    masked: bool = False
+
+    @property
+    def positional(self) -> bool:
+        """Whether blocks need their global origins: dropout hashes global positions, a
+        window's band sits at the pair's global offset, a mask's keys are global columns."""
+        return self.dropout is not None or self.window is not None or self.masked
 
     def steps(self, seq_local: int) -> list[list[Block]]:
         """The blocks of each step s, against the k/v shard of rank r - s."""
         rank, world = self.comm.rank, self.comm.world
-        positional = self.dropout is not None  # blocks must keep their global origins
         return [
             step_blocks(
-                rank, (rank - s) % world, world, self.layout, seq_local, self.is_causal, positional
+                rank,
+                (rank - s) % world,
+                world,
+                self.layout,
+                seq_local,
+                self.is_causal,
+                self.positional,
             )
             for s in range(world)
         ]
+
+    def pairs(self, seq_local: int) -> list[list[Block]]:
+        """Every (query chunk, key chunk) pair of each step as its own block, none skipped
+        and none merged: the same blocks on every rank (the second-order path's, whose
+        backward the autograd engine orders by the graph: it must be one graph everywhere)."""
+        rank, world = self.comm.rank, self.comm.world
+        mine = chunks_of(rank, world, self.layout)
+        m = seq_local // len(mine)
+        steps = []
+        for s in range(world):
+            theirs = chunks_of((rank - s) % world, world, self.layout)
+            steps.append(
+                [
+                    Block(
+                        slice(i * m, (i + 1) * m),
+                        slice(j * m, (j + 1) * m),
+                        False,
+                        (cq * m, ck * m),
+                    )
+                    for i, cq in enumerate(mine)
+                    for j, ck in enumerate(theirs)
+                ]
+            )
+        return steps
+
+    def band(self, blk: Block) -> Band | None:
+        """The block's band: the call's causal/window band moved to the pair's global offset
+        (query i sees key j when i - left <= j <= i + right in global positions), or the
+        block's own causal flag where it has no origin (no window, mask or dropout).  None
+        when every row sees every key; a band of dead rows only when the pair sees nothing."""
+        r, c = _extent(blk.rows), _extent(blk.cols)
+        if blk.origin is None or not (self.is_causal or self.window is not None):
+            return BandSpec.of(None, blk.causal).build(r, c)
+        spec = BandSpec.of(self.window, self.is_causal)
+        off = blk.origin[0] - blk.origin[1]  # query row i sits at key column i + off
+        left = None if spec.left is None else spec.left - off
+        right = None if spec.right is None else spec.right + off
+        band = Band.of(r, c, left, right)
+        return None if band.covers(slice(0, r), slice(0, c)) else band
+
+
+def _extent(s: slice) -> int:
+    return int(s.stop - s.start)
 
 
 def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
@@ -139,23 +236,60 @@ def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
     return t[:, :, s]
 
 
+def _mask_block(t: torch.Tensor | None, blk: Block) -> torch.Tensor | None:
+    """A [Bm, Hm, nm, Nkm] mask's (or its gradient's) view over the block: its local rows,
+    and the columns of its keys' global positions (dims of size 1 stay broadcast)."""
+    if t is None:
+        return None
+    if t.shape[2] > 1:
+        t = _rows(t, blk.rows)
+    if t.shape[3] > 1:
+        assert blk.origin is not None  # a mask makes the blocks positional
+        t = t[..., blk.origin[1] : blk.origin[1] + _extent(blk.cols)]
+    return t
+
+
 def _problem(
-    ring: _Ring, blk: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> Problem[Any]:
+    ring: _Ring,
+    blk: Block,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    skip: bool = True,
+) -> Problem[Any] | None:
     """The block kernel's problem: the block's rows of q against its k/v block, the block's
-    mods (its band, the dropout at its global origin) and the strategy's tiles for it."""
+    mods (its band, the softcap, the mask's columns, the dropout at its global origin) and
+    the strategy's tiles for it.  None (with ``skip``) when the band leaves the pair empty:
+    no compute, the k/v block still travels."""
     qb, kb, vb = _rows(q, blk.rows), _rows(k, blk.cols), _rows(v, blk.cols)
+    band = ring.band(blk)
+    if skip and band is not None and band.key_span(slice(0, qb.shape[2]))[0] >= kb.shape[2]:
+        return None
+    dropout = ring.dropout
+    if dropout is not None:
+        assert blk.origin is not None  # dropout makes the blocks positional
+        dropout = dropout.shifted(*blk.origin)
+    bias, keep = (_mask_block(t, blk) for t in mask)
+    r, c = qb.shape[2], kb.shape[2]
+    mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout)
     tiles = ring.strategy.tiles(Shapes.of(qb, kb, vb), q.dtype, None, None)
-    mods = blk.score_mods(k.shape[1], q.device, ring.dropout)
     return Problem(qb, kb, vb, mods, scale, tiles)
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: _Ring,
+    scale: float,
+    mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O: [B, Hq, n, dv] (input dtype) and stats: [B, Hq, n, 2] of this rank's queries over all keys.
 
     q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv], contiguous; n = N / P.
+    mask: (bias, keep), each [Bm, Hm, nm, Nkm] (nm 1 or n, Nkm 1 or N) or None.
     """
     b, hq, n, _ = q.shape
     dtype = compute_dtype(q.dtype)
@@ -168,7 +302,10 @@ def ring_forward(
     for s, blocks in enumerate(steps):
         incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
         for blk in blocks:
-            o_b, saved = ring.strategy.forward(_problem(ring, blk, q, kc, vc, scale))
+            problem = _problem(ring, blk, q, kc, vc, scale, mask)
+            if problem is None:
+                continue
+            o_b, saved = ring.strategy.forward(problem)
             stats_b = saved["stats"]
             if o is None and o_b.shape == shape:  # a first partial over every row: O itself
                 o, stats = o_b.to(dtype), stats_b
@@ -177,7 +314,8 @@ def ring_forward(
                 merge_partial_(_rows(o, blk.rows), _rows(stats, blk.rows), o_b, stats_b)
         if incoming is not None:
             kc, vc = incoming.wait()
-    assert o is not None  # step 0 always has the own (diagonal) block
+    if o is None:  # every pair empty (a window that reaches no key of this rank's rows)
+        o = torch.zeros(shape, dtype=dtype, device=q.device)
     return o.to(q.dtype), stats
 
 
@@ -187,7 +325,8 @@ def ring_forward(
 # Backward runs one ring per group of kv heads (at most this many groups): the
 # buffers a rank holds for the ring (a remote k/v shard, its dK/dV accumulators)
 # then cover only that group's heads, while the outputs stay whole.  With
-# dropout one group: its mask hashes each head's index among all Hq.
+# dropout or a mask one group: dropout's mask hashes each head's index among
+# all Hq, and a mask's heads need not follow the kv heads'.
 HEAD_GROUPS = 4
 
 
@@ -195,7 +334,8 @@ HEAD_GROUPS = 4
 class _Shard:
     """This rank's tensors of one backward, shapes as in `ring_forward`: q, k, v, the
     final O and stats of its rows, dout [B, Hq, n, dv] and dlse [B, Hq, n], lse's
-    cotangent (None: lse unused)."""
+    cotangent (None: lse unused); the mask's (bias, keep) and dbias, the bias's
+    gradient accumulator (None: not wanted)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -204,9 +344,12 @@ class _Shard:
     stats: torch.Tensor
     dout: torch.Tensor
     dlse: torch.Tensor | None
+    mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    dbias: torch.Tensor | None = None
 
     def heads(self, qh: slice, kh: slice) -> _Shard:
         """The query heads ``qh`` and their kv heads ``kh`` (k, v made contiguous: they travel)."""
+        assert self.mask == (None, None)  # a mask runs as one group
         return _Shard(
             self.q[:, qh], self.k[:, kh].contiguous(), self.v[:, kh].contiguous(), self.o[:, qh],
             self.stats[:, qh], self.dout[:, qh], None if self.dlse is None else self.dlse[:, qh],
@@ -216,20 +359,25 @@ class _Shard:
 def ring_backward(
     shard: _Shard, ring: _Ring, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of this rank's shard (input dtype).
+    """dq, dk, dv of this rank's shard (input dtype); the bias's gradient added into
+    ``shard.dbias``.
 
     The kv heads are cut into up to `HEAD_GROUPS` groups (a GQA group's query
     heads go with their kv head) and each group's gradients come from a ring
     pass of their own, `_ring_backward_group`: same messages in total, each
     1/HEAD_GROUPS the size, so the ring's buffers shrink by that factor.
-    With dropout, one group of all heads (module docstring).
+    With dropout or a mask, one group of all heads (module docstring).
     """
     q, k = shard.q, shard.k
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(shard.v)
-    groups = 1 if ring.dropout is not None else min(hkv, HEAD_GROUPS)
+    one = ring.dropout is not None or shard.mask != (None, None)
+    groups = 1 if one else min(hkv, HEAD_GROUPS)
+    if groups == 1:
+        dk[:], dv[:] = _ring_backward_group(dq, shard, ring, scale)
+        return dq.to(q.dtype), dk, dv
     bounds = [hkv * i // groups for i in range(groups + 1)]
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
@@ -240,7 +388,8 @@ def ring_backward(
 def _ring_backward_group(
     dq: torch.Tensor, shard: _Shard, ring: _Ring, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One ring pass for a group of heads: adds into ``dq``, returns this shard's dk, dv.
+    """One ring pass for a group of heads: adds into ``dq`` (and the shard's dbias), returns
+    this shard's dk, dv.
 
     The k/v shards travel the ring again.  At step s = 1 .. P-1 the shard of
     rank r - s arrives (and goes on to r + 1 while this rank computes); its
@@ -267,10 +416,13 @@ def _ring_backward_group(
     def add_share(blocks: list[Block], kc: torch.Tensor, vc: torch.Tensor, dk: torch.Tensor,
                   dv: torch.Tensor) -> None:  # fmt: skip
         for blk in blocks:
-            grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols), None)
+            problem = _problem(ring, blk, q, kc, vc, scale, shard.mask)
+            if problem is None:
+                continue
+            dbias = _mask_block(shard.dbias, blk)
+            grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols), dbias)
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
             dlse_b = None if dlse is None else _rows(dlse, blk.rows)
-            problem = _problem(ring, blk, q, kc, vc, scale)
             ring.strategy.backward_into(
                 Backward(problem, final, _rows(dout, blk.rows), dlse_b, grads)
             )
@@ -297,43 +449,206 @@ def _ring_backward_group(
     return dk_own, dv_own
 
 
-class RingAttention(torch.autograd.Function):
-    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv].
+# -- forward mode: the tangents of O and lse, one more ring ------------------------
 
-    Returns (O, lse).  First order only: its backward is a ring of its own.
+
+def ring_tangent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    stats: torch.Tensor,
+    tangents: tuple[torch.Tensor | None, ...],
+    ring: _Ring,
+    scale: float,
+    mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O' [B, Hq, n, dv] in the input dtype, lse' [B, Hq, n] in the compute dtype) of this
+    rank's rows, along tangents (q', k', v', bias') (None: zero), shapes as their inputs.
+
+    With the final statistics known, each block's P = exp(S - lse) is already the
+    softmax over every key (`attngrad.autograd.tangent`), so the block kernel's
+    forward mode run on the block against the final O and stats returns
+    (acc_b - mu_b O, mu_b), acc_b = (P * S') v + P v' and mu_b = rowsum(P * S') its
+    keys' shares; both are linear in the shares, so their sum over blocks is
+    (O', lse').  k' and v' travel with k and v (zeros where absent, so every rank
+    sends alike): one ring of P - 1 steps, O(N/P) memory.
+    """
+    t_q, t_k, t_v, t_bias = tangents
+    dtype = compute_dtype(q.dtype)
+    t_k = torch.zeros_like(k) if t_k is None else t_k.contiguous()
+    t_v = torch.zeros_like(v) if t_v is None else t_v.contiguous()
+    t_o = torch.zeros(o.shape, dtype=dtype, device=q.device)
+    t_lse = torch.zeros(stats.shape[:-1], dtype=dtype, device=q.device)
+    steps = ring.steps(q.shape[2])
+    held: tuple[torch.Tensor, ...] = (k, v, t_k, t_v)
+    for s, blocks in enumerate(steps):
+        incoming = ring.comm.send_recv(held) if s + 1 < len(steps) else None
+        kc, vc, tkc, tvc = held
+        for blk in blocks:
+            problem = _problem(ring, blk, q, kc, vc, scale, mask)
+            if problem is None:
+                continue
+            final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
+            moved = (
+                None if t_q is None else _rows(t_q, blk.rows),
+                _rows(tkc, blk.cols),
+                _rows(tvc, blk.cols),
+                _mask_block(t_bias, blk),
+            )
+            do_b, dlse_b = output_tangent(ring.strategy, problem, final, moved, final["o"])
+            _rows(t_o, blk.rows).add_(do_b)
+            _rows(t_lse, blk.rows).add_(dlse_b)
+        if incoming is not None:
+            held = tuple(incoming.wait())
+    return t_o.to(q.dtype), t_lse
+
+
+# -- second order: the forward again, as a differentiable composition ------------------
+
+
+def ring_differentiable(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: _Ring,
+    scale: float,
+    mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [B, Hq, n, dv] in the input dtype, lse [B, Hq, n]) as `ring_forward` computes them,
+    recorded by autograd to every order: the other ranks' k/v gathered by `RingShift`
+    (whose backward carries their gradients home around the ring), each (query chunk,
+    key chunk) pair through the block kernel's `AttentionFunction` (double backward and
+    forward mode of their own), the partials merged through their lse in tensor ops.
+
+    It holds every rank's k/v (O(N) per rank) and, for backward, each pair's O and
+    statistics: the memory of the second-order path (the first-order one is O(N/P)).
+    Every pair is computed, also those the band leaves empty (the kernel skips their
+    tiles), so that the graph, and with it the order of the rotations' backward
+    messages, is one on every rank.
+    """
+    dtype = compute_dtype(q.dtype)
+    copies = RingShift.apply(ring.comm, k, v)  # type: ignore[no-untyped-call]
+    held = [(k, v), *zip(copies[0::2], copies[1::2], strict=True)]
+    per_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (kc, vc), blocks in zip(held, ring.pairs(q.shape[2]), strict=True):
+        for blk in blocks:
+            problem = _problem(ring, blk, q, kc, vc, scale, mask, skip=False)
+            assert problem is not None
+            o_b, lse_b, _ = differentiable(ring.strategy, problem)
+            per_rows.setdefault(blk.rows.start, []).append((o_b, lse_b))
+    outs, lses = [], []
+    for start in sorted(per_rows):
+        o_r, lse_r = _merge_by_lse(per_rows[start], dtype)
+        outs.append(o_r)
+        lses.append(lse_r)
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+
+
+def _merge_by_lse(
+    parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials (O_b [B, H, r, dv], lse_b [B, H, r]) merged: lse = log sum_b exp(lse_b),
+    O = sum_b exp(lse_b - lse) O_b; smooth to every order where a part, or the whole row,
+    attends nothing (lse_b = -inf: weight 0; a dead row: O = 0, lse = -inf)."""
+    lse_s = torch.stack([p[1].to(dtype) for p in parts])  # (K, B, H, r)
+    top = lse_s.max(dim=0).values.detach()
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    w = torch.exp(lse_s - top)
+    total = w.sum(dim=0)
+    live = total > 0
+    safe = torch.where(live, total, torch.ones_like(total))
+    lse_ = torch.where(live, top + torch.log(safe), float("-inf"))
+    o = sum(p[0].to(dtype) * (w_b / safe).unsqueeze(-1) for p, w_b in zip(parts, w, strict=True))
+    assert isinstance(o, torch.Tensor)
+    return o, lse_
+
+
+class RingAttention(torch.autograd.Function):
+    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv]
+    and the mask's (bias, keep) [Bm, Hm, nm, Nkm] (or None).
+
+    RingAttention.apply(q, k, v, bias, keep, ring, scale) -> (O, lse, stats), stats
+    non-differentiable (returned so that torch.func may save it).  Backward: the
+    first-order ring (`ring_backward`, O(N/P)); under ``create_graph=True`` the
+    gradients of `ring_differentiable` instead, which autograd differentiates again.
+    jvp: `ring_tangent`.
     """
 
     @staticmethod
     def forward(
-        ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        bias: torch.Tensor | None,
+        keep: torch.Tensor | None,
         ring: _Ring,
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        o, stats = ring_forward(q, k, v, ring, scale)
-        ctx.save_for_backward(q, k, v, o, stats)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        o, stats = ring_forward(q, k, v, ring, scale, (bias, keep))
+        return o, lse(stats), stats
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        q, k, v, bias, keep, ring, scale = inputs
+        o, _, stats = output
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, bias, keep, o, stats)
+        ctx.save_for_forward(q, k, v, bias, keep, o, stats)
         ctx.ring, ctx.scale = ring, scale
         ctx.set_materialize_grads(False)
-        return o, lse(stats)
 
     @staticmethod
     def backward(
-        ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+        ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None, _: object
     ) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # create_graph=True: the gradients would be differentiated
-            raise NotImplementedError(
-                "ring_attention has no double backward: its gradients cannot be differentiated "
-                "again (create_graph=True, e.g. a gradient penalty). attngrad.attention has "
-                "double backward on every strategy (at O(N) memory with strategy='flash'); "
-                "use it on the gathered sequence for that."
-            )
-        q, k, v, o, stats = ctx.saved_tensors
+        q, k, v, bias, keep, o, stats = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        if torch.is_grad_enabled():  # create_graph=True: the gradients will be differentiated
+            return (*_differentiable_gradients(ctx, dout, dlse), None, None, None)
         if dout is None:
             dout = torch.zeros_like(o)
-        dq, dk, dv = ring_backward(_Shard(q, k, v, o, stats, dout, dlse), ctx.ring, ctx.scale)
-        return dq, dk, dv, None, None
+        need_bias = bias is not None and ctx.needs_input_grad[3]
+        dbias = None
+        if need_bias:
+            dbias = torch.zeros(bias.shape, dtype=compute_dtype(q.dtype), device=q.device)
+        shard = _Shard(q, k, v, o, stats, dout, dlse, (bias, keep), dbias)
+        dq, dk, dv = ring_backward(shard, ring, scale)
+        return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, bias, keep, o, stats = ctx.saved_tensors
+        t_q, t_k, t_v, t_bias = tangents[:4]
+        t_o, t_lse = ring_tangent(
+            q, k, v, o, stats, (t_q, t_k, t_v, t_bias), ctx.ring, ctx.scale, (bias, keep)
+        )
+        return t_o, t_lse, None
+
+
+def _differentiable_gradients(
+    ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """(dq, dk, dv, dbias) of `RingAttention` as a graph autograd can differentiate again:
+    the gradients of `ring_differentiable` over the saved inputs, with create_graph."""
+    q, k, v, bias, keep, _, _ = ctx.saved_tensors
+    inputs = [q, k, v, bias]
+    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    o2, lse2 = ring_differentiable(q, k, v, ctx.ring, ctx.scale, (bias, keep))
+    outs, cots = [], []
+    for out, cot in ((o2, dout), (lse2, dlse)):
+        if cot is not None:
+            outs.append(out)
+            # a dead row's lse is -inf: its cotangent reaches no key (and must not make NaN)
+            cots.append(cot if out is o2 else torch.where(lse2.isfinite(), cot, 0.0))
+    grads: list[torch.Tensor | None] = [None] * 4
+    if outs and wanted:
+        found = torch.autograd.grad(
+            outs, [inputs[i] for i in wanted], cots, create_graph=True, allow_unused=True
+        )
+        for i, g in zip(wanted, found, strict=True):
+            grads[i] = g
+    return tuple(grads)
 
 
 # -- the public call ----------------------------------------------------------------
@@ -348,16 +663,48 @@ def _ring_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def _refuse_on_ring(scheme: str, **given: object) -> None:
-    """ValueError naming the keywords the ring scheme does not take yet (issue 40)."""
-    names = [name for name, value in given.items() if value is not None]
-    if scheme == "ring" and names:
-        raise ArgumentError(
-            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported by "
-            "scheme='ring' yet (it takes is_causal, scale, dropout and sinks); pass "
-            "scheme='all_to_all', which runs attngrad.attention over whole sequences of "
-            "H/P heads per rank and takes every keyword."
+def _ring_mask(
+    attn_mask: object, q: torch.Tensor, shapes: Shapes, world: int, is_causal: bool
+) -> torch.Tensor | None:
+    """attn_mask as [Bm, Hm, nm, Nkm] (Bm 1 or B, Hm 1 or Hq, nm 1 or N/P, Nkm 1 or N; views
+    where it can), or ValueError/TypeError naming the fix."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise ArgumentTypeError(
+            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
         )
+    if is_causal:
+        raise ArgumentError(
+            "is_causal=True and an attn_mask were both given; pass one of them (window=(None, 0) "
+            "combines a causal band with any mask)."
+        )
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        raise ArgumentTypeError(
+            f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = attend) or the "
+            f"query's dtype {q.dtype}. Try attn_mask.to({q.dtype})."
+        )
+    if attn_mask.device != q.device:
+        raise ArgumentError(f"attn_mask is on {attn_mask.device} but query is on {q.device}.")
+    n, full = shapes.seq_q, shapes.seq_q * world
+    target = (*shapes.lead, shapes.heads_q, n, full)
+    shape = tuple(attn_mask.shape)
+    fits = len(shape) <= len(target) and all(
+        m in (1, t) for m, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if shapes.headless or not fits:
+        raise ArgumentError(
+            f"attn_mask has shape {shape}; each rank passes the rows of its shard against "
+            f"every key, broadcastable to [..., Hq, N/P, N] = {target} (keys in the "
+            "sequence's true order, rows as the layout cuts them: shard(mask, rank, P, "
+            "layout) of the full [..., N, N] mask)."
+        )
+    lead = shapes.lead
+    m = attn_mask.reshape((1,) * (len(lead) + 3 - attn_mask.ndim) + shape)
+    if any(d != 1 for d in m.shape[: len(lead)]):
+        m = m.expand(*lead, *m.shape[len(lead) :])
+        return m.reshape(math.prod(lead), *m.shape[len(lead) :])
+    return m.reshape(1, *m.shape[len(lead) :])
 
 
 def ring_attention(
@@ -394,20 +741,39 @@ def ring_attention(
 
     ``scheme``: how the ranks share the work.  ``"ring"`` (the default): each
     rank keeps its queries and the k/v shards travel around the ranks
-    (`attngrad.ring.attention`); first order only, and is_causal, scale,
-    dropout and sinks only.  ``"all_to_all"`` (DeepSpeed-Ulysses): an
+    (`attngrad.ring.attention`), with every keyword below but no
+    ``strategy`` beyond the tiled ones.  ``"all_to_all"`` (DeepSpeed-Ulysses): an
     all-to-all trades the sequence shards for whole sequences of H/P heads
     per rank, plain `attngrad.attention` runs on them with any strategy
     (``strategy``, default "auto") and every keyword, and a second all-to-all
     trades the output back (`attngrad.ring.all_to_all`); Hq and Hkv must
-    divide by P.  Every derivative carries over: double backward
-    (``create_graph=True``), forward mode (``torch.autograd.forward_ad``,
-    ``torch.func.jvp``) and ``torch.func.vmap`` (every rank vmapping alike).
-    Its keywords beyond the ring's: ``attn_mask`` (bool or float, the rows of
-    this rank's shard against every key: broadcastable to [..., Hq, N/P, N],
-    keys in the true order -- ``shard(mask, rank, P, layout)`` of the full
-    [..., N, N] mask; its gradient is this rank's rows'), ``window`` and
-    ``softcap`` as in `attngrad.attention`.
+    divide by P; it also takes every strategy and ``torch.func.vmap``.
+
+    Derivatives, under both schemes: backward; double backward
+    (``create_graph=True``, e.g. a gradient penalty); forward mode
+    (``torch.autograd.forward_ad`` and ``torch.func.jvp``: each rank passes
+    its shards' tangents and gets its rows' tangents of out and lse).  Under
+    "ring" first-order backward and forward mode are rings of their own at
+    O(N/P) memory per rank (forward mode sends k' and v' beside k and v);
+    under ``create_graph=True`` the backward recomputes the forward as a
+    differentiable composition -- the other ranks' k/v gathered by a
+    differentiable rotation, each (query chunk, key chunk) pair through the
+    block kernel's own autograd Function, merged by lse -- whose gradients
+    autograd differentiates again: that path holds every rank's k/v and each
+    pair's partial output, O(N) per rank.  Every rank must take the same
+    derivatives (``create_graph`` alike).  Third derivatives raise.
+
+    ``attn_mask``: bool (True = attend) or float (added to the scores, its
+    gradient returned), the rows of this rank's shard against every key:
+    broadcastable to [..., Hq, N/P, N], keys in the sequence's true order --
+    ``shard(mask, rank, P, layout)`` of the full [..., N, N] mask; its
+    gradient is this rank's rows'.  Not with ``is_causal`` (as in
+    `attngrad.attention`; ``window=(None, 0)`` is causal and takes a mask).
+    ``window=(left, right)``: query i attends keys i - left .. i + right in
+    global positions; under "ring" each (query chunk, key chunk) pair takes
+    the band at the pair's global offset, and pairs it leaves empty are
+    skipped (the k/v shard still travels).  ``softcap``: scores capped to
+    c tanh(S / c) before the mask, as in `attngrad.attention`.
 
     ``timeout``: seconds a rank waits on its peers at each step before it
     raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
@@ -416,7 +782,6 @@ def ring_attention(
     flash); under "all_to_all" any of `attngrad.STRATEGIES` or "auto".
     ``return_lse=True`` returns ``(out, lse)`` as `attngrad.attention` does:
     lse [..., Hq, N/P], this shard's rows' log-sum-exp over the full sequence.
-    Under "ring", first order only: ``create_graph=True`` raises NotImplementedError.
 
     ``dropout_p``, ``generator``: attention dropout as in `attngrad.attention`,
     with the mask of the gathered call: every rank draws (seed, offset) from
@@ -441,7 +806,6 @@ def ring_attention(
     must run it.
     """
     scheme = validate_scheme(scheme)
-    _refuse_on_ring(scheme, attn_mask=attn_mask, window=window, softcap=softcap)
     shapes = validate_attention(q, k, v, None, dropout_p, is_causal, scale, True)
     check_flag("return_lse", return_lse)
     sink = validate_sinks(sinks, q, shapes)
@@ -489,6 +853,16 @@ def ring_attention(
             comm, q, k, v, shapes, settings, kw, attn_mask, sink, generator, return_lse
         )
         return (out, lse_a) if lse_a is not None else out
+    mask = _ring_mask(attn_mask, q, shapes, comm.world, is_causal)
+    wants = [n for n, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
+    wants += ["attn_mask"] if mask is not None and mask.requires_grad else []
+    wants += ["sinks"] if sink is not None and sink.requires_grad else []
+    settings = replace(
+        settings,
+        mask=() if mask is None else (tensor_kind(mask), *mask.shape),
+        # the second-order path's graph must be one on every rank
+        requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
+    )
     check_same_shards(comm, q, shapes, settings)
     dropout = shared_dropout(comm, dropout_p, q.device, generator)
     n = shapes.seq_q
@@ -497,8 +871,11 @@ def ring_attention(
     # k/v are sent as they are: contiguous
     kb = k.reshape(b, hkv, n, shapes.head_dim).contiguous()  # (B, Hkv, n, d)
     vb = v.reshape(b, hkv, n, shapes.value_dim).contiguous()  # (B, Hkv, n, dv)
-    ring = _Ring(comm, layout, is_causal, REGISTRY[strategy], dropout)
-    o, lse_ = RingAttention.apply(qb, kb, vb, ring, s)  # type: ignore[no-untyped-call]
+    ring = _Ring(
+        comm, layout, is_causal, REGISTRY[strategy], dropout, window, softcap, mask is not None
+    )
+    bias, keep = (None, mask) if mask is not None and mask.dtype == torch.bool else (mask, None)
+    o, lse_, _ = RingAttention.apply(qb, kb, vb, bias, keep, ring, s)  # type: ignore[no-untyped-call]
     out = o.reshape(*shapes.lead, hq, n, shapes.value_dim)
     lse_ = lse_.reshape(*shapes.lead, hq, n)
     if sink is not None:  # once per row, after every key's partial has been merged

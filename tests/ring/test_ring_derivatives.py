@@ -1,0 +1,211 @@
+"""The ring scheme's derivatives and keywords: forward mode, double backward, window, softcap
+and attn_mask through ``ring_attention(..., scheme="ring")``.
+
+One group of 4 forked gloo processes runs every case at P = 2, 3 and 4 (subgroups of
+ranks 0..P-1), reusing the all-to-all tests' case machinery (`test_all_to_all`: the
+cases' sizes, each rank's part of the inputs, the derivatives a case asks for, the
+reassembly); the first test that needs the group launches it under a file lock, so
+pytest-xdist's workers share one launch.  Judged as there: float64 against the
+single-process `attngrad.attention` call (same strategy) to 1e-10, float32 by the rule
+of `attngrad.verify.rule` against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from filelock import FileLock
+from test_all_to_all import A2ACase, _gather, _run, _single_fn, _sized
+
+import attngrad
+from attngrad.ring import ring_attention, shard, unshard
+from attngrad.verify.cases import make_inputs
+from attngrad.verify.rule import judge_outputs
+
+F32 = torch.float32
+
+
+def _cases() -> list[A2ACase]:
+    """P = 2, 3, 4; each keyword first order and under one derivative, zigzag and contiguous."""
+    cases = []
+    for world in (2, 3, 4):
+        cases += [
+            A2ACase(_sized(world, mask="causal"), world, order="forward"),
+            A2ACase(_sized(world, mask="causal"), world, order="second"),
+            A2ACase(_sized(world, mask="causal", dtype=F32), world, "contiguous"),
+        ]
+    cases += [
+        # window: a band at each pair's global offset; pairs it leaves empty are skipped
+        A2ACase(_sized(2, window=(3, 1)), 2),
+        A2ACase(_sized(3, window=(2, 0), dtype=F32), 3, "contiguous"),
+        A2ACase(_sized(4, window=(3, 2)), 4, "contiguous", order="second"),
+        A2ACase(_sized(3, mask="causal", window=(4, None)), 3, order="forward"),
+        # softcap
+        A2ACase(_sized(2, softcap=1.5, mask="causal"), 2),
+        A2ACase(_sized(3, softcap=2.0), 3, order="second"),
+        A2ACase(_sized(4, softcap=1.5, mask="causal"), 4, "contiguous", order="forward"),
+        # a float mask: rows cut like q, keys the whole sequence; its gradient is the rows'
+        A2ACase(_sized(2, mask="float", mask_shape=(4, 8, 8)), 2),
+        A2ACase(_sized(3, mask="float", mask_shape=(2, 1, 12, 12), dtype=F32), 3),
+        A2ACase(_sized(4, mask="float", mask_shape=(8, 16, 16)), 4, order="second"),
+        A2ACase(_sized(2, mask="float", mask_shape=(4, 8, 8), softcap=2.0), 2, order="forward"),
+        # a bool mask, query row 1 attending nothing (make_inputs)
+        A2ACase(_sized(2, mask="bool", mask_shape=(4, 8, 8)), 2, "contiguous"),
+        A2ACase(_sized(3, mask="bool", mask_shape=(2, 1, 12, 12)), 3, order="second"),
+        A2ACase(_sized(4, mask="bool", mask_shape=(16, 16)), 4, order="forward"),
+        # everything at once, with the fused block kernel, sinks and dropout
+        A2ACase(
+            _sized(3, mask="float", mask_shape=(6, 12, 12), window=(5, 1), softcap=3.0),
+            3,
+            strategy="fused",
+            order="second",
+        ),
+        # per-token sinks: a shared one's gradient is each rank's share, and a penalty on shares differs
+        A2ACase(_sized(2, mask="causal", sinks="token", window=(3, 0)), 2, order="second"),
+        A2ACase(_sized(2, mask="causal", dropout=0.3, softcap=2.0), 2, order="forward"),
+        A2ACase(_sized(4, mask="bool", mask_shape=(16, 16), window=(6, 2)), 4, strategy="fused"),
+    ]
+    return cases
+
+
+CASES = _cases()
+CASE_INPUTS = {ac.id: seed for seed, ac in enumerate(CASES)}
+
+
+def _inputs(ac: A2ACase) -> dict:
+    """The case's full float64 inputs, and tangents for forward mode."""
+    seed = CASE_INPUTS[ac.id]
+    full = make_inputs(ac.case, seed)
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    for name in ("q", "k", "v", "mask", "sinks"):
+        t = full.get(name)
+        if t is not None and t.is_floating_point():
+            full["t" + name] = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+    return full
+
+
+def _ring_fn(ac: A2ACase, group=None):
+    def fn(q, k, v, mask, sinks, kw):
+        return ring_attention(
+            q, k, v, attn_mask=mask, sinks=sinks, layout=ac.layout, strategy=ac.strategy,
+            return_lse=True, group=group, timeout=TIMEOUT, **kw,
+        )  # fmt: skip
+
+    return fn
+
+
+# ---------------------------------------------------------------------------
+# the worker: every case at P = 2, 3, 4, then torch.func at P = 2
+
+TIMEOUT = 20.0
+WORLD = 4
+
+
+def _torch_func(rank: int, world: int, group) -> tuple[str, object]:
+    """torch.func.jvp through the ring (P = 2): ("ok", the tangent) or (error kind, message)."""
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(2, 4, 4 * world, 4, generator=gen, dtype=torch.float64) for _ in range(6)]
+    mine = [shard(x, rank, world, "zigzag") for x in full]
+
+    def f(q, k, v):
+        return ring_attention(
+            q, k, v, is_causal=True, layout="zigzag", group=group, strategy="flash"
+        )
+
+    try:
+        _, tangent = torch.func.jvp(f, tuple(mine[:3]), tuple(mine[3:]))
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "ok", tangent
+
+
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}  # every rank makes each
+    groups[WORLD] = None
+    results: dict[str, object] = {}
+    for ac in CASES:
+        if rank < ac.world:
+            results[ac.id] = _run(ac, _inputs(ac), rank, ac.world, _ring_fn(ac, groups[ac.world]))
+    if rank < 2:
+        results["func"] = _torch_func(rank, 2, groups[2])
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
+
+def _launch(out_dir: Path, deadline: float = 120.0) -> list[int | None]:
+    """Run `_worker` on WORLD processes forked from a server that imported this module once;
+    their exit codes."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    procs = [
+        ctx.Process(target=_worker, args=(rank, str(out_dir / "store"), str(out_dir)))
+        for rank in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # never leave a worker behind, even when the test fails
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+@pytest.fixture(scope="session")
+def ring_run(tmp_path_factory, worker_id) -> list[dict]:
+    """Every rank's results; one launch per session, shared by pytest-xdist's workers."""
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent
+    out = root / "ring_derivatives_group"
+    with FileLock(str(root / "ring_derivatives_group.lock")):
+        if not (out / "exits.pt").exists():
+            out.mkdir(exist_ok=True)
+            torch.save(_launch(out), out / "exits.pt")
+    exits = torch.load(out / "exits.pt")
+    assert exits == [0] * WORLD, exits
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------------------
+# the judgements
+
+
+@pytest.mark.parametrize("ac", CASES, ids=[ac.id for ac in CASES])
+def test_ring_derivatives_match_the_single_process_call(ac, ring_run):
+    full = _inputs(ac)
+    got = _gather(ac, [res[ac.id] for res in ring_run[: ac.world]], full)
+    want = _run(ac, full, 0, 1, _single_fn(ac))
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype, name
+        if ac.case.dtype == torch.float64:
+            torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-10, msg=name)
+    if ac.case.dtype != torch.float64:  # by the rule, against the float64 reference
+        names = [n for n in ("out", "dq", "dk", "dv", "dmask", "lse") if n in got]
+        failed = [str(v) for v in judge_outputs(ac.case, full, got, names) if not v.passed]
+        assert not failed, "; ".join(failed)
+
+
+def test_torch_func_jvp_through_the_ring(ring_run):
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(2, 4, 8, 4, generator=gen, dtype=torch.float64) for _ in range(6)]
+
+    def f(q, k, v):
+        return attngrad.attention(q, k, v, is_causal=True, strategy="flash")
+
+    _, want = torch.func.jvp(f, tuple(full[:3]), tuple(full[3:]))
+    results = [res["func"] for res in ring_run[:2]]
+    assert all(kind == "ok" for kind, _ in results), results
+    got = unshard([tangent for _, tangent in results], "zigzag")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
