@@ -93,11 +93,11 @@ def test_without_a_process_group_all_to_all_is_attention_with_every_keyword():
     ("kwargs", "error", "match"),
     [
         ({"scheme": "ulysses"}, ValueError, "scheme must be one of 'ring', 'all_to_all'"),
-        ({"window": (2, 0)}, ValueError, "window is not supported by scheme='ring'"),
+        ({"softcap": -1.0}, ValueError, "softcap must be finite and > 0"),
         (
-            {"softcap": 5.0, "attn_mask": torch.zeros(8, 8)},
+            {"is_causal": True, "attn_mask": torch.zeros(8, 8)},
             ValueError,
-            "attn_mask, softcap are not supported by scheme='ring'.*scheme='all_to_all'",
+            "is_causal=True and an attn_mask",
         ),
         ({"scheme": "all_to_all", "strategy": "x"}, ValueError, "'auto', 'explicit'.*local call"),
         ({"scheme": "all_to_all", "softcap": -1.0}, ValueError, "softcap must be finite and > 0"),
