@@ -11,8 +11,10 @@ rounds):
 
     first-order  O = attention(q, k, v, is_causal=True, strategy="fused"), then dq, dk, dv
                  (torch.autograd.grad with a fixed dO): the baseline
-    jvp          torch.func.jvp of the same call along tangents of q, k, v: O and O',
-                 fused's tangent kernel (csrc/tangent.h)             target <= 0.8x first-order
+    jvp          torch.func.jvp of the same call along tangents of q, k, v: O and O' in one
+                 pass, fused's forward_tangent kernel (csrc/tangent.h)  target <= 0.8x first-order
+    jvp-two-pass the same jvp as autograd's primal forward, then fused's tangent kernel
+                 (the path before the one pass; reported)
     jvp-tiled    the same jvp through the shared tiled pass in tensor ops
                  (`attngrad.autograd.tangent.tiled_tangent`), the path before the kernel
                  (reported)
@@ -21,7 +23,8 @@ and a learnable ALiBi (slopes [H]) through ``attngrad.flex_attention`` with a ca
 BlockMask, a relative score function, whose term's tangent the kernel adds by diagonal:
 
     flex-first-order  O, then dq, dk, dv and the slopes' gradient: the baseline
-    flex-jvp          torch.func.jvp along tangents of q, k, v and the slopes (reported)
+    flex-jvp          torch.func.jvp along tangents of q, k, v and the slopes: a score
+                      function, so the two-pass way (reported)
     flex-jvp-tiled    the same through the shared tiled pass (reported)
 
 Nothing here asserts a target; the script prints each ratio with its target and verdict.
@@ -48,7 +51,7 @@ from attngrad.tools.timing import interleaved, spreads
 HEADS, HEAD_DIM = 8, 64
 TARGET = 0.8  # jvp / first-order
 BASELINES = {
-    "jvp": "first-order", "jvp-tiled": "first-order",
+    "jvp": "first-order", "jvp-two-pass": "first-order", "jvp-tiled": "first-order",
     "flex-jvp": "flex-first-order", "flex-jvp-tiled": "flex-first-order",
 }  # fmt: skip
 
@@ -62,7 +65,14 @@ def _note(text: str) -> None:
 @contextlib.contextmanager
 def tiled() -> Iterator[None]:
     """fused's forward mode through the shared tiled pass (its kernel turned off)."""
-    with mock.patch.object(Fused, "tangent", lambda self, *args: None):
+    with two_pass(), mock.patch.object(Fused, "tangent", lambda self, *args: None):
+        yield
+
+
+@contextlib.contextmanager
+def two_pass() -> Iterator[None]:
+    """fused's forward mode as autograd's forward, then the tangent kernel (no one pass)."""
+    with mock.patch.object(Fused, "one_pass_tangent", lambda self, problem: False):
         yield
 
 
@@ -83,9 +93,14 @@ def calls(n: int, flex: bool) -> dict[str, Callable[[], object]]:
         with tiled():
             return torch.func.jvp(fused, (q, k, v), (tq, tk, tv))
 
+    def jvp_two_pass() -> object:
+        with two_pass():
+            return torch.func.jvp(fused, (q, k, v), (tq, tk, tv))
+
     out: dict[str, Callable[[], object]] = {
         "first-order": lambda: torch.autograd.grad(fused(*leaves), leaves, do),
         "jvp": lambda: torch.func.jvp(fused, (q, k, v), (tq, tk, tv)),
+        "jvp-two-pass": jvp_two_pass,
         "jvp-tiled": jvp_tiled,
     }
     if not flex:

@@ -1,5 +1,10 @@
 """Forward mode in fused's C++ kernels (``csrc/tangent.h``): O' and lse' against float64.
 
+Two kernels: the one-pass ``forward_tangent`` (O and O' together, where the tangents are
+known before the call: torch.func.jvp, jacfwd, forward_ad dual levels) and the tangent
+pass after autograd's forward (``tangent``, where they are not); the case table runs
+through both (``path``), each with the other made to raise.
+
 Every test but the fallback's runs with the shared tiled pass
 (`attngrad.autograd.tangent.tiled_tangent`) made to raise, so each answer here is the
 kernel's.  float64 agrees with torch.func.jvp through the reference to 1e-9 with every
@@ -23,6 +28,7 @@ import attngrad
 from attngrad.autograd import tangent
 from attngrad.core.dropout import Dropout, draw_seed, keep_mask
 from attngrad.strategies.fused import build
+from attngrad.strategies.fused.strategy import Fused
 from attngrad.verify.derivatives import relative_error
 from attngrad.verify.reference import plain_attention, reference_attention, reference_lse
 from attngrad.verify.rule import judge, rounding_floor
@@ -44,6 +50,31 @@ def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the shared tiled tangent pass ran, not fused's kernel")
 
     monkeypatch.setattr(tangent, "tiled_tangent", refuse)
+
+
+@pytest.fixture
+def one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two-pass kernel raises: forward mode must take the one-pass kernel."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the two-pass tangent kernel ran, not the one-pass kernel")
+
+    monkeypatch.setattr(Fused, "tangent", refuse)
+
+
+@pytest.fixture(params=["one-pass", "two-pass"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel in turn, the other one raising."""
+    if request.param == "one-pass":
+        request.getfixturevalue("one_pass")
+    else:
+
+        def refuse(*args: object) -> None:
+            raise AssertionError("the one-pass kernel ran, not the two-pass one")
+
+        monkeypatch.setattr(Fused, "forward_tangent", refuse)
+        monkeypatch.setattr(Fused, "one_pass_tangent", lambda self, problem: False)
+    return str(request.param)
 
 
 @contextmanager
@@ -231,14 +262,14 @@ def _check64(call: Call, tangents: dict[str, torch.Tensor]) -> tuple[torch.Tenso
     return d_out, d_lse
 
 
-@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.usefixtures("kernel_only", "path")
 @pytest.mark.parametrize("name", list(CASES))
 def test_float64_matches_the_reference(name: str) -> None:
     call = CASES[name](torch.float64)
     _check64(call, _tangents(call))
 
 
-@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.usefixtures("kernel_only", "path")
 @pytest.mark.parametrize("name", ["softcap", "gqa-causal", "dropout", "blockmask-dilated"])
 def test_each_tangent_is_its_own_term(name: str) -> None:
     # one input moves at a time: each of the kernel's terms (q' k^T, q k'^T, P v', bias',
@@ -323,7 +354,7 @@ def _floors(
     )
 
 
-@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.usefixtures("kernel_only", "path")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["plain", "bias", "padding", "gqa-causal", "blockmask-dilated"])
 def test_low_precision_passes_the_rule(name: str, dtype: torch.dtype) -> None:
@@ -368,7 +399,7 @@ def test_gradcheck_with_forward_ad() -> None:
     assert torch.autograd.gradcheck(fn, x, check_forward_ad=True, check_batched_forward_grad=True)
 
 
-@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.usefixtures("kernel_only", "one_pass")
 def test_jacfwd_matches_the_reference() -> None:
     # jacfwd vmaps the tangent: the batch folding happens before the kernel runs
     g = torch.Generator().manual_seed(5)
@@ -384,7 +415,7 @@ def test_jacfwd_matches_the_reference() -> None:
         assert relative_error({"j": a}, {"j": b}) <= TOL64
 
 
-@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.usefixtures("kernel_only", "path")
 def test_bitwise_identical_for_any_thread_count() -> None:
     call = CASES["dropout"](torch.float32)
     tangents = _tangents(call)
@@ -448,3 +479,131 @@ def test_a_score_function_falls_back_to_the_tiled_pass(monkeypatch: pytest.Monke
         lambda q, m: reference_attention(q, k, v, m), (q, table), (tq, t_table)
     )
     assert ran and relative_error({"out": got}, {"out": want}) <= TOL64
+
+
+# The one-pass kernel (``csrc/tangent.h``, `forward_tangent_pass`).
+
+
+@pytest.mark.usefixtures("kernel_only", "one_pass")
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_pass_primal_is_the_plain_forward_bit_for_bit(name: str) -> None:
+    # O and lse from the one pass are forward's own bits (the same products, online_row and
+    # finish_row), so backward after a forward-mode call rebuilds forward's P
+    call = CASES[name](torch.float32)
+    primals = {n: t.float() for n, t in call.primals.items()}
+    plain = call.fused(**primals)
+    names = list(primals)
+
+    def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return call.fused(**dict(zip(names, xs, strict=True)))
+
+    dirs = tuple(t.float() for t in _tangents(call).values())
+    out, _ = torch.func.jvp(fn, tuple(primals.values()), dirs)
+    assert all(torch.equal(a, b) for a, b in zip(out, plain, strict=True))
+
+
+def _small(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=torch.float64)
+            for s in ((1, 2, 9, 4), (1, 1, 11, 4), (1, 1, 11, 3), (1, 2, 9, 11))]  # fmt: skip
+
+
+def _ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = attngrad.attention(
+        q, k, v, attn_mask=m, enable_gqa=True, softcap=1.5, window=(None, 2),
+        strategy="fused", block_q=4, block_k=4,
+    )  # fmt: skip
+    return out
+
+
+def _theirs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return reference_attention(q, k, v, m, enable_gqa=True, softcap=1.5, window=(None, 2))
+
+
+@pytest.mark.usefixtures("kernel_only", "one_pass")
+def test_one_pass_under_a_dual_level_then_backward() -> None:
+    # forward_ad: the dual level's tangents go into the one pass; then backward through the
+    # same call (FusedForwardTangentBackward) gives forward's gradients
+    x, t = _small(11), _small(12)
+    leaves = [a.clone().requires_grad_() for a in x]
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(a, b) for a, b in zip(leaves, t, strict=True)]
+        out = _ours(*duals)
+        primal, tangent_ = torch.autograd.forward_ad.unpack_dual(out)
+        cotangent = torch.randn_like(primal)
+        got = torch.autograd.grad(primal, leaves, cotangent)
+    _, want_t = torch.func.jvp(_theirs, tuple(x), tuple(t))
+    assert relative_error({"t": tangent_}, {"t": want_t}) <= TOL64
+    ref = [a.clone().requires_grad_() for a in x]
+    want = torch.autograd.grad(_theirs(*ref), ref, cotangent)
+    for a, b in zip(got, want, strict=True):
+        assert relative_error({"g": a}, {"g": b}) <= TOL64
+
+
+@pytest.mark.usefixtures("kernel_only")
+def test_second_derivatives_around_the_one_pass() -> None:
+    # hessian (jacfwd over jacrev: the one pass declines under a grad transform) against
+    # the reference; forward over forward (jvp of jvp: two forward levels) is declined too,
+    # and takes the two-pass way, which refuses it as before rather than answer wrongly
+    x = _small(13)
+    x = [x[0][..., :5, :], x[1][..., :6, :], x[2][..., :6, :], x[3][..., :5, :6]]
+    x = [a.contiguous() for a in x]
+
+    def loss(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda q: (f(q, *x[1:]) ** 2).sum()
+
+    got = torch.func.jacfwd(torch.func.jacrev(loss(_ours)))(x[0])
+    want = torch.func.jacfwd(torch.func.jacrev(loss(_theirs)))(x[0])
+    assert relative_error({"h": got}, {"h": want}) <= TOL64
+    t1, t2 = _small(14)[0][..., :5, :], _small(15)[0][..., :5, :]
+
+    def inner(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda q: torch.func.jvp(lambda a: f(a, *x[1:]), (q,), (t1,))[1]
+
+    with pytest.raises(NotImplementedError):
+        torch.func.jvp(inner(_ours), (x[0],), (t2,))
+
+
+def test_the_one_pass_runs_where_the_tangents_are_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    # counted: torch.func.jvp and a dual level take it; a plain call, a score function and
+    # reverse mode alone do not
+    ran: list[bool] = []
+    one = Fused.forward_tangent
+
+    def counted(self: Fused, *args: Any) -> Any:
+        ran.append(True)
+        return one(self, *args)
+
+    monkeypatch.setattr(Fused, "forward_tangent", counted)
+    x, t = _small(16), _small(17)
+    torch.func.jvp(_ours, tuple(x), tuple(t))
+    assert len(ran) == 1
+    with torch.autograd.forward_ad.dual_level():
+        _ours(*(torch.autograd.forward_ad.make_dual(a, b) for a, b in zip(x, t, strict=True)))
+    assert len(ran) == 2
+    _ours(*x)
+    torch.func.grad(lambda q: _ours(q, *x[1:]).sum())(x[0])
+
+    def scored(q: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = attngrad.flex_attention(
+            q, x[1].expand(1, 2, 11, 4), x[2].expand(1, 2, 11, 3),
+            score_mod=lambda s, b, h, i, j: s * 0.5, strategy="fused",
+        )  # fmt: skip
+        return out
+
+    torch.func.jvp(scored, (x[0],), (t[0],))
+    assert len(ran) == 2
+
+
+def test_a_wrong_one_pass_tangent_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a planted bug, O' 1e-6 off: the float64 check fails
+    one = Fused.forward_tangent
+
+    def off(self: Fused, *args: Any) -> Any:
+        o, saved, do, dlse = one(self, *args)
+        return o, saved, do * (1 + 1e-6), dlse
+
+    monkeypatch.setattr(Fused, "forward_tangent", off)
+    call = CASES["plain"](torch.float64)
+    with pytest.raises(AssertionError):
+        _check64(call, _tangents(call))

@@ -31,6 +31,11 @@ every alpha is 1 and E_j / l is P_j, rebuilt by the strategy's
 rescaling gone: one walk over each block of query rows' key tiles,
 accumulating mu and acc' (O(Nq * dv) memory), then O' = acc' - mu O.
 
+Where the tangents are known before the call, a strategy may run that recurrence
+itself, rescaling included, in one pass with the forward
+(`attngrad.core.interface.Strategy.forward_tangent`: fused's, through
+`attngrad.strategies.base.ForwardTangentFunction`); this module serves the rest.
+
 `output_tangent` hands the call to the strategy's own pass where it has one
 (`attngrad.core.interface.Strategy.tangent`: fused's C++ kernels), else runs
 `tiled_tangent`, that recurrence on the strategy's tiles of P in tensor ops.

@@ -131,6 +131,8 @@ class Strategy(ABC, Generic[T]):
     keeps_mods: ClassVar[bool]  # whether backward reads the mask again
     tiled: ClassVar[bool]  # whether it takes block sizes (block_q, block_k)
     function: ClassVar[type[torch.autograd.Function]]  # its AttentionFunction
+    # its ForwardTangentFunction, where `forward_tangent` may run (else None)
+    tangent_function: ClassVar[type[torch.autograd.Function] | None] = None
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the strategy cannot run on ``device`` tensors here, or None (plain tensor ops
@@ -178,6 +180,23 @@ class Strategy(ABC, Generic[T]):
 
         tangents = (q', k', v', bias', *captured'), each like its input, None for zero;
         o: forward's O; saved: what forward saved, its statistics final.
+        """
+        return None
+
+    def one_pass_tangent(self, problem: Problem[T]) -> bool:
+        """Whether `forward_tangent` computes this call (default: no strategy's does)."""
+        return False
+
+    def forward_tangent(
+        self, problem: Problem[T], tangents: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor, Saved, torch.Tensor, torch.Tensor] | None:
+        """Forward mode in one pass with the forward: (O, saved) as `forward` returns them
+        and (O', lse') as `tangent` does, or None where the strategy has no such pass for
+        this call (the default: autograd's forward, then `tangent`).
+
+        tangents = (q', k', v', bias'), each like its input, None for zero.  Called from
+        `attngrad.strategies.base.ForwardTangentFunction` when the tangents are known before
+        the call (`attngrad.strategies.base.differentiable`).
         """
         return None
 

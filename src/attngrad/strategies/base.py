@@ -14,6 +14,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd import forward_ad
 
 from attngrad.autograd import batching, tangent
 from attngrad.autograd.gradients import AttentionGradients
@@ -22,7 +25,7 @@ from attngrad.core.contract import Shapes
 from attngrad.core.interface import Plan, Problem, Strategy
 from attngrad.core.ops import lse
 
-__all__ = ["AttentionFunction", "differentiable"]
+__all__ = ["AttentionFunction", "ForwardTangentFunction", "differentiable", "forward_tangents"]
 
 T = TypeVar("T")
 
@@ -89,7 +92,7 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, o, bias, keep, *rest = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-        need = (*ctx.needs_input_grad[:4], *ctx.needs_input_grad[6:])
+        need = (*ctx.needs_input_grad[:4], *ctx.needs_input_grad[6 : 6 + n])
         # O is a cache of q, k, v and the mask: the second derivatives are taken through those
         # (`second_order`), so O enters the backward as a constant, not as another path to them
         o = None if o is None else o.detach()
@@ -115,6 +118,106 @@ class AttentionFunction(torch.autograd.Function):
         return batching.vmap_rule(args[5].strategy.function, info, in_dims, args)
 
 
+class ForwardTangentFunction(AttentionFunction):
+    """`AttentionFunction` with forward mode in the same pass as the forward.
+
+    ForwardTangentFunction.apply(q, k, v, bias, keep, plan, *captured, q', k', v', bias')
+    -> AttentionFunction's outputs, then (O', lse') (non-differentiable): the tangents,
+    read before the call (`forward_tangents`), go in as inputs, the strategy's
+    `forward_tangent` computes O and O' together, and jvp returns the O' and lse' it made.
+    Backward, double backward and the saved tensors are AttentionFunction's (the pass's O
+    and statistics are the plain forward's).
+    """
+
+    @staticmethod
+    def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
+        """AttentionFunction's, and bias' (the last input) is a mask too."""
+        n = 6 + plan.n_captured
+        return (3, 4, n + 3), tuple(range(6, n)), {}
+
+    @staticmethod
+    def forward(*args: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        q, k, v, bias, keep, plan, *rest = args
+        captured, dirs = rest[: len(rest) - 4], tuple(rest[len(rest) - 4 :])
+        problem = plan.problem(q, k, v, bias, keep, tuple(captured))
+        result = plan.strategy.forward_tangent(problem, dirs)
+        assert result is not None  # `differentiable` asked first
+        o, saved, do, dlse = result
+        return (o, lse(saved["stats"]), *(saved[n] for n in plan.names), do, dlse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        AttentionFunction.setup_context(ctx, inputs[:-4], output[:-2])
+        do, dlse = output[-2:]
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_forward(*ctx.saved_for_forward, do, dlse)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*AttentionFunction.backward(ctx, *grads[:-2]), None, None, None, None)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        # `forward_tangents` let the call in under exactly one forward-mode level, so the
+        # tangents of q, k, v and bias here are the ones the pass took; those of the tangent
+        # inputs (torch.func hands wrapped zeros) move no output
+        do, dlse = ctx.saved_tensors[-2:]
+        return (do, dlse, *(None for _ in ctx.plan.names), None, None)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        function = args[5].strategy.tangent_function
+        return batching.vmap_rule(function, info, in_dims, args)
+
+
+def forward_tangents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+    captured: list[torch.Tensor | None],
+) -> tuple[torch.Tensor | None, ...] | None:  # fmt: skip
+    """The forward-mode tangents (q', k', v', bias') of a call about to be applied, when
+    exactly one forward-mode level is active here (a forward_ad dual level, or one
+    torch.func.jvp level with vmaps outside it: jacfwd; nothing else, so no tangent carries
+    a tangent of its own), not compiling, and no tangent needs a gradient; else None (also
+    when none moves q, k, v, bias, or a captured tensor moves).  Then
+    `ForwardTangentFunction` may compute O' with O."""
+    if torch.compiler.is_compiling():  # torch.compile never sees the one pass
+        return None
+    interpreters = retrieve_all_functorch_interpreters()
+    dual = forward_ad._current_level >= 0
+    if not interpreters and not dual:
+        return None
+    if interpreters:
+        kinds = [i.key() for i in interpreters]
+        # torch.func.jvp runs under a dual level of its own, the one its interpreter names
+        if kinds[-1] != TransformType.Jvp or kinds.count(TransformType.Jvp) != 1:
+            return None
+        if any(x not in (TransformType.Jvp, TransformType.Vmap) for x in kinds):
+            return None
+    if any(_tangent(t) is not None for t in captured):
+        return None
+    dirs = tuple(_tangent(t) for t in (q, k, v, bias))
+    if all(t is None for t in dirs):
+        return None
+    # a tangent with a gradient, or batched by the legacy vmap (gradcheck's batched forward
+    # grad): the two-pass way
+    if any(t is not None and (t.requires_grad or _legacy_batched(t)) for t in dirs):
+        return None
+    return dirs
+
+
+def _tangent(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``'s forward-mode tangent at the current level, or None."""
+    if t is None:
+        return None
+    tangent_: torch.Tensor | None = forward_ad.unpack_dual(t).tangent  # type: ignore[no-untyped-call]
+    return tangent_
+
+
+def _legacy_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a BatchedTensor of torch's legacy vmap (``torch._vmap_internals``)."""
+    return bool(torch._C._functorch.is_legacy_batchedtensor(t))  # type: ignore[attr-defined]
+
+
 def differentiable(
     strategy: Strategy[T], problem: Problem[T]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,6 +227,12 @@ def differentiable(
     p = problem
     plan = Plan.of(p, strategy)
     bias, keep, *captured = p.mods.tensors
+    one_pass = strategy.tangent_function
+    dirs = None if one_pass is None else forward_tangents(p.q, p.k, p.v, bias, captured)
+    if dirs is not None and strategy.one_pass_tangent(p):
+        assert one_pass is not None
+        o, lse_, *saved = one_pass.apply(p.q, p.k, p.v, bias, keep, plan, *captured, *dirs)  # type: ignore[no-untyped-call]
+        return o, lse_, saved[plan.names.index("stats")]
     # torch's stubs leave Function.apply untyped
     o, lse_, *saved = strategy.function.apply(p.q, p.k, p.v, bias, keep, plan, *captured)  # type: ignore[no-untyped-call]
     return o, lse_, saved[plan.names.index("stats")]

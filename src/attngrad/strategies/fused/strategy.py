@@ -16,7 +16,10 @@ key tiles, P rebuilt from the saved statistics), with every keyword and a relati
 score function (its term's tangent D' added along the diagonals like a bias row); a
 call with any other ``score_mod`` (one run as a program, or a softcap written as
 one) takes the shared tiled pass (`attngrad.autograd.tangent`), as double backward
-always does.
+always does.  Where the tangents are known before the call (torch.func.jvp, jacfwd, a
+forward_ad dual level) and there is no score function, O and O' come from one pass
+instead (`Fused.forward_tangent`, `FusedForwardTangent`: the online softmax carrying
+rowsum(E * S') and (E * S') v + E v' beside l and E v).
 
 A FlexAttention BlockMask reaches the kernels as their band when each row keeps one
 interval of keys; else as the band of its rows' non-empty blocks, its block status and
@@ -62,7 +65,7 @@ from attngrad.core.score_program import (
     softcap_of,
 )
 from attngrad.core.scores import ScoreMods
-from attngrad.strategies.base import AttentionFunction
+from attngrad.strategies.base import AttentionFunction, ForwardTangentFunction
 from attngrad.strategies.common import (
     KeepsOutput,
     KernelMods,
@@ -247,11 +250,16 @@ class FusedAttention(AttentionFunction):
     """`AttentionFunction` of strategy "fused" (FusedAttentionBackward in the graph)."""
 
 
+class FusedForwardTangent(ForwardTangentFunction):
+    """`ForwardTangentFunction` of strategy "fused" (FusedForwardTangentBackward in the graph)."""
+
+
 class Fused(KeepsOutput[Tiles]):
     """flash's tiles as C++ CPU kernels (see the module docstring)."""
 
     name = "fused"
     function = FusedAttention
+    tangent_function = FusedForwardTangent
 
     def refuses(self, mods: ScoreMods) -> str | None:
         return kernel_refusal(self.name, mods, reads_blocks=True, runs_programs=True)
@@ -325,6 +333,35 @@ class Fused(KeepsOutput[Tiles]):
             tiles.block_q, tiles.block_k, library.engine_id, **blocks, **by_diagonal,
         )  # fmt: skip
         return do.to(problem.q.dtype), dlse
+
+    def one_pass_tangent(self, problem: Problem[Tiles]) -> bool:
+        """The one-pass kernel takes a call without a score function (no program, no term)."""
+        return problem.mods.score is None
+
+    def forward_tangent(
+        self, problem: Problem[Tiles], tangents: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor, Saved, torch.Tensor, torch.Tensor] | None:
+        """(O, saved) as `forward` and (O', lse') as `tangent` from the one-pass kernel
+        (``csrc/tangent.h``, `forward_tangent_pass`) along tangents = (q', k', v', bias');
+        None with a score function.  Only forward mode reaches it (never torch.compile:
+        `attngrad.strategies.base.forward_tangents` declines while compiling), so the op
+        has no fake."""
+        if not self.one_pass_tangent(problem):
+            return None
+        library = build.load()
+        t_q, t_k, t_v, t_bias = tangents
+        qc, kc, vc = _operands(problem.q, problem.k, problem.v)
+        moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
+        scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
+        bias_dot = None if t_bias is None else t_bias.to(qc.dtype).expand(scores)
+        before, after, blocks = _mod_args(problem)
+        tiles = problem.tiles
+        o, stats, do, dlse = torch.ops.attngrad_fused.forward_tangent(
+            qc, kc, vc, *moved, bias_dot, *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, **blocks,
+        )  # fmt: skip
+        o = o.to(problem.q.dtype)
+        return o, {"o": o, "stats": stats}, do.to(problem.q.dtype), dlse
 
     def backward_into(self, backward: Backward[Tiles]) -> None:
         """The backward kernel from backward.dout, its dq, dk, dv (and dS for a bias

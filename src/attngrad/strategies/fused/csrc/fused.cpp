@@ -13,6 +13,10 @@
 //             dS, dK += dS^T (s q), dQ += dS k; dK, dV written whole, dQ summed per slab
 //   tangent   units as forward's, the same walk of key tiles (`tangent.h`): P rebuilt from
 //             (m, log l), S' = [s q' | s q] [k^T ; k'^T] (+ bias'), O' and lse' (forward mode)
+//   forward_tangent  forward and tangent in one walk (`tangent.h`): O, (m, log l) bit for
+//             bit as forward's, O' and lse' from the same tiles' E = exp(S - m), rescaled
+//             with forward's sums when m moves (forward mode when the tangents are known
+//             before the primal call)
 //
 // Units are independent (no atomics on results: each dK/dV row and each slab's dQ rows
 // belong to one unit), the partition is a function of the shape alone, and each unit's
@@ -155,32 +159,18 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
                       static_cast<T*>(nullptr), w.mask.get(),
                       w.blocks.empty() ? nullptr : w.blocks.data());
             for (int64_t ii = 0; ii < r; ++ii) {
-              T* srow = S + ii * bk;
-              const T mx = row_max(srow, c);  // NaN if any score is, and then m stays NaN
-              const T m_new = std::isnan(mx) ? mx : std::max(m[ii], mx);
-              // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
-              const T sh = m_new == neg_inf ? T(0) : m_new;
-              const T sum = exp_row_(srow, c, sh, pb.row_words != nullptr);
-              // the running max most often stays put after the first tiles: no exp then
-              const T alpha = m_new == m[ii] ? T(1) : std::exp(m[ii] - sh);
-              l[ii] = l[ii] * alpha + sum;
-              T* acc = w.acc.data() + ii * dv;
-              if (alpha != T(1))  // the running max moved: rescale what the row has summed
-                for (int64_t x = 0; x < dv; ++x) acc[x] *= alpha;
-              m[ii] = m_new;
-              shift[ii] = sh;
+              const T alpha = online_row(S + ii * bk, c, m[ii], l[ii], shift[ii],
+                                         pb.row_words != nullptr);
+              rescale(w.acc.data() + ii * dv, dv, alpha);
             }
             if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, S, bk);
             product(engine, r, dv, c, S, bk, v_h + j0 * dv, dv, w.acc.data(), dv, true);
           });
           T* o_h = o + (bh * pb.Nq + i0) * dv;
           T* st = stats + (bh * pb.Nq + i0) * 2;
-          for (int64_t ii = 0; ii < r; ++ii) {
-            const T denom = l[ii] == T(0) ? T(1) : l[ii];
-            for (int64_t x = 0; x < dv; ++x) o_h[ii * dv + x] = w.acc[ii * dv + x] * pb.keep_scale / denom;
-            st[2 * ii] = shift[ii];
-            st[2 * ii + 1] = l[ii] == T(0) ? std::numeric_limits<T>::infinity() : std::log(l[ii]);
-          }
+          for (int64_t ii = 0; ii < r; ++ii)
+            finish_row(w.acc.data() + ii * dv, dv, pb.keep_scale, l[ii], shift[ii],
+                       o_h + ii * dv, st + 2 * ii);
         }
       });
 }
@@ -695,6 +685,38 @@ void check_like(const std::optional<Tensor>& t, const char* name, const Tensor& 
                    " must have q's dtype ", like.scalar_type(), ", got ", t->scalar_type());
 }
 
+// The tangents' checks, both forward-mode ops': tq, tk, tv like q, k, v; tbias at the
+// scores' shape; tdiagonal like the diagonal term D (and only beside it).
+void check_tangents(const Tensor& q, const Tensor& k, const Tensor& v,
+                    const std::optional<Tensor>& tq, const std::optional<Tensor>& tk,
+                    const std::optional<Tensor>& tv, const std::optional<Tensor>& tbias,
+                    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
+  check_mask(q, k, tbias, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  check_diagonal(q, k, std::nullopt, diagonal);
+  TORCH_CHECK_VALUE(diagonal || !tdiagonal, "attngrad_fused: tdiagonal without a diagonal");
+  check_diagonal(q, k, std::nullopt, tdiagonal);
+  check_like(tq, "tq", q);
+  check_like(tk, "tk", k);
+  check_like(tv, "tv", v);
+}
+
+// The tangents as the passes read them (`Direction`).
+template <typename T>
+Direction<T> direction(const std::optional<Tensor>& tq, const std::optional<Tensor>& tk,
+                       const std::optional<Tensor>& tv, const std::optional<Tensor>& tbias,
+                       const std::optional<Tensor>& tdiagonal) {
+  Direction<T> dir;
+  dir.diagonal = tdiagonal ? tdiagonal->data_ptr<T>() : nullptr;
+  dir.q = tq ? tq->data_ptr<T>() : nullptr;
+  dir.k = tk.has_value();
+  dir.v = tv ? tv->data_ptr<T>() : nullptr;
+  if (tbias) {
+    dir.bias = tbias->data_ptr<T>();
+    for (int a = 0; a < 4; ++a) dir.sb[a] = tbias->stride(a);
+  }
+  return dir;
+}
+
 // Forward mode (`tangent.h`): O' [B, Hq, Nq, dv] and lse' [B, Hq, Nq] along the tangents
 // tq, tk, tv (like q, k, v), tbias (like bias, at the scores' shape) and tdiagonal (like
 // the diagonal term D), None for zero; o and stats are the forward's.  The mask arguments
@@ -714,17 +736,11 @@ std::tuple<Tensor, Tensor> tangent(
     const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
-  check_mask(q, k, tbias, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  check_diagonal(q, k, std::nullopt, diagonal);
-  TORCH_CHECK_VALUE(diagonal || !tdiagonal, "attngrad_fused: tdiagonal without a diagonal");
-  check_diagonal(q, k, std::nullopt, tdiagonal);
+  check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
   check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
   const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   check_like(o, "o", out_like);
   check_optional(stats, "stats", q.scalar_type(), 2 * q.size(0) * q.size(1) * q.size(2));
-  check_like(tq, "tq", q);
-  check_like(tk, "tk", k);
-  check_like(tv, "tv", v);
   const std::optional<Program> mask =
       program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
                  mask_captured, mask_batch, Role::kMask);
@@ -737,22 +753,57 @@ std::tuple<Tensor, Tensor> tangent(
                                 threshold, keep_scale, block_q, block_k);
     read_blocks(pb, status, mask, mask_block_q, mask_block_k);
     pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
-    Direction<scalar_t> dir;
-    dir.diagonal = tdiagonal ? tdiagonal->data_ptr<scalar_t>() : nullptr;
-    dir.q = tq ? tq->data_ptr<scalar_t>() : nullptr;
-    dir.k = tk.has_value();
-    dir.v = tv ? tv->data_ptr<scalar_t>() : nullptr;
-    if (tbias) {
-      dir.bias = tbias->data_ptr<scalar_t>();
-      for (int a = 0; a < 4; ++a) dir.sb[a] = tbias->stride(a);
-    }
     const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
                                       v.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
                                       stats.data_ptr<scalar_t>(), kt.size(3)};
-    tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dir, dout.data_ptr<scalar_t>(),
-                           dlse.data_ptr<scalar_t>());
+    tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x,
+                           direction<scalar_t>(tq, tk, tv, tbias, tdiagonal),
+                           dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
   });
   return {dout, dlse};
+}
+
+// Forward mode in one pass (`tangent.h`, `forward_tangent_pass`): (O, stats) as `forward`
+// returns them, bit for bit, and (O', lse') as `tangent` does, from one walk over the key
+// tiles.  Arguments as `tangent`'s, without o and stats.
+std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& tq,
+    const std::optional<Tensor>& tk, const std::optional<Tensor>& tv,
+    const std::optional<Tensor>& tbias, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& keep, const std::optional<Tensor>& lo,
+    const std::optional<Tensor>& hi, const std::optional<Tensor>& row_words,
+    const std::optional<Tensor>& col_words, double scale, double cap, int64_t threshold,
+    double keep_scale, int64_t block_q, int64_t block_k, int64_t engine,
+    const std::optional<Tensor>& mask_code, const std::optional<Tensor>& mask_constants,
+    const std::optional<Tensor>& mask_indices, int64_t mask_out,
+    std::optional<at::TensorList> mask_captured, int64_t mask_batch,
+    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
+  check_inputs(q, k, v, block_q, block_k, engine);
+  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
+  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
+  const std::optional<Program> mask =
+      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
+                 mask_captured, mask_batch, Role::kMask);
+  Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor stats = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options());
+  Tensor dout = at::empty_like(o);
+  Tensor dlse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward_tangent", [&] {
+    const Tensor kt = panels<scalar_t>(k, block_k, tk);
+    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
+                                threshold, keep_scale, block_q, block_k);
+    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
+    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
+    const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
+                                      v.data_ptr<scalar_t>(), nullptr, nullptr, kt.size(3)};
+    forward_tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x,
+                                   direction<scalar_t>(tq, tk, tv, tbias, tdiagonal),
+                                   o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>(),
+                                   dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
+  });
+  return {o, stats, dout, dlse};
 }
 
 // dcaptured: one tensor per captured one, its shape in the compute dtype where wanted (and a
@@ -945,6 +996,14 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? tdiagonal=None) "
       "-> (Tensor, Tensor)");
   m.def(
+      "forward_tangent(Tensor q, Tensor k, Tensor v, Tensor? tq, Tensor? tk, Tensor? tv, "
+      "Tensor? tbias, Tensor? bias, Tensor? keep, Tensor? lo, Tensor? hi, Tensor? row_words, "
+      "Tensor? col_words, float scale, float cap, int threshold, float keep_scale, int block_q, "
+      "int block_k, int engine, Tensor? mask_code=None, Tensor? mask_constants=None, "
+      "Tensor? mask_indices=None, int mask_out=-1, Tensor[]? mask_captured=None, "
+      "int mask_batch=1, Tensor? status=None, int mask_block_q=1, int mask_block_k=1, "
+      "Tensor? diagonal=None, Tensor? tdiagonal=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
       "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");
   m.def("program_ops() -> str[]", &program_ops);
@@ -956,6 +1015,7 @@ TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {
   m.impl("forward", &forward);
   m.impl("backward", &backward);
   m.impl("tangent", &tangent);
+  m.impl("forward_tangent", &forward_tangent);
   m.impl("program_rows", &program_rows);
 }
 

@@ -1,4 +1,7 @@
 // Forward mode in the fused kernels: the tangents of O and lse along (q', k', v', bias', D').
+// Two passes: `tangent_pass` after autograd's forward (below), and `forward_tangent_pass`,
+// O and O' in one online-softmax walk where the tangents are known before the call (at the
+// end); both run each tile's tangent step through `tangent_tile`.
 //
 // Autograd runs the primal forward first, so the row statistics (m, log l) are final when
 // this pass runs and each tile's P is rebuilt from them exactly as backward rebuilds it
@@ -62,6 +65,7 @@ struct TangentOperands {
 template <typename T>
 struct TangentScratch {  // one block of query rows
   Buffer<T> q, a, s, t, slope, acc, mu;
+  Buffer<T> dacc, m, l, shift;  // the one pass's (`forward_tangent_pass`)
   std::unique_ptr<Runner<T>> mask;  // the BlockMask's mask program, when there is one
 };
 
@@ -114,6 +118,47 @@ TangentScratch<T> tangent_scratch(const Problem<T>& pb) {
   return s;
 }
 
+// One tile's forward-mode step, shared by both passes: P (the tangent pass's probabilities,
+// or the one-pass's E = exp(S - m)) in P, the tile's slope (or nullptr); S' formed in t from
+// A = a [r, inner] against the panel's rows from `panel` (A's half of [k^T ; k'^T]), then
+// mu += rowsum(P * S') and acc += (P * S' Z) v + (P Z) v'; P is left as P Z (dropout).
+template <typename T>
+void tangent_tile(const Problem<T>& pb, Engine engine, const Direction<T>& dir, int64_t b,
+                  int64_t h, int64_t i0, int64_t r, int64_t j0, int64_t c, const T* a,
+                  int64_t inner, const T* panel, const T* v_h, const T* tv_h, T* P, T* t,
+                  const T* slope, T* mu, T* acc) {
+  const int64_t bk = pb.block_k, dv = pb.dv, bh = b * pb.Hq + h;
+  if (dir.moves_scores()) {
+    if (inner > 0) product(engine, r, c, inner, a, inner, panel, bk, t, bk, false);
+    for (int64_t ii = 0; ii < r; ++ii) {
+      const int64_t i = i0 + ii;
+      const T* bias = dir.bias == nullptr ? nullptr
+          : dir.bias + b * dir.sb[0] + h * dir.sb[1] + i * dir.sb[2] + j0 * dir.sb[3];
+      const T* diagonal = dir.diagonal == nullptr ? nullptr
+          : dir.diagonal + (bh * pb.diagonals() + j0 - i + pb.Nq - 1);
+      mu[ii] += tangent_row(P + ii * bk, t + ii * bk, slope == nullptr ? nullptr : slope + ii * bk,
+                            diagonal, bias, dir.sb[3], inner > 0, c);
+    }
+    if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, t, bk);
+    product(engine, r, dv, c, t, bk, v_h + j0 * dv, dv, acc, dv, true);
+  }
+  if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, P, bk);
+  if (tv_h != nullptr) product(engine, r, dv, c, P, bk, tv_h + j0 * dv, dv, acc, dv, true);
+}
+
+// A's rows for S' (`tangent_pass`): s q of rows row0 .. into w.q, and [s q' | s q] (or the
+// half whose tangent is given) into w.a; returns A.
+template <typename T>
+const T* tangent_rows(const Problem<T>& pb, const T* q, const Direction<T>& dir, int64_t row0,
+                      int64_t r, int64_t inner, TangentScratch<T>& w) {
+  const int64_t d = pb.d;
+  scaled_rows(q + row0 * d, r, d, pb.scale, w.q.data(), d);
+  if (dir.q == nullptr) return w.q.data();
+  scaled_rows(dir.q + row0 * d, r, d, pb.scale, w.a.data(), inner);
+  if (dir.k) scaled_rows(q + row0 * d, r, d, pb.scale, w.a.data() + d, inner);
+  return w.a.data();
+}
+
 // The pass (file comment): O' into dout [B, Hq, Nq, dv] and lse' into dlse [B, Hq, Nq].
 template <typename T>
 void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>& x,
@@ -135,42 +180,19 @@ void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>&
         T *acc = w.acc.data(), *mu = w.mu.data();
         for (int64_t g = 0; g < pb.G; ++g) {
           const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h, row0 = bh * pb.Nq + i0;
-          scaled_rows(x.q + row0 * d, r, d, pb.scale, w.q.data(), d);
-          const T* a = w.q.data();
-          if (dir.q != nullptr) {
-            scaled_rows(dir.q + row0 * d, r, d, pb.scale, w.a.data(), inner);
-            if (dir.k) scaled_rows(x.q + row0 * d, r, d, pb.scale, w.a.data() + d, inner);
-            a = w.a.data();
-          }
+          const T* a = tangent_rows(pb, x.q, dir, row0, r, inner, w);
           std::fill(acc, acc + r * dv, T(0));
           std::fill(mu, mu + r, T(0));
           pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t ka, int64_t c) {
             const int64_t j0 = kb * bk + ka;
             const T* panel = kt_h + kb * x.rows * bk + ka;
-            T *P = w.s.data(), *t = w.t.data();
+            T* P = w.s.data();
             product(engine, r, c, d, w.q.data(), d, panel, bk, P, bk, false);  // forward's S
             mask_tile(pb, b, h, i0, r, j0, c, P, bk, slope, static_cast<Runner<T>*>(nullptr),
                       static_cast<T*>(nullptr), w.mask.get());
             probabilities(r, c, P, bk, x.stats + row0 * 2);
-            if (dir.moves_scores()) {
-              if (inner > 0) product(engine, r, c, inner, a, inner, panel + from * bk, bk, t, bk, false);
-              for (int64_t ii = 0; ii < r; ++ii) {
-                const int64_t i = i0 + ii;
-                const T* bias = dir.bias == nullptr ? nullptr
-                    : dir.bias + b * dir.sb[0] + h * dir.sb[1] + i * dir.sb[2] + j0 * dir.sb[3];
-                const T* diagonal = dir.diagonal == nullptr ? nullptr
-                    : dir.diagonal + (bh * pb.diagonals() + j0 - i + pb.Nq - 1);
-                mu[ii] += tangent_row(P + ii * bk, t + ii * bk,
-                                      slope == nullptr ? nullptr : slope + ii * bk, diagonal,
-                                      bias, dir.sb[3], inner > 0, c);
-              }
-              if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, t, bk);
-              product(engine, r, dv, c, t, bk, v_h + j0 * dv, dv, acc, dv, true);
-            }
-            if (tv_h != nullptr) {
-              if (pb.row_words != nullptr) drop(pb, bh, i0, r, j0, c, P, bk);
-              product(engine, r, dv, c, P, bk, tv_h + j0 * dv, dv, acc, dv, true);
-            }
+            tangent_tile(pb, engine, dir, b, h, i0, r, j0, c, a, inner, panel + from * bk, v_h,
+                         tv_h, P, w.t.data(), slope, mu, acc);
           });
           const T* o_h = x.o + row0 * dv;
           T* do_h = dout + row0 * dv;
@@ -178,6 +200,87 @@ void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>&
             for (int64_t e = 0; e < dv; ++e)
               do_h[ii * dv + e] = acc[ii * dv + e] * pb.keep_scale - mu[ii] * o_h[ii * dv + e];
             dlse[row0 + ii] = mu[ii];
+          }
+        }
+      });
+}
+
+// Forward mode in one pass (`forward_tangent`): O and the statistics (m, log l) as
+// `forward_impl` writes them -- the same products, `online_row` and `finish_row`, so the
+// same bits -- and with them O' and lse' (x.o and x.stats unused; o, stats, dout, dlse
+// written).  Per row, beside forward's running m, l and acc = sum E v (E = exp(S - m),
+// everything summed so far rescaled by alpha when m moves):
+//
+//   t    = sum rowsum(E * S')          -> mu l
+//   acc' = sum (E * S' Z) v + (E Z) v' -> (O' + mu O) l (1 - p)
+//
+// then mu = t / l = lse' and O' = acc' / (1 - p) / l - mu O: six products a tile (S, S', E v
+// and the three of `tangent_tile`, as the two passes' seven less forward's repeated S), one
+// exp a score.
+template <typename T>
+void forward_tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>& x,
+                          const Direction<T>& dir, T* o, T* stats, T* dout, T* dlse) {
+  const int64_t bq = pb.block_q, bk = pb.block_k, d = pb.d, dv = pb.dv, nk = pb.Nk;
+  const int64_t inner = ((dir.q != nullptr) + dir.k) * d;
+  const int64_t from = dir.q != nullptr ? 0 : d;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  for_each_unit<TangentScratch<T>>(
+      pb.B * pb.Hkv * pb.row_blocks(), engine,
+      [&] {
+        TangentScratch<T> s = tangent_scratch(pb);
+        s.dacc.resize(bq * dv);
+        s.m.resize(bq);
+        s.l.resize(bq);
+        s.shift.resize(bq);
+        return s;
+      },
+      [&](int64_t u, TangentScratch<T>& w) {
+        int64_t b, hk, blk;
+        pb.row_unit(u, b, hk, blk);
+        const int64_t i0 = blk * bq, r = std::min(bq, pb.Nq - i0), bhk = b * pb.Hkv + hk;
+        const T* kt_h = x.kt + bhk * pb.key_blocks() * x.rows * bk;
+        const T* v_h = x.v + bhk * nk * dv;
+        const T* tv_h = dir.v == nullptr ? nullptr : dir.v + bhk * nk * dv;
+        T* slope = w.slope.empty() ? nullptr : w.slope.data();
+        T *acc = w.acc.data(), *dacc = w.dacc.data(), *mu = w.mu.data();
+        T *m = w.m.data(), *l = w.l.data(), *shift = w.shift.data();
+        for (int64_t g = 0; g < pb.G; ++g) {
+          const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h, row0 = bh * pb.Nq + i0;
+          const T* a = tangent_rows(pb, x.q, dir, row0, r, inner, w);
+          std::fill(acc, acc + r * dv, T(0));
+          std::fill(dacc, dacc + r * dv, T(0));
+          std::fill(mu, mu + r, T(0));
+          std::fill(m, m + r, neg_inf);
+          std::fill(l, l + r, T(0));
+          std::fill(shift, shift + r, T(0));
+          pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t ka, int64_t c) {
+            const int64_t j0 = kb * bk + ka;
+            const T* panel = kt_h + kb * x.rows * bk + ka;
+            T* E = w.s.data();
+            product(engine, r, c, d, w.q.data(), d, panel, bk, E, bk, false);  // forward's S
+            mask_tile(pb, b, h, i0, r, j0, c, E, bk, slope, static_cast<Runner<T>*>(nullptr),
+                      static_cast<T*>(nullptr), w.mask.get());
+            for (int64_t ii = 0; ii < r; ++ii) {
+              const T alpha = online_row(E + ii * bk, c, m[ii], l[ii], shift[ii],
+                                         pb.row_words != nullptr);
+              rescale(acc + ii * dv, dv, alpha);
+              rescale(dacc + ii * dv, dv, alpha);
+              rescale(mu + ii, 1, alpha);
+            }
+            tangent_tile(pb, engine, dir, b, h, i0, r, j0, c, a, inner, panel + from * bk, v_h,
+                         tv_h, E, w.t.data(), slope, mu, dacc);
+            product(engine, r, dv, c, E, bk, v_h + j0 * dv, dv, acc, dv, true);  // E Z, as forward's
+          });
+          T* o_h = o + row0 * dv;
+          T* do_h = dout + row0 * dv;
+          for (int64_t ii = 0; ii < r; ++ii) {
+            const T denom = finish_row(acc + ii * dv, dv, pb.keep_scale, l[ii], shift[ii],
+                                       o_h + ii * dv, stats + (row0 + ii) * 2);
+            const T lse_dot = mu[ii] / denom;
+            for (int64_t e = 0; e < dv; ++e)
+              do_h[ii * dv + e] =
+                  dacc[ii * dv + e] * pb.keep_scale / denom - lse_dot * o_h[ii * dv + e];
+            dlse[row0 + ii] = lse_dot;
           }
         }
       });

@@ -246,6 +246,43 @@ inline T exp_row_(T* s, int64_t c, T shift, bool tiny) {
   return tiny ? exp_row_impl<Exp::kTiny>(s, c, shift) : exp_row_impl<Exp::kFast>(s, c, shift);
 }
 
+// One tile row of the online softmax (forward's and the one-pass forward mode's): the row
+// s[0 .. c) of scores becomes E = exp(s - shift), m, l and shift move to the new running
+// max; returns alpha, the factor what the row summed before takes (1: the max stayed put).
+template <typename T>
+inline T online_row(T* s, int64_t c, T& m, T& l, T& shift, bool tiny) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const T mx = row_max(s, c);  // NaN if any score is, and then m stays NaN
+  const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
+  // a row with no key yet keeps m = -inf; shift by 0 so exp(-inf) = 0, not NaN
+  const T sh = m_new == neg_inf ? T(0) : m_new;
+  const T sum = exp_row_(s, c, sh, tiny);
+  // the running max most often stays put after the first tiles: no exp then
+  const T alpha = m_new == m ? T(1) : std::exp(m - sh);
+  l = l * alpha + sum;
+  m = m_new;
+  shift = sh;
+  return alpha;
+}
+
+// x[0 .. n) *= alpha unless alpha is 1 (the running max moved: rescale what a row summed).
+template <typename T>
+inline void rescale(T* x, int64_t n, T alpha) {
+  if (alpha != T(1))
+    for (int64_t e = 0; e < n; ++e) x[e] *= alpha;
+}
+
+// The end of a row of the online softmax: O = acc (1 / (1 - p)) / l into o[0 .. dv) and the
+// statistics (shift, log l) into st[0 .. 2); returns the divisor (l, or 1 on a dead row).
+template <typename T>
+inline T finish_row(const T* acc, int64_t dv, T keep_scale, T l, T shift, T* o, T* st) {
+  const T denom = l == T(0) ? T(1) : l;
+  for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * keep_scale / denom;
+  st[0] = shift;
+  st[1] = l == T(0) ? std::numeric_limits<T>::infinity() : std::log(l);
+  return denom;
+}
+
 // Dropout: the hash's last steps for key j of a row whose word is `row`.
 inline bool keeps(int32_t row, int32_t col, int32_t threshold) {
   uint32_t x = static_cast<uint32_t>(row ^ col);
