@@ -54,7 +54,6 @@ from attngrad.core.amp import autocast_inputs, outside_autocast
 from attngrad.core.band import validate_segments, validate_window
 from attngrad.core.contract import (
     ArgumentError,
-    ArgumentTypeError,
     Shapes,
     check_flag,
     validate_attention,
@@ -67,6 +66,8 @@ from attngrad.ring.checks import (
     check_same_shards,
     documents_of,
     process_group,
+    rows_form,
+    shard_mask,
     tensor_kind,
     validate_ring,
 )
@@ -243,16 +244,6 @@ def _trade(trade: Trade, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # -- the keywords over rows: attn_mask and sinks -------------------------------------
 
 
-def _rows_form(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-    """x broadcastable to [*lead, H, n, c] as [Bx, Hx, nx, c], Bx = 1 or prod(lead) (a view
-    when x is broadcast over all of lead or none of it)."""
-    x = x.reshape((1,) * (len(lead) + 3 - x.ndim) + tuple(x.shape))
-    if any(d != 1 for d in x.shape[: len(lead)]):
-        x = x.expand(*lead, *x.shape[len(lead) :])
-        return x.reshape(math.prod(lead), *x.shape[len(lead) :])
-    return x.reshape(1, *x.shape[len(lead) :])
-
-
 def _to_heads(x: torch.Tensor, comm: RingComm, layout: str, heads: int, n: int) -> torch.Tensor:
     """x: [Bx, Hx, nx, c] in rows form (Hx 1 or ``heads``, nx 1 or the shard's n) ->
     [Bx, Hx', Nx, c]: the rank's heads (Hx' = H/P, or 1) over every row (Nx = N, or 1)
@@ -267,47 +258,9 @@ def _to_heads(x: torch.Tensor, comm: RingComm, layout: str, heads: int, n: int) 
     return x
 
 
-def _mask_form(
-    attn_mask: object, q: torch.Tensor, shapes: Shapes, world: int, is_causal: bool
-) -> torch.Tensor | None:
-    """attn_mask as [Bm, Hm, nm, Nk] (`_rows_form`), or ValueError/TypeError naming the fix."""
-    if attn_mask is None:
-        return None
-    if not isinstance(attn_mask, torch.Tensor):
-        raise ArgumentTypeError(
-            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
-        )
-    if is_causal:
-        raise ArgumentError(
-            "is_causal=True and an attn_mask were both given; pass one of them (window=(None, 0) "
-            "combines a causal band with any mask)."
-        )
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-        raise ArgumentTypeError(
-            f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = attend) or the "
-            f"query's dtype {q.dtype}. Try attn_mask.to({q.dtype})."
-        )
-    if attn_mask.device != q.device:
-        raise ArgumentError(f"attn_mask is on {attn_mask.device} but query is on {q.device}.")
-    n, full = shapes.seq_q, shapes.seq_q * world
-    target = (*shapes.lead, shapes.heads_q, n, full)
-    shape = tuple(attn_mask.shape)
-    fits = len(shape) <= len(target) and all(
-        m in (1, t) for m, t in zip(reversed(shape), reversed(target), strict=False)
-    )
-    if shapes.headless or not fits:
-        raise ArgumentError(
-            f"attn_mask has shape {shape}; under scheme='all_to_all' each rank passes the rows "
-            f"of its shard against every key, broadcastable to [..., Hq, N/P, N] = {target} "
-            "(keys in the sequence's true order, rows as the layout cuts them: "
-            "shard(mask, rank, P, layout) of the full [..., N, N] mask)."
-        )
-    return _rows_form(attn_mask, shapes.lead)
-
-
 def _sinks_form(sink: torch.Tensor | None, shapes: Shapes) -> torch.Tensor | None:
-    """validated sinks (broadcastable to [..., Hq, n]) as [Bs, Hs, ns, 1] (`_rows_form`)."""
-    return None if sink is None else _rows_form(sink.unsqueeze(-1), shapes.lead)
+    """validated sinks (broadcastable to [..., Hq, n]) as [Bs, Hs, ns, 1] (`rows_form`)."""
+    return None if sink is None else rows_form(sink.unsqueeze(-1), shapes.lead)
 
 
 def check_heads(shapes: Shapes, world: int) -> None:
@@ -444,7 +397,7 @@ def all_to_all_attention(
     ranks first (``settings``), then the heads' divisibility.
     """
     p, layout = comm.world, settings.layout
-    mask = _mask_form(attn_mask, q, shapes, p, settings.is_causal)
+    mask = shard_mask(attn_mask, q, shapes, p, settings.is_causal)
     sinks = _sinks_form(sink, shapes)
     wants = [n for n, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
     wants += ["attn_mask"] if mask is not None and mask.requires_grad else []

@@ -82,7 +82,6 @@ from attngrad.api import attention
 from attngrad.autograd.tangent import output_tangent
 from attngrad.core.band import Band, BandSpec, validate_window
 from attngrad.core.contract import (
-    ArgumentError,
     ArgumentTypeError,
     Shapes,
     check_flag,
@@ -98,6 +97,7 @@ from attngrad.ring.all_to_all import Keywords, all_to_all_attention
 from attngrad.ring.checks import (
     Settings,
     check_same_shards,
+    shard_mask,
     tensor_kind,
     validate_ring,
     validate_scheme,
@@ -663,50 +663,6 @@ def _ring_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def _ring_mask(
-    attn_mask: object, q: torch.Tensor, shapes: Shapes, world: int, is_causal: bool
-) -> torch.Tensor | None:
-    """attn_mask as [Bm, Hm, nm, Nkm] (Bm 1 or B, Hm 1 or Hq, nm 1 or N/P, Nkm 1 or N; views
-    where it can), or ValueError/TypeError naming the fix."""
-    if attn_mask is None:
-        return None
-    if not isinstance(attn_mask, torch.Tensor):
-        raise ArgumentTypeError(
-            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
-        )
-    if is_causal:
-        raise ArgumentError(
-            "is_causal=True and an attn_mask were both given; pass one of them (window=(None, 0) "
-            "combines a causal band with any mask)."
-        )
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-        raise ArgumentTypeError(
-            f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = attend) or the "
-            f"query's dtype {q.dtype}. Try attn_mask.to({q.dtype})."
-        )
-    if attn_mask.device != q.device:
-        raise ArgumentError(f"attn_mask is on {attn_mask.device} but query is on {q.device}.")
-    n, full = shapes.seq_q, shapes.seq_q * world
-    target = (*shapes.lead, shapes.heads_q, n, full)
-    shape = tuple(attn_mask.shape)
-    fits = len(shape) <= len(target) and all(
-        m in (1, t) for m, t in zip(reversed(shape), reversed(target), strict=False)
-    )
-    if shapes.headless or not fits:
-        raise ArgumentError(
-            f"attn_mask has shape {shape}; each rank passes the rows of its shard against "
-            f"every key, broadcastable to [..., Hq, N/P, N] = {target} (keys in the "
-            "sequence's true order, rows as the layout cuts them: shard(mask, rank, P, "
-            "layout) of the full [..., N, N] mask)."
-        )
-    lead = shapes.lead
-    m = attn_mask.reshape((1,) * (len(lead) + 3 - attn_mask.ndim) + shape)
-    if any(d != 1 for d in m.shape[: len(lead)]):
-        m = m.expand(*lead, *m.shape[len(lead) :])
-        return m.reshape(math.prod(lead), *m.shape[len(lead) :])
-    return m.reshape(1, *m.shape[len(lead) :])
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -853,7 +809,7 @@ def ring_attention(
             comm, q, k, v, shapes, settings, kw, attn_mask, sink, generator, return_lse
         )
         return (out, lse_a) if lse_a is not None else out
-    mask = _ring_mask(attn_mask, q, shapes, comm.world, is_causal)
+    mask = shard_mask(attn_mask, q, shapes, comm.world, is_causal)
     wants = [n for n, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
     wants += ["attn_mask"] if mask is not None and mask.requires_grad else []
     wants += ["sinks"] if sink is not None and sink.requires_grad else []

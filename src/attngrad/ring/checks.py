@@ -267,3 +267,52 @@ def check_same_shards(comm: RingComm, q: torch.Tensor, shapes: Shapes, settings:
         "every rank or none, and the same BlockMask, built for the full sequence; under "
         "packed_ring_attention the same cu_seqlens)."
     )
+
+
+def rows_form(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """x broadcastable to [*lead, H, n, c] as [Bx, Hx, nx, c], Bx = 1 or prod(lead) (a view
+    when x is broadcast over all of lead or none of it)."""
+    x = x.reshape((1,) * (len(lead) + 3 - x.ndim) + tuple(x.shape))
+    if any(d != 1 for d in x.shape[: len(lead)]):
+        x = x.expand(*lead, *x.shape[len(lead) :])
+        return x.reshape(math.prod(lead), *x.shape[len(lead) :])
+    return x.reshape(1, *x.shape[len(lead) :])
+
+
+def shard_mask(
+    attn_mask: object, q: torch.Tensor, shapes: Shapes, world: int, is_causal: bool
+) -> torch.Tensor | None:
+    """A rank's attn_mask -- the rows of its shard against every key, broadcastable to
+    [..., Hq, N/P, N] -- as [Bm, Hm, nm, Nkm] (`rows_form`: Bm 1 or B, Hm 1 or Hq, nm 1 or
+    N/P, Nkm 1 or N), or ValueError/TypeError naming the fix.  Both schemes take it so."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise ArgumentTypeError(
+            f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
+        )
+    if is_causal:
+        raise ArgumentError(
+            "is_causal=True and an attn_mask were both given; pass one of them (window=(None, 0) "
+            "combines a causal band with any mask)."
+        )
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        raise ArgumentTypeError(
+            f"attn_mask has dtype {attn_mask.dtype}; it must be bool (True = attend) or the "
+            f"query's dtype {q.dtype}. Try attn_mask.to({q.dtype})."
+        )
+    if attn_mask.device != q.device:
+        raise ArgumentError(f"attn_mask is on {attn_mask.device} but query is on {q.device}.")
+    target = (*shapes.lead, shapes.heads_q, shapes.seq_q, shapes.seq_q * world)
+    shape = tuple(attn_mask.shape)
+    fits = len(shape) <= len(target) and all(
+        m in (1, t) for m, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if shapes.headless or not fits:
+        raise ArgumentError(
+            f"attn_mask has shape {shape}; each rank passes the rows of its shard against "
+            f"every key, broadcastable to [..., Hq, N/P, N] = {target} (keys in the "
+            "sequence's true order, rows as the layout cuts them: shard(mask, rank, P, "
+            "layout) of the full [..., N, N] mask)."
+        )
+    return rows_form(attn_mask, shapes.lead)
