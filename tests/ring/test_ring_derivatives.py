@@ -13,14 +13,12 @@ of `attngrad.verify.rule` against the float64 reference.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from filelock import FileLock
+from process_group import launch, shared_run
 from test_all_to_all import A2ACase, _gather, _run, _single_fn, _sized
 
 import attngrad
@@ -141,38 +139,15 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     os._exit(0)
 
 
-def _launch(out_dir: Path, deadline: float = 120.0) -> list[int | None]:
-    """Run `_worker` on WORLD processes forked from a server that imported this module once;
-    their exit codes."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    procs = [
-        ctx.Process(target=_worker, args=(rank, str(out_dir / "store"), str(out_dir)))
-        for rank in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():  # never leave a worker behind, even when the test fails
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
-
-
 @pytest.fixture(scope="session")
 def ring_run(tmp_path_factory, worker_id) -> list[dict]:
     """Every rank's results; one launch per session, shared by pytest-xdist's workers."""
-    root = tmp_path_factory.getbasetemp()
-    root = root if worker_id == "master" else root.parent
-    out = root / "ring_derivatives_group"
-    with FileLock(str(root / "ring_derivatives_group.lock")):
-        if not (out / "exits.pt").exists():
-            out.mkdir(exist_ok=True)
-            torch.save(_launch(out), out / "exits.pt")
-    exits = torch.load(out / "exits.pt")
+    out, exits = shared_run(
+        tmp_path_factory,
+        worker_id,
+        "ring_derivatives_group",
+        lambda folder: launch(_worker, __name__, folder, WORLD, deadline=120.0),
+    )
     assert exits == [0] * WORLD, exits
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
