@@ -16,8 +16,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from filelock import FileLock
+
+
+def join(rank: int, store: str, world: int) -> dict[int, dist.ProcessGroup | None]:
+    """In a worker: one thread, join the gloo group of ``world`` ranks through the FileStore
+    ``store``; the groups of the first 2 .. world ranks by size (every rank makes each; None
+    for the whole group, the default one)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    groups: dict[int, dist.ProcessGroup | None] = {
+        w: dist.new_group(list(range(w))) for w in range(2, world)
+    }
+    groups[world] = None
+    return groups
 
 
 def launch(

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from process_group import launch, shared_run
+from process_group import join, launch, shared_run
 from torch.autograd import forward_ad
 
 import attngrad
@@ -189,11 +189,12 @@ CASES = _cases()
 CASE_INPUTS = {ac.id: seed for seed, ac in enumerate(CASES)}
 
 
-def _inputs(ac: A2ACase) -> dict:
-    """The case's full float64 inputs, and tangents for forward mode (`_tangent_names`)."""
-    seed = CASE_INPUTS[ac.id]
+def _inputs(ac: A2ACase, seeds: dict[str, int] = CASE_INPUTS, tangent_seed: int = 10_000) -> dict:
+    """The case's full float64 inputs, and tangents for forward mode (`_tangent_names`);
+    ``seeds``: its table's seed per case id, ``tangent_seed`` where the tangents' seeds start."""
+    seed = seeds[ac.id]
     full = make_inputs(ac.case, seed)
-    gen = torch.Generator().manual_seed(10_000 + seed)
+    gen = torch.Generator().manual_seed(tangent_seed + seed)
     for name in ("q", "k", "v", "mask", "sinks"):
         t = full.get(name)
         if t is not None and t.is_floating_point():
@@ -374,10 +375,7 @@ def _peer_dies(rank: int) -> tuple[str, str, float] | None:
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}  # every rank makes each
-    groups[WORLD] = None
+    groups = join(rank, store, WORLD)
     results: dict[str, object] = {}
     for ac in CASES:
         if rank < ac.world:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from process_group import launch, shared_run
+from process_group import join, launch, shared_run
 from torch.autograd import forward_ad
 
 import attngrad
@@ -301,10 +301,7 @@ def _errors(rank: int, group) -> dict[str, tuple[str, str]]:
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}  # every rank makes each
-    groups[WORLD] = None
+    groups = join(rank, store, WORLD)
     results: dict[str, object] = {}
     for fc in CASES:
         if rank < fc.world:

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from process_group import launch, shared_run
+from process_group import join, launch, shared_run
 from test_all_to_all import A2ACase, _gather, _run, _single_fn, _sized
+from test_all_to_all import _inputs as case_inputs
 
 import attngrad
 from attngrad.ring import ring_attention, shard, unshard
-from attngrad.verify.cases import make_inputs
 from attngrad.verify.rule import judge_outputs
 
 F32 = torch.float32
@@ -78,14 +78,7 @@ CASE_INPUTS = {ac.id: seed for seed, ac in enumerate(CASES)}
 
 def _inputs(ac: A2ACase) -> dict:
     """The case's full float64 inputs, and tangents for forward mode."""
-    seed = CASE_INPUTS[ac.id]
-    full = make_inputs(ac.case, seed)
-    gen = torch.Generator().manual_seed(20_000 + seed)
-    for name in ("q", "k", "v", "mask", "sinks"):
-        t = full.get(name)
-        if t is not None and t.is_floating_point():
-            full["t" + name] = torch.randn(t.shape, generator=gen, dtype=torch.float64)
-    return full
+    return case_inputs(ac, CASE_INPUTS, 20_000)
 
 
 def _ring_fn(ac: A2ACase, group=None):
@@ -124,10 +117,7 @@ def _torch_func(rank: int, world: int, group) -> tuple[str, object]:
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}  # every rank makes each
-    groups[WORLD] = None
+    groups = join(rank, store, WORLD)
     results: dict[str, object] = {}
     for ac in CASES:
         if rank < ac.world:
