@@ -200,6 +200,25 @@ class Strategy(ABC, Generic[T]):
         """
         return None
 
+    def second_order(
+        self,
+        problem: Problem[T],
+        saved: Saved,
+        cotangents: tuple[torch.Tensor | None, ...],
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        need: tuple[bool, ...],
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        """The second-order pass in the strategy's own kernels: the gradients of <g, (dq, dk,
+        dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias, *captured) in the compute
+        dtype, None where ``need`` says no -- or None where it has none for this call (the
+        default), and `attngrad.autograd.second_order` runs the shared tiled pass.
+
+        cotangents g = (g_q, g_k, g_v, g_bias, *g_captured), each like its input, None for
+        zero; dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: what forward saved.
+        """
+        return None
+
     def pass_blocks(self, problem: Problem[T]) -> Blocks:
         """The tiles of forward mode and the second-order backward: flash's defaults."""
         return tile_sizes(problem.shapes)

@@ -67,7 +67,7 @@ __all__ = [
 NAME = "attngrad_fused"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("fused.cpp",)
-HEADERS = ("elementary.h", "peak.h", "products.h", "program.h", "tangent.h", "tile.h")
+HEADERS = ("elementary.h", "peak.h", "products.h", "program.h", "second.h", "tangent.h", "tile.h")
 ENGINES = ("brgemm", "micro", "aten")  # the order of csrc/products.h's Engine
 
 # The vector width at::vec compiles for: ATen's own names and the flags that enable them.

@@ -61,6 +61,18 @@ class Diagonal:
         dx = self._flip(dd).reshape(self.zero.shape)
         self.term.pullback_(self.zero, self.distances, TERM_KEY, dx, dcaptured)
 
+    def second(
+        self, dd: torch.Tensor, dd_hat: torch.Tensor, dots: Sequence[torch.Tensor | None],
+        dcaptured: Sequence[torch.Tensor | None],
+    ) -> None:  # fmt: skip
+        """The term's second-order terms: dcaptured[n] += (dt/dtheta_n)^T dD-hat + d/dtheta_n
+        <dD, dt/dtheta [theta-dot]>, from dD and dD-hat (dS' and S-hat summed along the
+        diagonals, like D) and theta-dot = ``dots`` (the cotangents of the captured tensors'
+        gradients, None for zero); None entries of ``dcaptured`` are not wanted."""
+        shape = self.zero.shape
+        ds, s_hat = (self._flip(x).reshape(shape) for x in (dd, dd_hat))
+        self.term.second(self.zero, self.distances, TERM_KEY, ds, s_hat, None, dots, dcaptured)
+
     def _flip(self, x: torch.Tensor) -> torch.Tensor:
         """Ascending distance i - j <-> ascending j - i, as [B, Hq, Nq + Nk - 1]."""
         b, _, hq, n = self.zero.shape[:4]

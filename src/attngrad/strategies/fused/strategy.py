@@ -363,6 +363,63 @@ class Fused(KeepsOutput[Tiles]):
         o = o.to(problem.q.dtype)
         return o, {"o": o, "stats": stats}, do.to(problem.q.dtype), dlse
 
+    def second_order(
+        self,
+        problem: Problem[Tiles],
+        saved: Saved,
+        cotangents: tuple[torch.Tensor | None, ...],
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        need: tuple[bool, ...],
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        """The second-order kernel (``csrc/second.h``) along the cotangents g = (g_q, g_k,
+        g_v, g_bias, *g_captured); None for a score function other than a relative one or a
+        softcap (a program), which the shared tiled pass runs.  A relative score function's
+        captured tensors move its term by D' (`_diagonal_tangent`) and get their gradients
+        from dS and S-hat summed along the diagonals (`Diagonal.second`)."""
+        diagonal = _diagonal(problem)
+        if problem.mods.score is not None and diagonal is None and _softcap_mod(problem) is None:
+            return None
+        library = build.load()
+        g_q, g_k, g_v, g_bias, *g_captured = cotangents
+        need_dout, need_dlse, need_q, need_k, need_v, need_bias, *need_captured = need
+        bias, captured = problem.mods.bias, problem.mods.captured
+        need_bias = need_bias and bias is not None
+        grad_captured = [
+            torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, problem.dtype))
+            if wanted and t.is_floating_point()
+            else None
+            for t, wanted in zip(captured, need_captured, strict=True)
+        ]
+        by_diagonal: dict[str, object] = {}
+        need_sums = False
+        if diagonal is not None:
+            need_sums = any(g is not None for g in grad_captured)
+            dot = _diagonal_tangent(diagonal[0], g_captured)
+            by_diagonal = {"diagonal": diagonal[1], "gdiagonal": dot}
+        qc, kc, vc, doc = _operands(problem.q, problem.k, problem.v, dout)
+        moved = [None if t is None else _operands(t)[0] for t in (g_q, g_k, g_v)]
+        scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
+        bias_dot = None if g_bias is None else g_bias.to(qc.dtype).expand(scores)
+        stats = saved["stats"].to(qc.dtype).contiguous()
+        dlse_c = None if dlse is None else dlse.to(qc.dtype).contiguous()
+        before, after, blocks = _mod_args(problem)
+        tiles = problem.tiles
+        wanted = [need_dout, need_dlse, need_q, need_k, need_v, need_bias, need_sums]
+        g_dout, r, grad_q, grad_k, grad_v, s_hat, dd, dd_hat = torch.ops.attngrad_fused.second(
+            doc, qc, kc, vc, stats, dlse_c, *moved, bias_dot, *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, wanted, **blocks, **by_diagonal,
+        )  # fmt: skip
+        if need_sums and diagonal is not None:
+            diagonal[0].second(dd, dd_hat, g_captured, grad_captured)
+        grad_bias = s_hat.sum_to_size(bias.shape) if need_bias and bias is not None else None
+        results = (g_dout, r, grad_q, grad_k, grad_v)
+        return (
+            *(t if wanted[n] else None for n, t in enumerate(results)),
+            grad_bias,
+            *grad_captured,
+        )
+
     def backward_into(self, backward: Backward[Tiles]) -> None:
         """The backward kernel from backward.dout, its dq, dk, dv (and dS for a bias
         gradient) added into backward.grads (`attngrad.core.interface`).

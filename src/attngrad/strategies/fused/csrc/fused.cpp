@@ -17,6 +17,10 @@
 //             bit as forward's, O' and lse' from the same tiles' E = exp(S - m), rescaled
 //             with forward's sums when m moves (forward mode when the tangents are known
 //             before the primal call)
+//   second    units (b, kv head, slab of query blocks), each block's key tiles walked twice
+//             (`second.h`): P, dP, G = L(g), W = dO g_v^T kept and the row sums r, rho'
+//             formed, then dS, S-hat, D-hat and the gradients of <g, (dq, dk, dv, dbias)>
+//             (double backward, Hessian-vector products); grad k, grad v summed per slab
 //
 // Units are independent (no atomics on results: each dK/dV row and each slab's dQ rows
 // belong to one unit), the partition is a function of the shape alone, and each unit's
@@ -49,10 +53,12 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "peak.h"
 #include "products.h"
+#include "second.h"
 #include "tangent.h"
 #include "tile.h"
 
@@ -230,25 +236,6 @@ void slope_(int64_t r, int64_t c, T* dS, const T* slope, int64_t ld) {
     for (int64_t j = 0; j < c; ++j) dS[ii * ld + j] *= slope[ii * ld + j];
 }
 
-// dS of a tile into ds_out [B, Hq, Nq, Nk] (the bias gradient), when asked for.
-template <typename T>
-void store_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0,
-                         int64_t c, const T* dS, T* ds_out) {
-  if (ds_out == nullptr) return;
-  T* dst = ds_out + (bh * pb.Nq + i0) * pb.Nk + j0;
-  for (int64_t ii = 0; ii < r; ++ii)
-    std::copy(dS + ii * pb.block_k, dS + ii * pb.block_k + c, dst + ii * pb.Nk);
-}
-
-// dS' of a tile summed along its diagonals into dD's rows of head g of the group (dd: the
-// unit's [G, Nq + Nk - 1] sums), row by row, each row one vector pass.
-template <typename T>
-void diagonal_gradient(const Problem<T>& pb, int64_t g, int64_t i0, int64_t r, int64_t j0,
-                       int64_t c, const T* dS, T* dd) {
-  T* base = dd + g * pb.diagonals() + (j0 + pb.Nq - 1);
-  for (int64_t ii = 0; ii < r; ++ii) add_row(base - (i0 + ii), dS + ii * pb.block_k, c);
-}
-
 // The backward program on each row of the tile: SCORE = the capped row (raw), GRAD = dS'
 // (in dS), its out into dS, zero where the mask drops a key; then the bounds check.
 // `blocks`: the tile's BlockMask verdicts (`mask_tile`), or nullptr.
@@ -366,41 +353,6 @@ void key_block(const Problem<T>& pb, Engine engine, const Operands<T>& x, const 
   std::copy(w.dv.begin(), w.dv.begin() + c * dvd, dv + (bhk * nk + j0) * dvd);
 }
 
-// Slabs of key blocks per kv head: enough units for eight threads where B * Hkv is small,
-// at most kMaxSlabs (each slab past the first holds a partial dQ of the head's rows).  A
-// function of the shape alone, so every thread count runs the same partition.
-constexpr int64_t kUnits = 8, kMaxSlabs = 4;
-
-template <typename T>
-int64_t slab_count(const Problem<T>& pb) {
-  const int64_t heads = pb.B * pb.Hkv;
-  if (heads == 0) return 1;
-  return std::clamp<int64_t>((kUnits + heads - 1) / heads, 1,
-                             std::min<int64_t>(kMaxSlabs, std::max<int64_t>(1, pb.key_blocks())));
-}
-
-// [edge[s], edge[s + 1]): the key blocks of slab s, cut where the tiles they cost (the row
-// blocks each reaches, causal or not) are shared evenly.
-template <typename T>
-std::vector<int64_t> slab_edges(const Problem<T>& pb, const Spans<T>& spans, int64_t slabs) {
-  const int64_t blocks = pb.key_blocks();
-  std::vector<int64_t> cost(blocks + 1, 0);  // cost[kb]: tiles of key blocks before kb
-  for (int64_t kb = 0; kb < blocks; ++kb) {
-    int64_t tiles = 0;
-    for (size_t rb = 0; rb < spans.first.size(); ++rb)
-      tiles += kb >= spans.first[rb] && kb < spans.stop[rb];
-    cost[kb + 1] = cost[kb] + tiles + 1;  // + 1: a block's own panels and sums
-  }
-  std::vector<int64_t> edge(slabs + 1, blocks);
-  edge[0] = 0;
-  for (int64_t s = 1; s < slabs; ++s) {
-    const int64_t target = cost[blocks] * s / slabs;
-    edge[s] = std::lower_bound(cost.begin(), cost.end(), target) - cost.begin();
-    edge[s] = std::clamp(edge[s], edge[s - 1], blocks);
-  }
-  return edge;
-}
-
 // The backward pass: units (b, kv head, slab of key blocks), each walking its key blocks in
 // order; slab 0 adds dS k into dq, slab s > 0 into partial[s - 1], and the partials join dq
 // in slab order afterwards (then dq *= scale): no atomics, the same sums for any threads.
@@ -413,8 +365,12 @@ template <typename T>
 void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T* dq, T* dk,
                    T* dv, T* ds_out, const std::vector<T*>& dcaptured, T* ddiagonal) {
   const Spans<T> spans(pb);
-  const int64_t slabs = slab_count(pb), group = pb.G * pb.Nq * pb.d;
-  const std::vector<int64_t> edge = slab_edges(pb, spans, slabs);
+  const int64_t slabs = slab_count(pb, pb.key_blocks()), group = pb.G * pb.Nq * pb.d;
+  std::vector<int64_t> cost(pb.key_blocks(), 1);  // a key block's tiles, + 1: its panels and sums
+  for (int64_t kb = 0; kb < pb.key_blocks(); ++kb)
+    for (size_t rb = 0; rb < spans.first.size(); ++rb)
+      cost[kb] += kb >= spans.first[rb] && kb < spans.stop[rb];
+  const std::vector<int64_t> edge = slab_edges(cost, slabs);
   const int64_t size = pb.B * pb.Hq * pb.Nq * pb.d, units = pb.B * pb.Hkv * slabs;
   Buffer<T> partial((slabs - 1) * size);  // each unit zeroes its own rows
   std::vector<int64_t> offset(dcaptured.size(), -1);  // capture a's place in a unit's buffers
@@ -685,19 +641,22 @@ void check_like(const std::optional<Tensor>& t, const char* name, const Tensor& 
                    " must have q's dtype ", like.scalar_type(), ", got ", t->scalar_type());
 }
 
-// The tangents' checks, both forward-mode ops': tq, tk, tv like q, k, v; tbias at the
-// scores' shape; tdiagonal like the diagonal term D (and only beside it).
+// The tangents' checks, both forward-mode ops' (and the second-order op's cotangents,
+// `prefix` "g"): tq, tk, tv like q, k, v; tbias at the scores' shape; tdiagonal like the
+// diagonal term D (and only beside it).
 void check_tangents(const Tensor& q, const Tensor& k, const Tensor& v,
                     const std::optional<Tensor>& tq, const std::optional<Tensor>& tk,
                     const std::optional<Tensor>& tv, const std::optional<Tensor>& tbias,
-                    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
+                    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal,
+                    const std::string& prefix = "t") {
   check_mask(q, k, tbias, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   check_diagonal(q, k, std::nullopt, diagonal);
-  TORCH_CHECK_VALUE(diagonal || !tdiagonal, "attngrad_fused: tdiagonal without a diagonal");
+  TORCH_CHECK_VALUE(diagonal || !tdiagonal, "attngrad_fused: ", prefix, "diagonal without a ",
+                    "diagonal");
   check_diagonal(q, k, std::nullopt, tdiagonal);
-  check_like(tq, "tq", q);
-  check_like(tk, "tk", k);
-  check_like(tv, "tv", v);
+  check_like(tq, (prefix + "q").c_str(), q);
+  check_like(tk, (prefix + "k").c_str(), k);
+  check_like(tv, (prefix + "v").c_str(), v);
 }
 
 // The tangents as the passes read them (`Direction`).
@@ -804,6 +763,85 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
                                    dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
   });
   return {o, stats, dout, dlse};
+}
+
+// The second-order pass (`second.h`): for the cotangents gq, gk, gv (like q, k, v), gbias
+// (like bias, at the scores' shape) and gdiagonal (like the diagonal term D) of the first
+// order's gradients, None for zero, the gradients of their inner product with (dq, dk, dv,
+// dbias, dD) with respect to (dout, dlse, q, k, v, bias, D): (grad dout, grad dlse = r,
+// grad q, grad k, grad v, S-hat at the scores' shape [B, Hq, Nq, Nk], and dS's and
+// S-hat's sums along D's diagonals), each an empty [0] tensor where `need` (seven flags in
+// that order; the last for both diagonal sums) says no.  dlse: lse's cotangent or None.
+// The mask arguments and D as forward's; no score program.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> second(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
+    const std::optional<Tensor>& dlse, const std::optional<Tensor>& gq,
+    const std::optional<Tensor>& gk, const std::optional<Tensor>& gv,
+    const std::optional<Tensor>& gbias, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& keep, const std::optional<Tensor>& lo,
+    const std::optional<Tensor>& hi, const std::optional<Tensor>& row_words,
+    const std::optional<Tensor>& col_words, double scale, double cap, int64_t threshold,
+    double keep_scale, int64_t block_q, int64_t block_k, int64_t engine,
+    const c10::List<bool>& need, const std::optional<Tensor>& mask_code,
+    const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
+    int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
+    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& gdiagonal) {
+  check_inputs(q, k, v, block_q, block_k, engine);
+  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  check_tangents(q, k, v, gq, gk, gv, gbias, diagonal, gdiagonal, "g");
+  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
+  TORCH_CHECK_VALUE(need.size() == 7, "attngrad_fused: need must have 7 flags (dout, dlse, q, ",
+                    "k, v, bias, diagonal), got ", need.size());
+  TORCH_CHECK_VALUE(diagonal || !need.get(6), "attngrad_fused: need[6] (the diagonal sums) ",
+                    "without a diagonal");
+  const int64_t rows = q.size(0) * q.size(1) * q.size(2);
+  const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  check_like(dout, "dout", out_like);
+  check_optional(stats, "stats", q.scalar_type(), 2 * rows);
+  check_optional(dlse, "dlse", q.scalar_type(), rows);
+  const std::optional<Program> mask =
+      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
+                 mask_captured, mask_batch, Role::kMask);
+  auto wanted = [&](int n, at::IntArrayRef shape) {
+    return need.get(n) ? at::empty(shape, q.options()) : at::empty({0}, q.options());
+  };
+  Tensor g_dout = wanted(0, out_like.sizes()), r = wanted(1, {q.size(0), q.size(1), q.size(2)});
+  Tensor g_q = wanted(2, q.sizes()), g_k = wanted(3, k.sizes()), g_v = wanted(4, v.sizes());
+  Tensor s_hat = need.get(5) ? at::zeros({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options())
+                             : at::empty({0}, q.options());
+  Tensor dd = need.get(6) ? at::empty_like(*diagonal) : at::empty({0}, q.options());
+  Tensor dd_hat = need.get(6) ? at::empty_like(*diagonal) : at::empty({0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::second", [&] {
+    using T = scalar_t;
+    const Tensor kt = panels<T>(k, block_k, gk);  // g_k^T below k^T, as forward mode's k'^T
+    const Tensor vt = panels<T>(v, block_k);
+    const Tensor gvt = gv ? panels<T>(*gv, block_k) : Tensor();
+    auto pb = problem<T>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
+                         threshold, keep_scale, block_q, block_k);
+    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
+    pb.diagonal = diagonal ? diagonal->data_ptr<T>() : nullptr;
+    auto ptr = [](const std::optional<Tensor>& t) -> const T* {
+      return t ? t->data_ptr<T>() : nullptr;
+    };
+    const SecondOperands<T> x{q.data_ptr<T>(), k.data_ptr<T>(), ptr(gk), v.data_ptr<T>(),
+                              ptr(gv), dout.data_ptr<T>(), stats.data_ptr<T>(), ptr(dlse),
+                              kt.data_ptr<T>(), vt.data_ptr<T>(),
+                              gv ? gvt.data_ptr<T>() : nullptr, kt.size(3)};
+    auto into = [](Tensor& t) -> T* { return t.numel() > 0 ? t.data_ptr<T>() : nullptr; };
+    SecondOutputs<T> out;
+    out.dout = need.get(0) ? into(g_dout) : nullptr;
+    out.r = need.get(1) ? into(r) : nullptr;
+    out.q = need.get(2) ? into(g_q) : nullptr;
+    out.k = need.get(3) ? into(g_k) : nullptr;
+    out.v = need.get(4) ? into(g_v) : nullptr;
+    out.s_hat = need.get(5) ? into(s_hat) : nullptr;
+    out.dd = need.get(6) ? into(dd) : nullptr;
+    out.dd_hat = need.get(6) ? into(dd_hat) : nullptr;
+    second_pass<T>(pb, static_cast<Engine>(engine), x,
+                   direction<T>(gq, gk, gv, gbias, gdiagonal), out);
+  });
+  return {g_dout, r, g_q, g_k, g_v, s_hat, dd, dd_hat};
 }
 
 // dcaptured: one tensor per captured one, its shape in the compute dtype where wanted (and a
@@ -1004,6 +1042,15 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int mask_batch=1, Tensor? status=None, int mask_block_q=1, int mask_block_k=1, "
       "Tensor? diagonal=None, Tensor? tdiagonal=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "second(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor? dlse, "
+      "Tensor? gq, Tensor? gk, Tensor? gv, Tensor? gbias, Tensor? bias, Tensor? keep, "
+      "Tensor? lo, Tensor? hi, Tensor? row_words, Tensor? col_words, float scale, float cap, "
+      "int threshold, float keep_scale, int block_q, int block_k, int engine, bool[] need, "
+      "Tensor? mask_code=None, Tensor? mask_constants=None, Tensor? mask_indices=None, "
+      "int mask_out=-1, Tensor[]? mask_captured=None, int mask_batch=1, Tensor? status=None, "
+      "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? gdiagonal=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
       "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");
   m.def("program_ops() -> str[]", &program_ops);
@@ -1016,6 +1063,7 @@ TORCH_LIBRARY_IMPL(attngrad_fused, CPU, m) {
   m.impl("backward", &backward);
   m.impl("tangent", &tangent);
   m.impl("forward_tangent", &forward_tangent);
+  m.impl("second", &second);
   m.impl("program_rows", &program_rows);
 }
 

@@ -146,17 +146,18 @@ void tangent_tile(const Problem<T>& pb, Engine engine, const Direction<T>& dir, 
   if (tv_h != nullptr) product(engine, r, dv, c, P, bk, tv_h + j0 * dv, dv, acc, dv, true);
 }
 
-// A's rows for S' (`tangent_pass`): s q of rows row0 .. into w.q, and [s q' | s q] (or the
-// half whose tangent is given) into w.a; returns A.
+// A's rows for S' (the forward-mode passes, the second-order pass): s q of rows row0 .. into
+// qs ([r, d]), and [s q' | s q] (or the half whose tangent is given) into a ([r, inner]);
+// returns A.
 template <typename T>
 const T* tangent_rows(const Problem<T>& pb, const T* q, const Direction<T>& dir, int64_t row0,
-                      int64_t r, int64_t inner, TangentScratch<T>& w) {
+                      int64_t r, int64_t inner, T* qs, T* a) {
   const int64_t d = pb.d;
-  scaled_rows(q + row0 * d, r, d, pb.scale, w.q.data(), d);
-  if (dir.q == nullptr) return w.q.data();
-  scaled_rows(dir.q + row0 * d, r, d, pb.scale, w.a.data(), inner);
-  if (dir.k) scaled_rows(q + row0 * d, r, d, pb.scale, w.a.data() + d, inner);
-  return w.a.data();
+  scaled_rows(q + row0 * d, r, d, pb.scale, qs, d);
+  if (dir.q == nullptr) return qs;
+  scaled_rows(dir.q + row0 * d, r, d, pb.scale, a, inner);
+  if (dir.k) scaled_rows(q + row0 * d, r, d, pb.scale, a + d, inner);
+  return a;
 }
 
 // The pass (file comment): O' into dout [B, Hq, Nq, dv] and lse' into dlse [B, Hq, Nq].
@@ -180,7 +181,7 @@ void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>&
         T *acc = w.acc.data(), *mu = w.mu.data();
         for (int64_t g = 0; g < pb.G; ++g) {
           const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h, row0 = bh * pb.Nq + i0;
-          const T* a = tangent_rows(pb, x.q, dir, row0, r, inner, w);
+          const T* a = tangent_rows(pb, x.q, dir, row0, r, inner, w.q.data(), w.a.data());
           std::fill(acc, acc + r * dv, T(0));
           std::fill(mu, mu + r, T(0));
           pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t ka, int64_t c) {
@@ -246,7 +247,7 @@ void forward_tangent_pass(const Problem<T>& pb, Engine engine, const TangentOper
         T *m = w.m.data(), *l = w.l.data(), *shift = w.shift.data();
         for (int64_t g = 0; g < pb.G; ++g) {
           const int64_t h = hk * pb.G + g, bh = b * pb.Hq + h, row0 = bh * pb.Nq + i0;
-          const T* a = tangent_rows(pb, x.q, dir, row0, r, inner, w);
+          const T* a = tangent_rows(pb, x.q, dir, row0, r, inner, w.q.data(), w.a.data());
           std::fill(acc, acc + r * dv, T(0));
           std::fill(dacc, dacc + r * dv, T(0));
           std::fill(mu, mu + r, T(0));

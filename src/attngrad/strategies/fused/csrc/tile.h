@@ -378,16 +378,18 @@ void mask_blocks(const Problem<T>& pb, Runner<T>& mask, int64_t b, int64_t h, in
 }
 
 // Cap, run the score program or add the diagonal term, bias and mask the tile in place;
-// with a softcap, `slope` (like S) gets 1 - tanh^2.  `run`: the forward program's runner, or
-// nullptr (no program: no work per score beyond a test per row); `raw`: where backward keeps
-// the capped rows (like S) for its backward program's SCORE, or nullptr.  With a BlockMask
-// read by blocks, `mask` runs its mask program and `blocks` (like S; nullptr: not wanted,
-// but wanted whenever `run` is given) gets `mask_blocks`' verdicts, which the bounds checks
-// and backward's `zero_masked` read.
+// with a softcap, `slope` (like S) gets 1 - tanh^2 and `tanh` (like S; nullptr: not
+// wanted) t = tanh(S / cap), the softcap's record that the second-order pass reads.
+// `run`: the forward program's runner, or nullptr (no program: no work per score beyond a
+// test per row); `raw`: where backward keeps the capped rows (like S) for its backward
+// program's SCORE, or nullptr.  With a BlockMask read by blocks, `mask` runs its mask
+// program and `blocks` (like S; nullptr: not wanted, but wanted whenever `run` is given)
+// gets `mask_blocks`' verdicts, which the bounds checks and backward's `zero_masked` read.
 template <typename T>
 void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r, int64_t j0,
                int64_t c, T* S, int64_t ld, T* slope, Runner<T>* run = nullptr,
-               T* raw = nullptr, Runner<T>* mask = nullptr, uint8_t* blocks = nullptr) {
+               T* raw = nullptr, Runner<T>* mask = nullptr, uint8_t* blocks = nullptr,
+               T* tanh = nullptr) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -397,10 +399,12 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
     if (pb.cap != T(0)) {
       const Vec cap(pb.cap), one(T(1));
       T* sl = slope == nullptr ? nullptr : slope + ii * ld;
+      T* th = tanh == nullptr ? nullptr : tanh + ii * ld;
       for (int64_t j = 0; j < c; j += W) {
         int64_t n = std::min(W, c - j);
         Vec t = tanh_vec(Vec::loadu(s + j, n) / cap);
         if (sl != nullptr) (one - t * t).store(sl + j, n);
+        if (th != nullptr) t.store(th + j, n);
         (t * cap).store(s + j, n);
       }
     }
@@ -481,6 +485,55 @@ void transpose(int64_t r, int64_t c, const T* A, int64_t lda, T* At, int64_t ldt
       at::vec::transpose_mxn<T>(A + i * lda + j, lda, At + j * ldt + i, ldt,
                                 static_cast<int>(std::min(kB, r - i)),
                                 static_cast<int>(std::min(kB, c - j)));
+}
+
+// dS of a tile into ds_out [B, Hq, Nq, Nk] (a bias's gradient), when asked for.
+template <typename T>
+void store_score_gradient(const Problem<T>& pb, int64_t bh, int64_t i0, int64_t r, int64_t j0,
+                         int64_t c, const T* dS, T* ds_out) {
+  if (ds_out == nullptr) return;
+  T* dst = ds_out + (bh * pb.Nq + i0) * pb.Nk + j0;
+  for (int64_t ii = 0; ii < r; ++ii)
+    std::copy(dS + ii * pb.block_k, dS + ii * pb.block_k + c, dst + ii * pb.Nk);
+}
+
+// A tile (like dS') summed along its diagonals into dD's rows of head g of the group (dd: a
+// unit's [G, Nq + Nk - 1] sums), row by row, each row one vector pass.
+template <typename T>
+void diagonal_gradient(const Problem<T>& pb, int64_t g, int64_t i0, int64_t r, int64_t j0,
+                       int64_t c, const T* dS, T* dd) {
+  T* base = dd + g * pb.diagonals() + (j0 + pb.Nq - 1);
+  for (int64_t ii = 0; ii < r; ++ii) add_row(base - (i0 + ii), dS + ii * pb.block_k, c);
+}
+
+// Slabs per kv head of a pass whose units are (b, kv head, slab of `blocks` blocks): enough
+// units for eight threads where B * Hkv is small, at most kMaxSlabs (each slab past the
+// first holds a partial sum of what the head's slabs share).  A function of the shape
+// alone, so every thread count runs the same partition.
+constexpr int64_t kUnits = 8, kMaxSlabs = 4;
+
+template <typename T>
+int64_t slab_count(const Problem<T>& pb, int64_t blocks) {
+  const int64_t heads = pb.B * pb.Hkv;
+  if (heads == 0) return 1;
+  return std::clamp<int64_t>((kUnits + heads - 1) / heads, 1,
+                             std::min<int64_t>(kMaxSlabs, std::max<int64_t>(1, blocks)));
+}
+
+// [edge[s], edge[s + 1]): the blocks of slab s, cut where their costs (cost[n]: block n's,
+// the tiles it reaches and its own work) are shared evenly.
+inline std::vector<int64_t> slab_edges(const std::vector<int64_t>& cost, int64_t slabs) {
+  const int64_t blocks = static_cast<int64_t>(cost.size());
+  std::vector<int64_t> total(blocks + 1, 0);  // total[n]: the cost of blocks before n
+  for (int64_t n = 0; n < blocks; ++n) total[n + 1] = total[n] + cost[n];
+  std::vector<int64_t> edge(slabs + 1, blocks);
+  edge[0] = 0;
+  for (int64_t s = 1; s < slabs; ++s) {
+    const int64_t target = total[blocks] * s / slabs;
+    edge[s] = std::lower_bound(total.begin(), total.end(), target) - total.begin();
+    edge[s] = std::clamp(edge[s], edge[s - 1], blocks);
+  }
+  return edge;
 }
 
 }  // namespace attngrad_fused
