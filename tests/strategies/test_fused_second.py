@@ -282,7 +282,9 @@ def test_bitwise_identical_for_any_thread_count() -> None:
 
 
 @pytest.mark.parametrize("output", range(6))
-def test_a_wrong_second_order_output_is_caught(output: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_second_order_output_is_caught(
+    output: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a planted bug in each of the kernel's outputs (grad dO, grad dlse, grad q, grad k,
     # grad v, grad bias), 1e-6 off: the float64 check fails
     kernel = Fused.second_order
