@@ -31,6 +31,7 @@ import importlib.metadata
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -68,6 +69,8 @@ NAME = "attngrad_fused"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("fused.cpp",)
 HEADERS = ("elementary.h", "peak.h", "products.h", "program.h", "second.h", "tangent.h", "tile.h")
+# what a compiler without OpenMP says (not just any error: every command line has -fopenmp)
+_NO_OPENMP = re.compile(r"omp\.h|unsupported option '-fopenmp'|cannot find -l(?:g|i)?omp")
 ENGINES = ("brgemm", "micro", "aten")  # the order of csrc/products.h's Engine
 
 # The vector width at::vec compiles for: ATen's own names and the flags that enable them.
@@ -221,7 +224,7 @@ def _compile(directory: Path, quiet: bool) -> None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a compiler that fails
         hint = (
             " The compiler has no OpenMP: with clang, install libomp (or use g++)."
-            if "fopenmp" in str(e) + log.getvalue()
+            if _NO_OPENMP.search(str(e) + log.getvalue())
             else ""
         )
         raise BuildError(

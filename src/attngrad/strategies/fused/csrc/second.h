@@ -32,6 +32,7 @@
 // the same bits for any thread count.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -70,8 +71,10 @@ struct SecondOutputs {
 template <typename T>
 struct SecondScratch {  // one unit's: a block of query rows and its key tiles
   Buffer<T> qs, a, dos, dq, ddo, t;   // s q, [s g_q | s q], dO / (1 - p), sums, transposes
-  Buffer<T> p, dp, g, w;              // the kept tiles, [block_q, block_k] each per key tile
-  Buffer<T> slope, tanh, raw;         // a softcap's slope, t and x-dot, likewise
+  // The kept tiles, [block_q, block_k] each per key tile: P, dP, G, W and a softcap's slope,
+  // t and x-dot, in one tensor (from torch's allocator, so memory profiles count them).
+  at::Tensor kept;
+  T *p, *dp, *g, *w, *slope = nullptr, *tanh = nullptr, *raw = nullptr;
   Buffer<T> delta, rsum, rho, pgdp;   // per row
   std::vector<std::array<int64_t, 3>> tiles;  // the walk's (kb, first column, columns)
   std::unique_ptr<Runner<T>> mask;
@@ -88,9 +91,12 @@ SecondScratch<T> second_scratch(const Problem<T>& pb, int64_t inner) {
   s.dq.resize(bq * pb.d);
   s.ddo.resize(bq * pb.dv);
   s.t.resize(bq * bk);
-  for (Buffer<T>* x : {&s.p, &s.dp, &s.g, &s.w}) x->resize(kept);
-  if (pb.cap != T(0))
-    for (Buffer<T>* x : {&s.slope, &s.tanh, &s.raw}) x->resize(kept);
+  const bool cap = pb.cap != T(0);
+  s.kept = at::empty({(cap ? 7 : 4) * kept}, c10::CppTypeToScalarType<T>::value);
+  T* next = s.kept.template data_ptr<T>();
+  for (T** x : {&s.p, &s.dp, &s.g, &s.w}) *x = next, next += kept;
+  if (cap)
+    for (T** x : {&s.slope, &s.tanh, &s.raw}) *x = next, next += kept;
   for (Buffer<T>* x : {&s.delta, &s.rsum, &s.rho, &s.pgdp}) x->resize(bq);
   s.tiles.reserve(pb.key_blocks());
   if (pb.mask_program != nullptr) s.mask = std::make_unique<Runner<T>>(*pb.mask_program, bk);
@@ -182,14 +188,14 @@ void first_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x,
   pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t ka, int64_t c) {
     const int64_t n = static_cast<int64_t>(w.tiles.size()), j0 = kb * bk + ka;
     w.tiles.push_back({kb, ka, c});
-    T *P = w.p.data() + n * tile, *dP = w.dp.data() + n * tile;
-    T *G = w.g.data() + n * tile, *Wt = w.w.data() + n * tile;
-    T* slope = cap ? w.slope.data() + n * tile : nullptr;
+    T *P = w.p + n * tile, *dP = w.dp + n * tile;
+    T *G = w.g + n * tile, *Wt = w.w + n * tile;
+    T* slope = cap ? w.slope + n * tile : nullptr;
     const T* panel = kt_h + kb * x.rows * bk + ka;
     product(engine, r, c, pb.d, w.qs.data(), pb.d, panel, bk, P, bk, false);  // forward's S
     mask_tile(pb, b, h, i0, r, j0, c, P, bk, slope, static_cast<Runner<T>*>(nullptr),
               static_cast<T*>(nullptr), w.mask.get(), static_cast<uint8_t*>(nullptr),
-              cap ? w.tanh.data() + n * tile : nullptr);
+              cap ? w.tanh + n * tile : nullptr);
     probabilities(r, c, P, bk, x.stats + (bh * pb.Nq + i0) * 2);
     product(engine, r, c, pb.dv, w.dos.data(), pb.dv, vt_h + kb * pb.dv * bk + ka, bk, dP, bk,
             false);
@@ -209,7 +215,7 @@ void first_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x,
       T* g = G + ii * bk;
       if (inner == 0) std::fill(g, g + c, T(0));
       if (cap) {
-        std::copy(g, g + c, w.raw.data() + n * tile + ii * bk);  // x-dot, the softcap's
+        std::copy(g, g + c, w.raw + n * tile + ii * bk);  // x-dot, the softcap's
         for (int64_t j = 0; j < c; ++j) g[j] *= slope[ii * bk + j];
       }
       if (dir.diagonal != nullptr)
@@ -246,8 +252,8 @@ void second_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
   for (size_t n = 0; n < w.tiles.size(); ++n) {
     const auto [kb, ka, c] = w.tiles[n];
     const int64_t j0 = kb * bk + ka;
-    T *P = w.p.data() + n * tile, *dS = w.dp.data() + n * tile;
-    T *s_hat = w.g.data() + n * tile, *d_hat = w.w.data() + n * tile;
+    T *P = w.p + n * tile, *dS = w.dp + n * tile;
+    T *s_hat = w.g + n * tile, *d_hat = w.w + n * tile;
     for (int64_t ii = 0; ii < r; ++ii) {
       const T c_row = w.delta[ii] - (dlse == nullptr ? T(0) : dlse[ii]);
       hat_row(P + ii * bk, dS + ii * bk, s_hat + ii * bk, d_hat + ii * bk, c, c_row,
@@ -261,7 +267,7 @@ void second_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
     if (pb.cap != T(0))
       for (int64_t ii = 0; ii < r; ++ii) {
         const int64_t at = n * tile + ii * bk;
-        cap_row(w.slope.data() + at, w.tanh.data() + at, w.raw.data() + at, dS + ii * bk,
+        cap_row(w.slope + at, w.tanh + at, w.raw + at, dS + ii * bk,
                 s_hat + ii * bk, c, pb.cap);
       }
     if (pb.row_words != nullptr) {  // D-hat M and P M, (1 - p) in dO's rows
@@ -307,23 +313,25 @@ void second_pass(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
   const int64_t units = pb.B * pb.Hkv * slabs, kv = nk * d, kvv = nk * dv;
   const int64_t size_k = pb.B * pb.Hkv * kv, size_v = pb.B * pb.Hkv * kvv;
   // slab s > 0's sums of grad k and grad v (each unit zeroes its own rows)
-  Buffer<T> part_k(out.k == nullptr ? 0 : (slabs - 1) * size_k);
-  Buffer<T> part_v(out.v == nullptr ? 0 : (slabs - 1) * size_v);
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  const at::Tensor part_k = at::empty({out.k == nullptr ? 0 : (slabs - 1) * size_k}, dtype);
+  const at::Tensor part_v = at::empty({out.v == nullptr ? 0 : (slabs - 1) * size_v}, dtype);
   const int64_t diagonal = out.dd == nullptr ? 0 : pb.G * pb.diagonals();
-  Buffer<T> diagonal_sums(2 * units * diagonal);  // dd's and dd_hat's per unit, zeroed by it
+  // dd's and dd_hat's per unit, each zeroed by its unit
+  const at::Tensor diagonal_sums = at::empty({2 * units * diagonal}, dtype);
   for_each_unit<SecondScratch<T>>(
       units, engine, [&] { return second_scratch(pb, inner); },
       [&](int64_t u, SecondScratch<T>& w) {
         const int64_t s = u % slabs, hk = (u / slabs) % pb.Hkv, b = u / (slabs * pb.Hkv);
         const int64_t bhk = b * pb.Hkv + hk;
         T* gk = out.k == nullptr ? nullptr
-                : (s == 0 ? out.k : part_k.data() + (s - 1) * size_k) + bhk * kv;
+                : (s == 0 ? out.k : part_k.data_ptr<T>() + (s - 1) * size_k) + bhk * kv;
         T* gv = out.v == nullptr ? nullptr
-                : (s == 0 ? out.v : part_v.data() + (s - 1) * size_v) + bhk * kvv;
+                : (s == 0 ? out.v : part_v.data_ptr<T>() + (s - 1) * size_v) + bhk * kvv;
         if (gk != nullptr) std::fill(gk, gk + kv, T(0));
         if (gv != nullptr) std::fill(gv, gv + kvv, T(0));
         if (diagonal > 0) {
-          w.dd = diagonal_sums.data() + 2 * u * diagonal;
+          w.dd = diagonal_sums.data_ptr<T>() + 2 * u * diagonal;
           w.dd_hat = w.dd + diagonal;
           std::fill(w.dd, w.dd + 2 * diagonal, T(0));
         }
@@ -345,8 +353,9 @@ void second_pass(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
           }
         }
       });
-  auto join = [&](T* result, const Buffer<T>& part, int64_t size) {
+  auto join = [&](T* result, const at::Tensor& partial, int64_t size) {
     if (result == nullptr || slabs == 1) return;
+    const T* part = partial.data_ptr<T>();
     at::parallel_for(0, size, 1 << 14, [&](int64_t begin, int64_t end) {
       for (int64_t e = begin; e < end; ++e) {
         T sum = result[e];
@@ -364,7 +373,7 @@ void second_pass(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
       const int64_t group = e / diagonal, at = e % diagonal;
       T sum = T(0), sum_hat = T(0);
       for (int64_t s = 0; s < slabs; ++s) {
-        const T* own = diagonal_sums.data() + 2 * (group * slabs + s) * diagonal;
+        const T* own = diagonal_sums.data_ptr<T>() + 2 * (group * slabs + s) * diagonal;
         sum += own[at];
         sum_hat += own[diagonal + at];
       }
