@@ -3,7 +3,9 @@
 Two kernels: the one-pass ``forward_tangent`` (O and O' together, where the tangents are
 known before the call: torch.func.jvp, jacfwd, forward_ad dual levels) and the tangent
 pass after autograd's forward (``tangent``, where they are not); the case table runs
-through both (``path``), each with the other made to raise.
+through both (``path``), each with the other made to raise.  Both take a score function
+that is relative (learnable ALiBi, a relative table: its term D and its tangent D' along
+the diagonals, the captured tensor moving) or a softcap written as one.
 
 Every test but the fallback's runs with the shared tiled pass
 (`attngrad.autograd.tangent.tiled_tangent`) made to raise, so each answer here is the
@@ -206,6 +208,63 @@ def _flex_call(mask_mod: Callable[..., torch.Tensor]) -> Callable[..., Call]:
     return build_call
 
 
+def _scored_call(kind: str) -> Callable[..., Call]:
+    """A `Call` builder over attngrad.flex_attention with a causal BlockMask and a score
+    function the kernels take: "alibi" (learnable slopes [H], s - slopes[h] (i - j)),
+    "relative-table" (a learnable table [H, 2N - 1] read at i - j + N - 1), both relative,
+    their captured tensor a primal with its tangent ("theta"), or "softcap" (2 tanh(s / 2),
+    the kernels' softcap).  B=1, H=3, N=300: several of fused's default 128 x 256 tiles each
+    way (flex_attention takes no tile sizes), so the one pass rescales with D added."""
+    b, h, n, d = 1, 3, 300, 8
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = i >= j
+
+    def term(theta: torch.Tensor) -> torch.Tensor:  # [H, N, N], what the function adds
+        if kind == "alibi":
+            return -theta[:, None, None] * (i - j)
+        return theta[:, i - j + n - 1]
+
+    def build_call(dtype: torch.dtype, seed: int = 0) -> Call:
+        g = torch.Generator().manual_seed(seed)
+        x = {name: torch.randn(b, h, n, d, generator=g).to(dtype).double() for name in "qkv"}
+        if kind == "alibi":
+            x["theta"] = torch.rand(h, generator=g).to(dtype).double()
+        elif kind == "relative-table":
+            x["theta"] = torch.randn(h, 2 * n - 1, generator=g).to(dtype).double()
+        blocks = create_block_mask(_causal, None, None, n, n, "cpu")
+
+        def fused(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, k, v = (t[n_].to(dtype) for n_ in "qkv")
+            theta = t.get("theta", torch.zeros(())).to(dtype)
+
+            def score(s, b_, h_, i_, j_):  # type: ignore[no-untyped-def]
+                if kind == "alibi":
+                    return s - theta[h_] * (i_ - j_)
+                if kind == "relative-table":
+                    return s + theta[h_, i_ - j_ + n - 1]
+                return 2.0 * torch.tanh(s / 2.0)
+
+            out, lse = attngrad.flex_attention(
+                q, k, v, score_mod=score, block_mask=blocks, return_lse=True, strategy="fused"
+            )
+            return out, lse
+
+        def reference(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if kind == "softcap":
+                return (
+                    reference_attention(t["q"], t["k"], t["v"], keep, softcap=2.0),
+                    reference_lse(t["q"], t["k"], keep, softcap=2.0),
+                )
+            bias = term(t["theta"]).masked_fill(~keep, float("-inf"))
+            return reference_attention(t["q"], t["k"], t["v"], bias), reference_lse(
+                t["q"], t["k"], bias
+            )
+
+        return Call(x, fused, reference, keep, {"mask": keep})
+
+    return build_call
+
+
 SHAPE = (2, 3, 3, 37, 45, 16, 12)
 CASES: dict[str, Callable[..., Call]] = {
     "plain": _sdpa_call(SHAPE),
@@ -221,6 +280,10 @@ CASES: dict[str, Callable[..., Call]] = {
     "sinks": _sdpa_call(SHAPE, window=(None, 0), sinks=1.0),
     "blockmask-causal": _flex_call(_causal),
     "blockmask-dilated": _flex_call(_dilated),
+    # score functions the kernels take (the one pass too), the captured tensors moving
+    "flex-alibi": _scored_call("alibi"),
+    "flex-relative-table": _scored_call("relative-table"),
+    "flex-softcap": _scored_call("softcap"),
 }
 
 
@@ -270,10 +333,13 @@ def test_float64_matches_the_reference(name: str) -> None:
 
 
 @pytest.mark.usefixtures("kernel_only", "path")
-@pytest.mark.parametrize("name", ["softcap", "gqa-causal", "dropout", "blockmask-dilated"])
+@pytest.mark.parametrize(
+    "name", ["softcap", "gqa-causal", "dropout", "blockmask-dilated", "flex-relative-table"]
+)
 def test_each_tangent_is_its_own_term(name: str) -> None:
     # one input moves at a time: each of the kernel's terms (q' k^T, q k'^T, P v', bias',
-    # sinks') is checked alone against the reference, and moves the answer
+    # sinks', a relative term's D') is checked alone against the reference, and moves the
+    # answer
     call = CASES[name](torch.float64)
     full = _tangents(call)
     for moved in full:
@@ -565,8 +631,9 @@ def test_second_derivatives_around_the_one_pass() -> None:
 
 
 def test_the_one_pass_runs_where_the_tangents_are_known(monkeypatch: pytest.MonkeyPatch) -> None:
-    # counted: torch.func.jvp and a dual level take it; a plain call, a score function and
-    # reverse mode alone do not
+    # counted: torch.func.jvp and a dual level take it, a relative score function's call
+    # too (a captured tensor moving alone included); a plain call, a score function run as
+    # a program and reverse mode alone do not
     ran: list[bool] = []
     one = Fused.forward_tangent
 
@@ -593,6 +660,9 @@ def test_the_one_pass_runs_where_the_tangents_are_known(monkeypatch: pytest.Monk
 
     torch.func.jvp(scored, (x[0],), (t[0],))
     assert len(ran) == 2
+    slopes = torch.rand(2, dtype=torch.float64)
+    torch.func.jvp(lambda m: _alibi(*x[:3], m), (slopes,), (torch.randn_like(slopes),))
+    assert len(ran) == 3
 
 
 def test_a_wrong_one_pass_tangent_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -607,3 +677,143 @@ def test_a_wrong_one_pass_tangent_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     call = CASES["plain"](torch.float64)
     with pytest.raises(AssertionError):
         _check64(call, _tangents(call))
+
+
+# The one pass with a score function the kernels take (relative, or a softcap written as one).
+
+
+def _alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """Learnable ALiBi (slopes [Hq]) through flex_attention on fused (GQA)."""
+
+    def score(s, b, h, i, j):  # type: ignore[no-untyped-def]
+        return s - slopes[h] * (i - j)
+
+    out: torch.Tensor = attngrad.flex_attention(
+        q, k, v, score_mod=score, enable_gqa=True, strategy="fused"
+    )
+    return out
+
+
+def _alibi_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor
+) -> torch.Tensor:
+    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    return reference_attention(q, k, v, -slopes[:, None, None] * (i - j), enable_gqa=True)
+
+
+@pytest.fixture
+def one_pass_calls(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """The calls of the one-pass op ``forward_tangent``, each as the keywords it was given
+    (not None); the op still runs."""
+    op = torch.ops.attngrad_fused.forward_tangent
+    calls: list[set[str]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append({n for n, a in kwargs.items() if a is not None})
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.attngrad_fused, "forward_tangent", spy)
+    return calls
+
+
+@pytest.mark.usefixtures("kernel_only", "one_pass")
+@pytest.mark.parametrize("name", ["flex-alibi", "flex-relative-table", "flex-softcap"])
+def test_a_score_function_the_kernels_take_runs_in_the_one_pass(
+    name: str, one_pass_calls: list[set[str]]
+) -> None:
+    # tangents on q, k, v and the captured tensor, then on the captured tensor alone (q, k,
+    # v' None): the one-pass op runs, with D and D' where the function is relative
+    call = CASES[name](torch.float64)
+    tangents = _tangents(call)
+    _check64(call, tangents)
+    if "theta" in call.primals:
+        x = call.primals
+
+        def fn(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return call.fused(**{**x, "theta": theta})
+
+        def ref(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return call.reference(**{**x, "theta": theta})
+
+        got = torch.func.jvp(fn, (x["theta"],), (tangents["theta"],))[1]
+        want = torch.func.jvp(ref, (x["theta"],), (tangents["theta"],))[1]
+        assert relative_error({"out": got[0]}, {"out": want[0]}) <= TOL64
+        assert got[0].abs().max() > 1e-3
+    terms = {"diagonal", "tdiagonal"} if name != "flex-softcap" else set()
+    assert one_pass_calls and all(c & {"diagonal", "tdiagonal"} == terms for c in one_pass_calls)
+
+
+@pytest.mark.usefixtures("kernel_only", "one_pass")
+def test_one_pass_jacfwd_over_the_captured_tensor(one_pass_calls: list[set[str]]) -> None:
+    # jacfwd over q and the slopes (their tangents vmapped: the samples run one by one), and
+    # vmap over a jvp whose slopes' tangent is shared (the samples folded into the batch)
+    q, k, v, _ = _small(18)
+    slopes = torch.rand(2, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
+    got = torch.func.jacfwd(_alibi, argnums=(0, 3))(q, k, v, slopes)
+    want = torch.func.jacfwd(_alibi_reference, argnums=(0, 3))(q, k, v, slopes)
+    for a, b in zip(got, want, strict=True):
+        assert relative_error({"j": a}, {"j": b}) <= TOL64
+    tq = torch.randn(3, *q.shape, dtype=torch.float64)
+    t_slopes = torch.randn_like(slopes)
+
+    def along(f: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: torch.func.jvp(lambda a, m: f(a, k, v, m), (q, slopes), (t, t_slopes))[1]
+
+    got_v = torch.vmap(along(_alibi))(tq)
+    assert relative_error({"t": got_v}, {"t": torch.vmap(along(_alibi_reference))(tq)}) <= TOL64
+    assert one_pass_calls
+
+
+@pytest.mark.usefixtures("kernel_only", "one_pass")
+def test_one_pass_with_a_moving_captured_tensor_then_backward() -> None:
+    # a dual level over q, k, v and the slopes: the one pass takes the slopes' tangent as
+    # an input of FusedForwardTangent, and backward through it gives every gradient,
+    # the slopes' included
+    x, t = _small(20)[:3], _small(21)[:3]
+    g = torch.Generator().manual_seed(22)
+    x.append(torch.rand(2, generator=g, dtype=torch.float64))
+    t.append(torch.randn(2, generator=g, dtype=torch.float64))
+    leaves = [a.clone().requires_grad_() for a in x]
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(a, b) for a, b in zip(leaves, t, strict=True)]
+        out = _alibi(*duals)
+        primal, tangent_ = torch.autograd.forward_ad.unpack_dual(out)
+        assert type(out.grad_fn).__name__ == "FusedForwardTangentBackward"
+        cotangent = torch.randn_like(primal)
+        got = torch.autograd.grad(primal, leaves, cotangent)
+    _, want_t = torch.func.jvp(_alibi_reference, tuple(x), tuple(t))
+    assert relative_error({"t": tangent_}, {"t": want_t}) <= TOL64
+    ref = [a.clone().requires_grad_() for a in x]
+    want = torch.autograd.grad(_alibi_reference(*ref), ref, cotangent)
+    for a, b in zip(got, want, strict=True):
+        assert relative_error({"g": a}, {"g": b}) <= TOL64
+
+
+@pytest.mark.usefixtures("kernel_only", "one_pass")
+@pytest.mark.parametrize("dropped", [("tdiagonal",), ("diagonal", "tdiagonal")], ids=["D'", "D"])
+def test_a_one_pass_that_drops_the_term_is_caught(
+    dropped: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # planted bugs in the one pass: D' left out (the float64 check of O' fails) or the term
+    # itself (O is then not the plain forward's)
+    op = torch.ops.attngrad_fused.forward_tangent
+    ran: list[bool] = []
+
+    def without(*args: Any, **kwargs: Any) -> Any:
+        ran.append(True)
+        return op(*args, **{**kwargs, **dict.fromkeys(dropped)})
+
+    monkeypatch.setattr(torch.ops.attngrad_fused, "forward_tangent", without)
+    call = CASES["flex-alibi"](torch.float64)
+    names, tangents = list(call.primals), _tangents(call)
+
+    def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return call.fused(**dict(zip(names, xs, strict=True)))
+
+    (o, _), (d_out, _) = torch.func.jvp(fn, tuple(call.primals.values()), tuple(tangents.values()))
+    r_out = _jvp(call.reference, call.primals, tangents)[0]
+    assert ran
+    if dropped == ("tdiagonal",):
+        assert relative_error({"out": d_out}, {"out": r_out}) > 1e-3
+    else:
+        assert not torch.equal(o, call.fused(**call.primals)[0])

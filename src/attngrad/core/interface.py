@@ -194,9 +194,11 @@ class Strategy(ABC, Generic[T]):
         and (O', lse') as `tangent` does, or None where the strategy has no such pass for
         this call (the default: autograd's forward, then `tangent`).
 
-        tangents = (q', k', v', bias'), each like its input, None for zero.  Called from
-        `attngrad.strategies.base.ForwardTangentFunction` when the tangents are known before
-        the call (`attngrad.strategies.base.differentiable`).
+        tangents = (q', k', v', bias', *captured'), as `tangent` takes them: each like its
+        input (captured': the score function's captured tensors'), None for zero.  Called
+        from `attngrad.strategies.base.ForwardTangentFunction` when the tangents are known
+        before the call (`attngrad.strategies.base.differentiable`), where
+        `one_pass_tangent` said yes.
         """
         return None
 

@@ -121,9 +121,9 @@ class AttentionFunction(torch.autograd.Function):
 class ForwardTangentFunction(AttentionFunction):
     """`AttentionFunction` with forward mode in the same pass as the forward.
 
-    ForwardTangentFunction.apply(q, k, v, bias, keep, plan, *captured, q', k', v', bias')
-    -> AttentionFunction's outputs, then (O', lse') (non-differentiable): the tangents,
-    read before the call (`forward_tangents`), go in as inputs, the strategy's
+    ForwardTangentFunction.apply(q, k, v, bias, keep, plan, *captured, q', k', v', bias',
+    *captured') -> AttentionFunction's outputs, then (O', lse') (non-differentiable): the
+    tangents, read before the call (`forward_tangents`), go in as inputs, the strategy's
     `forward_tangent` computes O and O' together, and jvp returns the O' and lse' it made.
     Backward, double backward and the saved tensors are AttentionFunction's (the pass's O
     and statistics are the plain forward's).
@@ -131,15 +131,18 @@ class ForwardTangentFunction(AttentionFunction):
 
     @staticmethod
     def roles(plan: Plan[Any]) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]:
-        """AttentionFunction's, and bias' (the last input) is a mask too."""
-        n = 6 + plan.n_captured
-        return (3, 4, n + 3), tuple(range(6, n)), {}
+        """AttentionFunction's, bias' a mask too, and the captured tensors' tangents shared by
+        the whole call as the captured tensors are."""
+        n = plan.n_captured
+        first = 6 + n  # q'
+        return (3, 4, first + 3), (*range(6, first), *range(first + 4, first + 4 + n)), {}
 
     @staticmethod
     def forward(*args: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         q, k, v, bias, keep, plan, *rest = args
-        captured, dirs = rest[: len(rest) - 4], tuple(rest[len(rest) - 4 :])
-        problem = plan.problem(q, k, v, bias, keep, tuple(captured))
+        count = plan.n_captured
+        captured, dirs = tuple(rest[:count]), tuple(rest[count:])
+        problem = plan.problem(q, k, v, bias, keep, captured)
         result = plan.strategy.forward_tangent(problem, dirs)
         assert result is not None  # `differentiable` asked first
         o, saved, do, dlse = result
@@ -147,20 +150,22 @@ class ForwardTangentFunction(AttentionFunction):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        AttentionFunction.setup_context(ctx, inputs[:-4], output[:-2])
+        primals = 6 + inputs[5].n_captured  # q, k, v, bias, keep, plan, *captured
+        AttentionFunction.setup_context(ctx, inputs[:primals], output[:-2])
         do, dlse = output[-2:]
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_forward(*ctx.saved_for_forward, do, dlse)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*AttentionFunction.backward(ctx, *grads[:-2]), None, None, None, None)
+        tangents = 4 + ctx.plan.n_captured  # q', k', v', bias', *captured': no gradient
+        return (*AttentionFunction.backward(ctx, *grads[:-2]), *(None,) * tangents)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         # `forward_tangents` let the call in under exactly one forward-mode level, so the
-        # tangents of q, k, v and bias here are the ones the pass took; those of the tangent
-        # inputs (torch.func hands wrapped zeros) move no output
+        # tangents of q, k, v, bias and the captured tensors here are the ones the pass
+        # took; those of the tangent inputs (torch.func hands wrapped zeros) move no output
         do, dlse = ctx.saved_tensors[-2:]
         return (do, dlse, *(None for _ in ctx.plan.names), None, None)
 
@@ -174,11 +179,11 @@ def forward_tangents(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
     captured: list[torch.Tensor | None],
 ) -> tuple[torch.Tensor | None, ...] | None:  # fmt: skip
-    """The forward-mode tangents (q', k', v', bias') of a call about to be applied, when
-    exactly one forward-mode level is active here (a forward_ad dual level, or one
-    torch.func.jvp level with vmaps outside it: jacfwd; nothing else, so no tangent carries
-    a tangent of its own), not compiling, and no tangent needs a gradient; else None (also
-    when none moves q, k, v, bias, or a captured tensor moves).  Then
+    """The forward-mode tangents (q', k', v', bias', *captured') of a call about to be
+    applied, when exactly one forward-mode level is active here (a forward_ad dual level, or
+    one torch.func.jvp level with vmaps outside it: jacfwd; nothing else, so no tangent
+    carries a tangent of its own), not compiling, and no tangent needs a gradient; else None
+    (also when none moves q, k, v, bias or a captured tensor).  Then
     `ForwardTangentFunction` may compute O' with O."""
     if torch.compiler.is_compiling():  # torch.compile never sees the one pass
         return None
@@ -193,9 +198,7 @@ def forward_tangents(
             return None
         if any(x not in (TransformType.Jvp, TransformType.Vmap) for x in kinds):
             return None
-    if any(_tangent(t) is not None for t in captured):
-        return None
-    dirs = tuple(_tangent(t) for t in (q, k, v, bias))
+    dirs = tuple(_tangent(t) for t in (q, k, v, bias, *captured))
     if all(t is None for t in dirs):
         return None
     # a tangent with a gradient, or batched by the legacy vmap (gradcheck's batched forward

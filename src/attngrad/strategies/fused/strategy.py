@@ -12,14 +12,14 @@ requires grad gets its gradient through dS written at the scores' shape
 [B, Hq, Nq, Nk] and summed over the dims the mask broadcasts (that one
 gradient costs O(Nq * Nk) memory).  Forward mode runs in the kernels too
 (``csrc/tangent.h``: O' and lse' in one walk over each block of query rows'
-key tiles, P rebuilt from the saved statistics), with every keyword and a relative
-score function (its term's tangent D' added along the diagonals like a bias row); a
-call with any other ``score_mod`` (one run as a program, or a softcap written as
-one) takes the shared tiled pass (`attngrad.autograd.tangent`), as double backward
-always does.  Where the tangents are known before the call (torch.func.jvp, jacfwd, a
-forward_ad dual level) and there is no score function, O and O' come from one pass
-instead (`Fused.forward_tangent`, `FusedForwardTangent`: the online softmax carrying
-rowsum(E * S') and (E * S') v + E v' beside l and E v).
+key tiles, P rebuilt from the saved statistics), with every keyword, a relative score
+function (its term's tangent D' added along the diagonals like a bias row, moved by its
+captured tensors' tangents) and a softcap written as one (the kernels' softcap); a call
+with any other ``score_mod`` (one run as a program) takes the shared tiled pass
+(`attngrad.autograd.tangent`), as double backward always does.  Where the tangents are
+known before the call (torch.func.jvp, jacfwd, a forward_ad dual level), those calls get
+O and O' from one pass instead (`Fused.forward_tangent`, `FusedForwardTangent`: the
+online softmax carrying rowsum(E * S') and (E * S') v + E v' beside l and E v).
 
 A FlexAttention BlockMask reaches the kernels as their band when each row keeps one
 interval of keys; else as the band of its rows' non-empty blocks, its block status and
@@ -246,6 +246,34 @@ def _program_args(problem: Problem[Tiles], dcaptured: Sequence[object] | None) -
     return args
 
 
+def _kernel_tangent(problem: Problem[Tiles]) -> bool:
+    """Whether the forward-mode kernels take the call's score function: none, a softcap
+    written as one (`_softcap_mod`: the kernels' own softcap, whose slope they push) or a
+    relative one (`_diagonal`: D, and D' by diagonal); not one run as a program, which the
+    shared tiled pass takes."""
+    score = problem.mods.score
+    return score is None or _softcap_mod(problem) is not None or _diagonal(problem) is not None
+
+
+def _tangent_operands(
+    problem: Problem[Tiles], tangents: Sequence[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], dict[str, object]]:
+    """Both forward-mode ops' tangent operands along tangents = (q', k', v', bias',
+    *captured') (None: zero): [tq, tk, tv dense in the compute dtype, tbias at the scores'
+    [B, Hq, Nq, Nk]] and, by name, a relative score function's D and D'
+    (`_diagonal_tangent`).  A softcap written as a score function has no tensor here: its
+    captured tensors' tangents move nothing."""
+    t_q, t_k, t_v, t_bias, *t_captured = tangents
+    moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
+    scores = (*problem.q.shape[:3], problem.k.shape[2])  # [B, Hq, Nq, Nk]
+    moved.append(None if t_bias is None else t_bias.to(problem.dtype).expand(scores))
+    diagonal = _diagonal(problem)
+    if diagonal is None:
+        return moved, {}
+    dot = _diagonal_tangent(diagonal[0], t_captured)
+    return moved, {"diagonal": diagonal[1], "tdiagonal": dot}
+
+
 class FusedAttention(AttentionFunction):
     """`AttentionFunction` of strategy "fused" (FusedAttentionBackward in the graph)."""
 
@@ -310,55 +338,48 @@ class Fused(KeepsOutput[Tiles]):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """O' [B, Hq, Nq, dv] (input dtype) and lse' [B, Hq, Nq] (compute dtype) from the
         tangent kernel along tangents = (q', k', v', bias', *captured') (None: zero); None
-        for a score function other than a relative one (a program), which the shared tiled
-        pass runs.  A relative score function's term moves by D' (`_diagonal_tangent`)."""
-        diagonal = _diagonal(problem)
-        if problem.mods.score is not None and diagonal is None:
+        for a score function run as a program, which the shared tiled pass runs
+        (`_kernel_tangent`).  A relative score function's term moves by D'
+        (`_diagonal_tangent`)."""
+        if not _kernel_tangent(problem):
             return None
         library = build.load()
-        t_q, t_k, t_v, t_bias, *t_captured = tangents
-        by_diagonal = {}
-        if diagonal is not None:
-            dot = _diagonal_tangent(diagonal[0], t_captured)
-            by_diagonal = {"diagonal": diagonal[1], "tdiagonal": dot}
+        moved, by_name = _tangent_operands(problem, tangents)
         qc, kc, vc, oc = _operands(problem.q, problem.k, problem.v, o)
-        moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
-        scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
-        bias_dot = None if t_bias is None else t_bias.to(qc.dtype).expand(scores)
         stats = saved["stats"].to(qc.dtype).contiguous()
         before, after, blocks = _mod_args(problem)
         tiles = problem.tiles
         do, dlse = torch.ops.attngrad_fused.tangent(
-            qc, kc, vc, oc, stats, *moved, bias_dot, *before, problem.scale, *after,
-            tiles.block_q, tiles.block_k, library.engine_id, **blocks, **by_diagonal,
+            qc, kc, vc, oc, stats, *moved, *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, **blocks, **by_name,
         )  # fmt: skip
         return do.to(problem.q.dtype), dlse
 
     def one_pass_tangent(self, problem: Problem[Tiles]) -> bool:
-        """The one-pass kernel takes a call without a score function (no program, no term)."""
-        return problem.mods.score is None
+        """The one-pass kernel takes the calls the tangent kernel takes: no score function, a
+        relative one (D and D' by diagonal) or a softcap written as one; not a program."""
+        return _kernel_tangent(problem)
 
     def forward_tangent(
         self, problem: Problem[Tiles], tangents: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor, Saved, torch.Tensor, torch.Tensor] | None:
         """(O, saved) as `forward` and (O', lse') as `tangent` from the one-pass kernel
-        (``csrc/tangent.h``, `forward_tangent_pass`) along tangents = (q', k', v', bias');
-        None with a score function.  Only forward mode reaches it (never torch.compile:
+        (``csrc/tangent.h``, `forward_tangent_pass`) along tangents = (q', k', v', bias',
+        *captured'); None for a score function run as a program.  O and the statistics are
+        `forward`'s bits: the same D (a relative term) and softcap reach the same tile steps.
+        Only forward mode reaches it (never torch.compile:
         `attngrad.strategies.base.forward_tangents` declines while compiling), so the op
         has no fake."""
         if not self.one_pass_tangent(problem):
             return None
         library = build.load()
-        t_q, t_k, t_v, t_bias = tangents
+        moved, by_name = _tangent_operands(problem, tangents)
         qc, kc, vc = _operands(problem.q, problem.k, problem.v)
-        moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
-        scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
-        bias_dot = None if t_bias is None else t_bias.to(qc.dtype).expand(scores)
         before, after, blocks = _mod_args(problem)
         tiles = problem.tiles
         o, stats, do, dlse = torch.ops.attngrad_fused.forward_tangent(
-            qc, kc, vc, *moved, bias_dot, *before, problem.scale, *after,
-            tiles.block_q, tiles.block_k, library.engine_id, **blocks,
+            qc, kc, vc, *moved, *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, **blocks, **by_name,
         )  # fmt: skip
         o = o.to(problem.q.dtype)
         return o, {"o": o, "stats": stats}, do.to(problem.q.dtype), dlse
