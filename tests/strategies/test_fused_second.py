@@ -87,8 +87,13 @@ def _check64(call: Call, cotangents: dict[str, torch.Tensor]) -> tuple[torch.Ten
     return got
 
 
+# a score function run as a program has no second-order kernel: the tiled pass takes it
+# (`test_the_kernel_runs_and_declines_a_score_program`)
+KERNEL_CASES = [name for name in CASES if name != "flex-program"]
+
+
 @pytest.mark.usefixtures("kernel_only")
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", KERNEL_CASES)
 def test_float64_matches_the_reference(name: str) -> None:
     call = CASES[name](torch.float64)
     _check64(call, _draws(call, 1))

@@ -75,7 +75,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
             raise AssertionError("the one-pass kernel ran, not the two-pass one")
 
         monkeypatch.setattr(Fused, "forward_tangent", refuse)
-        monkeypatch.setattr(Fused, "one_pass_tangent", lambda self, problem: False)
+        monkeypatch.setattr(Fused, "one_pass_tangent", lambda self, problem, tangents: False)
     return str(request.param)
 
 
@@ -212,8 +212,9 @@ def _scored_call(kind: str) -> Callable[..., Call]:
     """A `Call` builder over attngrad.flex_attention with a causal BlockMask and a score
     function the kernels take: "alibi" (learnable slopes [H], s - slopes[h] (i - j)),
     "relative-table" (a learnable table [H, 2N - 1] read at i - j + N - 1), both relative,
-    their captured tensor a primal with its tangent ("theta"), or "softcap" (2 tanh(s / 2),
-    the kernels' softcap).  B=1, H=3, N=300: several of fused's default 128 x 256 tiles each
+    their captured tensor a primal with its tangent ("theta"), "softcap" (2 tanh(s / 2),
+    the kernels' softcap) or "program" (s + gate[h] tanh(s), a fixed gate: a program whose
+    slope 1 + gate (1 - tanh^2) varies score by score).  B=1, H=3, N=300: several of fused's default 128 x 256 tiles each
     way (flex_attention takes no tile sizes), so the one pass rescales with D added."""
     b, h, n, d = 1, 3, 300, 8
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
@@ -223,6 +224,8 @@ def _scored_call(kind: str) -> Callable[..., Call]:
         if kind == "alibi":
             return -theta[:, None, None] * (i - j)
         return theta[:, i - j + n - 1]
+
+    gate = torch.linspace(-1.0, 2.0, h, dtype=torch.float64)
 
     def build_call(dtype: torch.dtype, seed: int = 0) -> Call:
         g = torch.Generator().manual_seed(seed)
@@ -236,12 +239,15 @@ def _scored_call(kind: str) -> Callable[..., Call]:
         def fused(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q, k, v = (t[n_].to(dtype) for n_ in "qkv")
             theta = t.get("theta", torch.zeros(())).to(dtype)
+            gate_c = gate.to(dtype)
 
             def score(s, b_, h_, i_, j_):  # type: ignore[no-untyped-def]
                 if kind == "alibi":
                     return s - theta[h_] * (i_ - j_)
                 if kind == "relative-table":
                     return s + theta[h_, i_ - j_ + n - 1]
+                if kind == "program":
+                    return s + gate_c[h_] * torch.tanh(s)
                 return 2.0 * torch.tanh(s / 2.0)
 
             out, lse = attngrad.flex_attention(
@@ -250,6 +256,11 @@ def _scored_call(kind: str) -> Callable[..., Call]:
             return out, lse
 
         def reference(**t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if kind == "program":
+                scores = t["q"] @ t["k"].transpose(-2, -1) * d**-0.5
+                scores = scores + gate[:, None, None] * torch.tanh(scores)
+                scores = scores.masked_fill(~keep, float("-inf"))
+                return torch.softmax(scores, dim=-1) @ t["v"], torch.logsumexp(scores, dim=-1)
             if kind == "softcap":
                 return (
                     reference_attention(t["q"], t["k"], t["v"], keep, softcap=2.0),
@@ -284,6 +295,7 @@ CASES: dict[str, Callable[..., Call]] = {
     "flex-alibi": _scored_call("alibi"),
     "flex-relative-table": _scored_call("relative-table"),
     "flex-softcap": _scored_call("softcap"),
+    "flex-program": _scored_call("program"),
 }
 
 
@@ -632,8 +644,9 @@ def test_second_derivatives_around_the_one_pass() -> None:
 
 def test_the_one_pass_runs_where_the_tangents_are_known(monkeypatch: pytest.MonkeyPatch) -> None:
     # counted: torch.func.jvp and a dual level take it, a relative score function's call
-    # too (a captured tensor moving alone included); a plain call, a score function run as
-    # a program and reverse mode alone do not
+    # too (a captured tensor moving alone included) and a program whose captured tensors do
+    # not move; a plain call, a program whose captured tensor moves and reverse mode alone
+    # do not
     ran: list[bool] = []
     one = Fused.forward_tangent
 
@@ -658,11 +671,22 @@ def test_the_one_pass_runs_where_the_tangents_are_known(monkeypatch: pytest.Monk
         )  # fmt: skip
         return out
 
-    torch.func.jvp(scored, (x[0],), (t[0],))
-    assert len(ran) == 2
+    torch.func.jvp(scored, (x[0],), (t[0],))  # a program: its slope from its pullback
+    assert len(ran) == 3
+
+    def gated(q: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = attngrad.flex_attention(
+            q, x[1].expand(1, 2, 11, 4), x[2].expand(1, 2, 11, 3),
+            score_mod=lambda s, b, h, i, j: s * torch.sigmoid(gate[h]), strategy="fused",
+        )  # fmt: skip
+        return out
+
+    gate = torch.rand(2, dtype=torch.float64)
+    torch.func.jvp(gated, (x[0], gate), (t[0], torch.randn_like(gate)))  # its gate moves
+    assert len(ran) == 3
     slopes = torch.rand(2, dtype=torch.float64)
     torch.func.jvp(lambda m: _alibi(*x[:3], m), (slopes,), (torch.randn_like(slopes),))
-    assert len(ran) == 3
+    assert len(ran) == 4
 
 
 def test_a_wrong_one_pass_tangent_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,8 +183,11 @@ class Strategy(ABC, Generic[T]):
         """
         return None
 
-    def one_pass_tangent(self, problem: Problem[T]) -> bool:
-        """Whether `forward_tangent` computes this call (default: no strategy's does)."""
+    def one_pass_tangent(
+        self, problem: Problem[T], tangents: tuple[torch.Tensor | None, ...]
+    ) -> bool:
+        """Whether `forward_tangent` computes this call along ``tangents`` (as it takes them;
+        default: no strategy's does)."""
         return False
 
     def forward_tangent(

@@ -232,7 +232,7 @@ def differentiable(
     bias, keep, *captured = p.mods.tensors
     one_pass = strategy.tangent_function
     dirs = None if one_pass is None else forward_tangents(p.q, p.k, p.v, bias, captured)
-    if dirs is not None and strategy.one_pass_tangent(p):
+    if dirs is not None and strategy.one_pass_tangent(p, dirs):
         assert one_pass is not None
         o, lse_, *saved = one_pass.apply(p.q, p.k, p.v, bias, keep, plan, *captured, *dirs)  # type: ignore[no-untyped-call]
         return o, lse_, saved[plan.names.index("stats")]

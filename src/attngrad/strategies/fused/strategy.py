@@ -14,9 +14,11 @@ gradient costs O(Nq * Nk) memory).  Forward mode runs in the kernels too
 (``csrc/tangent.h``: O' and lse' in one walk over each block of query rows'
 key tiles, P rebuilt from the saved statistics), with every keyword, a relative score
 function (its term's tangent D' added along the diagonals like a bias row, moved by its
-captured tensors' tangents) and a softcap written as one (the kernels' softcap); a call
-with any other ``score_mod`` (one run as a program) takes the shared tiled pass
-(`attngrad.autograd.tangent`), as double backward always does.  Where the tangents are
+captured tensors' tangents), a softcap written as one (the kernels' softcap) and a
+program whose captured tensors do not move (its slope f'(x) from its backward program);
+a program whose captured tensors move takes the shared tiled pass
+(`attngrad.autograd.tangent`).  Double backward runs in the kernels too
+(``csrc/second.h``, `Fused.second_order`), a program's excepted.  Where the tangents are
 known before the call (torch.func.jvp, jacfwd, a forward_ad dual level), those calls get
 O and O' from one pass instead (`Fused.forward_tangent`, `FusedForwardTangent`: the
 online softmax carrying rowsum(E * S') and (E * S') v + E v' beside l and E v).
@@ -216,11 +218,14 @@ def _score_args(
     return args
 
 
-def _program_args(problem: Problem[Tiles], dcaptured: Sequence[object] | None) -> dict[str, object]:
+def _program_args(
+    problem: Problem[Tiles], dcaptured: Sequence[object] | None, slope: bool = False
+) -> dict[str, object]:
     """The ops' score-program arguments (none without a score function): the forward
     program, the captured tensors as the kernels read them (floating ones in the compute
     dtype, the rest int64) and b's modulus; with ``dcaptured`` (backward) also the pullback
-    and which captures want a gradient (an entry not None)."""
+    and which captures want a gradient (an entry not None); with ``slope`` (forward mode)
+    the pullback alone, whose GRAD = 1 gives the slope f'(x)."""
     score = problem.mods.score
     if score is None:
         return {}
@@ -235,24 +240,28 @@ def _program_args(problem: Problem[Tiles], dcaptured: Sequence[object] | None) -
         "code": code, "constants": constants, "indices": indices,
         "out": program.forward.out, "captured": captured, "batch": score.batch,
     }  # fmt: skip
-    if dcaptured is not None:
+    if dcaptured is not None or slope:
         code, constants, indices = _encoded(program.pullback)
-        wanted = [
+        args.update(grad_code=code, grad_constants=constants, grad_indices=indices,
+                    grad_out=program.pullback.out)  # fmt: skip
+    if dcaptured is not None:
+        args["wanted"] = [
             n in program.wanted and n < len(dcaptured) and dcaptured[n] is not None
             for n in range(len(captured))
         ]
-        args.update(grad_code=code, grad_constants=constants, grad_indices=indices,
-                    grad_out=program.pullback.out, wanted=wanted)  # fmt: skip
     return args
 
 
-def _kernel_tangent(problem: Problem[Tiles]) -> bool:
-    """Whether the forward-mode kernels take the call's score function: none, a softcap
-    written as one (`_softcap_mod`: the kernels' own softcap, whose slope they push) or a
-    relative one (`_diagonal`: D, and D' by diagonal); not one run as a program, which the
-    shared tiled pass takes."""
+def _kernel_tangent(problem: Problem[Tiles], tangents: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the forward-mode kernels take the call along tangents = (q', k', v', bias',
+    *captured'): with no score function, a softcap written as one (`_softcap_mod`: the
+    kernels' own softcap, whose slope they push), a relative one (`_diagonal`: D, and D' by
+    diagonal), or a program whose captured tensors do not move (its slope f'(x) from its
+    pullback); a program whose captured tensors move takes the shared tiled pass."""
     score = problem.mods.score
-    return score is None or _softcap_mod(problem) is not None or _diagonal(problem) is not None
+    if score is None or _softcap_mod(problem) is not None or _diagonal(problem) is not None:
+        return True
+    return all(t is None for t in tangents[4:])
 
 
 def _tangent_operands(
@@ -261,15 +270,18 @@ def _tangent_operands(
     """Both forward-mode ops' tangent operands along tangents = (q', k', v', bias',
     *captured') (None: zero): [tq, tk, tv dense in the compute dtype, tbias at the scores'
     [B, Hq, Nq, Nk]] and, by name, a relative score function's D and D'
-    (`_diagonal_tangent`).  A softcap written as a score function has no tensor here: its
-    captured tensors' tangents move nothing."""
+    (`_diagonal_tangent`) or a program's forward and backward programs (`_program_args`).
+    A softcap written as a score function has no tensor here: its captured tensors'
+    tangents move nothing."""
     t_q, t_k, t_v, t_bias, *t_captured = tangents
     moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
     scores = (*problem.q.shape[:3], problem.k.shape[2])  # [B, Hq, Nq, Nk]
     moved.append(None if t_bias is None else t_bias.to(problem.dtype).expand(scores))
+    if _softcap_mod(problem) is not None:
+        return moved, {}
     diagonal = _diagonal(problem)
     if diagonal is None:
-        return moved, {}
+        return moved, _program_args(problem, None, slope=True)
     dot = _diagonal_tangent(diagonal[0], t_captured)
     return moved, {"diagonal": diagonal[1], "tdiagonal": dot}
 
@@ -341,7 +353,7 @@ class Fused(KeepsOutput[Tiles]):
         for a score function run as a program, which the shared tiled pass runs
         (`_kernel_tangent`).  A relative score function's term moves by D'
         (`_diagonal_tangent`)."""
-        if not _kernel_tangent(problem):
+        if not _kernel_tangent(problem, tangents):
             return None
         library = build.load()
         moved, by_name = _tangent_operands(problem, tangents)
@@ -355,10 +367,11 @@ class Fused(KeepsOutput[Tiles]):
         )  # fmt: skip
         return do.to(problem.q.dtype), dlse
 
-    def one_pass_tangent(self, problem: Problem[Tiles]) -> bool:
-        """The one-pass kernel takes the calls the tangent kernel takes: no score function, a
-        relative one (D and D' by diagonal) or a softcap written as one; not a program."""
-        return _kernel_tangent(problem)
+    def one_pass_tangent(
+        self, problem: Problem[Tiles], tangents: tuple[torch.Tensor | None, ...]
+    ) -> bool:
+        """The one-pass kernel takes the calls the tangent kernel takes (`_kernel_tangent`)."""
+        return _kernel_tangent(problem, tangents)
 
     def forward_tangent(
         self, problem: Problem[Tiles], tangents: tuple[torch.Tensor | None, ...]
@@ -370,7 +383,7 @@ class Fused(KeepsOutput[Tiles]):
         Only forward mode reaches it (never torch.compile:
         `attngrad.strategies.base.forward_tangents` declines while compiling), so the op
         has no fake."""
-        if not self.one_pass_tangent(problem):
+        if not self.one_pass_tangent(problem, tangents):
             return None
         library = build.load()
         moved, by_name = _tangent_operands(problem, tangents)

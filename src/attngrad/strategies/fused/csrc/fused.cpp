@@ -236,24 +236,6 @@ void slope_(int64_t r, int64_t c, T* dS, const T* slope, int64_t ld) {
     for (int64_t j = 0; j < c; ++j) dS[ii * ld + j] *= slope[ii * ld + j];
 }
 
-// The backward program on each row of the tile: SCORE = the capped row (raw), GRAD = dS'
-// (in dS), its out into dS, zero where the mask drops a key; then the bounds check.
-// `blocks`: the tile's BlockMask verdicts (`mask_tile`), or nullptr.
-template <typename T>
-void program_gradient(const Problem<T>& pb, Runner<T>& grad, int64_t b, int64_t h, int64_t i0,
-                      int64_t r, int64_t j0, int64_t c, const T* raw, const uint8_t* blocks,
-                      T* dS) {
-  const int64_t bk = pb.block_k;
-  for (int64_t ii = 0; ii < r; ++ii) {
-    T* ds = dS + ii * bk;
-    const uint8_t* verdicts = blocks == nullptr ? nullptr : blocks + ii * bk;
-    const T* out = grad.run(b, h, i0 + ii, j0, c, raw + ii * bk, ds, ds);
-    if (out != ds) std::copy(out, out + c, ds);
-    zero_masked(pb, b, h, i0 + ii, j0, c, verdicts, ds);
-    if (!grad.oob.empty()) check_bounds(pb, grad, b, h, i0 + ii, j0, c, verdicts);
-  }
-}
-
 // The panel of key block rows x[c, w] (dense) transposed: [w, block] with leading dim block.
 template <typename T>
 void panel(int64_t c, int64_t w, const T* x, T* out, int64_t block) {
@@ -676,10 +658,27 @@ Direction<T> direction(const std::optional<Tensor>& tq, const std::optional<Tens
   return dir;
 }
 
+// A score program for the forward-mode ops: its forward program and its backward one
+// (whose GRAD = 1 gives the slope f'(x)), given together or not at all.
+std::pair<std::optional<Program>, std::optional<Program>> slope_programs(
+    const Tensor& q, const std::optional<Tensor>& code, const std::optional<Tensor>& constants,
+    const std::optional<Tensor>& indices, int64_t out, std::optional<at::TensorList> captured,
+    int64_t batch, const std::optional<Tensor>& grad_code,
+    const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
+    int64_t grad_out) {
+  TORCH_CHECK_VALUE(code.has_value() == grad_code.has_value(), "attngrad_fused: forward mode ",
+                    "takes a score program's code and grad_code together (grad_code: its ",
+                    "backward program, for its slope), got ", code ? "code alone" : "grad_code alone");
+  return {program_of("code", q, code, constants, indices, out, captured, batch, Role::kForward),
+          program_of("grad_code", q, grad_code, grad_constants, grad_indices, grad_out, captured,
+                     batch, Role::kBackward)};
+}
+
 // Forward mode (`tangent.h`): O' [B, Hq, Nq, dv] and lse' [B, Hq, Nq] along the tangents
 // tq, tk, tv (like q, k, v), tbias (like bias, at the scores' shape) and tdiagonal (like
-// the diagonal term D), None for zero; o and stats are the forward's.  The mask arguments
-// and D as forward's; no score program.
+// the diagonal term D), None for zero; o and stats are the forward's.  The mask arguments,
+// D and a score program as forward's, with the program's backward one (grad_code) for its
+// slope; no tangent of its captured tensors.
 std::tuple<Tensor, Tensor> tangent(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& stats,
     const std::optional<Tensor>& tq, const std::optional<Tensor>& tk,
@@ -692,11 +691,20 @@ std::tuple<Tensor, Tensor> tangent(
     const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
     int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
     const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
-    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal,
+    const std::optional<Tensor>& code, const std::optional<Tensor>& constants,
+    const std::optional<Tensor>& indices, int64_t out, std::optional<at::TensorList> captured,
+    int64_t batch, const std::optional<Tensor>& grad_code,
+    const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
+    int64_t grad_out) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
   check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
+  check_diagonal(q, k, code, diagonal);
+  const auto [program, grad_program] =
+      slope_programs(q, code, constants, indices, out, captured, batch, grad_code,
+                     grad_constants, grad_indices, grad_out);
   const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   check_like(o, "o", out_like);
   check_optional(stats, "stats", q.scalar_type(), 2 * q.size(0) * q.size(1) * q.size(2));
@@ -712,6 +720,8 @@ std::tuple<Tensor, Tensor> tangent(
                                 threshold, keep_scale, block_q, block_k);
     read_blocks(pb, status, mask, mask_block_q, mask_block_k);
     pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
+    pb.program = program ? &*program : nullptr;
+    pb.grad_program = grad_program ? &*grad_program : nullptr;
     const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
                                       v.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
                                       stats.data_ptr<scalar_t>(), kt.size(3)};
@@ -737,11 +747,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
     const std::optional<Tensor>& mask_indices, int64_t mask_out,
     std::optional<at::TensorList> mask_captured, int64_t mask_batch,
     const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
-    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal) {
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal,
+    const std::optional<Tensor>& code, const std::optional<Tensor>& constants,
+    const std::optional<Tensor>& indices, int64_t out, std::optional<at::TensorList> captured,
+    int64_t batch, const std::optional<Tensor>& grad_code,
+    const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
+    int64_t grad_out) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
   check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
+  check_diagonal(q, k, code, diagonal);
+  const auto [program, grad_program] =
+      slope_programs(q, code, constants, indices, out, captured, batch, grad_code,
+                     grad_constants, grad_indices, grad_out);
   const std::optional<Program> mask =
       program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
                  mask_captured, mask_batch, Role::kMask);
@@ -755,6 +774,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
                                 threshold, keep_scale, block_q, block_k);
     read_blocks(pb, status, mask, mask_block_q, mask_block_k);
     pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
+    pb.program = program ? &*program : nullptr;
+    pb.grad_program = grad_program ? &*grad_program : nullptr;
     const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
                                       v.data_ptr<scalar_t>(), nullptr, nullptr, kt.size(3)};
     forward_tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x,
@@ -1031,7 +1052,10 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "float keep_scale, int block_q, int block_k, int engine, Tensor? mask_code=None, "
       "Tensor? mask_constants=None, Tensor? mask_indices=None, int mask_out=-1, "
       "Tensor[]? mask_captured=None, int mask_batch=1, Tensor? status=None, "
-      "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? tdiagonal=None) "
+      "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? tdiagonal=None, "
+      "Tensor? code=None, Tensor? constants=None, Tensor? indices=None, int out=-1, "
+      "Tensor[]? captured=None, int batch=1, Tensor? grad_code=None, "
+      "Tensor? grad_constants=None, Tensor? grad_indices=None, int grad_out=-1) "
       "-> (Tensor, Tensor)");
   m.def(
       "forward_tangent(Tensor q, Tensor k, Tensor v, Tensor? tq, Tensor? tk, Tensor? tv, "
@@ -1040,7 +1064,11 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int block_k, int engine, Tensor? mask_code=None, Tensor? mask_constants=None, "
       "Tensor? mask_indices=None, int mask_out=-1, Tensor[]? mask_captured=None, "
       "int mask_batch=1, Tensor? status=None, int mask_block_q=1, int mask_block_k=1, "
-      "Tensor? diagonal=None, Tensor? tdiagonal=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? diagonal=None, Tensor? tdiagonal=None, "
+      "Tensor? code=None, Tensor? constants=None, Tensor? indices=None, int out=-1, "
+      "Tensor[]? captured=None, int batch=1, Tensor? grad_code=None, "
+      "Tensor? grad_constants=None, Tensor? grad_indices=None, int grad_out=-1) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "second(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor stats, Tensor? dlse, "
       "Tensor? gq, Tensor? gk, Tensor? gv, Tensor? gbias, Tensor? bias, Tensor? keep, "

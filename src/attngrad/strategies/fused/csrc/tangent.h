@@ -9,8 +9,10 @@
 // the score modifications (`attngrad.autograd.tangent`):
 //
 //   S'  = slope * s (q' k^T + q k'^T) + D' + bias'
-//         (slope = 1 - tanh^2 with a softcap, else 1; D': a relative score_mod's term's
-//         tangent along its captured tensors' tangents, by diagonal, `Problem::diagonal`)
+//         (slope: 1 - tanh^2 with a softcap, times f'(x) with a score program f, its
+//         backward program run with GRAD = 1 (`mask_with_slope`), else 1; D': a relative
+//         score_mod's term's tangent along its captured tensors' tangents, by diagonal,
+//         `Problem::diagonal`)
 //   mu  = rowsum(P * S') = lse'
 //   O'  = (P * S') v + P v' - mu O                 (dropout: both products take M = Z / (1 - p))
 //
@@ -25,8 +27,8 @@
 // then O' = acc / (1 - p) - mu O and lse' = mu.  A unit (b, kv head, block of query rows)
 // owns its rows of O' and lse' for every query head of the group: the results are bitwise
 // the same for any thread count.  Extra memory: the panels of [k, k'] and O(block) scratch
-// per thread.  A score program is not handled here: the Python side runs those calls
-// through the shared tiled pass instead.
+// per thread.  A score program's captured tensors have no tangent here: the Python side runs
+// a call whose captured tensors move through the shared tiled pass instead.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -67,6 +69,11 @@ struct TangentScratch {  // one block of query rows
   Buffer<T> q, a, s, t, slope, acc, mu;
   Buffer<T> dacc, m, l, shift;  // the one pass's (`forward_tangent_pass`)
   std::unique_ptr<Runner<T>> mask;  // the BlockMask's mask program, when there is one
+  // a score program's: its forward and backward runners, the capped scores (its SCORE),
+  // its slope f'(x) and the tile's BlockMask verdicts (its bounds checks)
+  std::unique_ptr<Runner<T>> run, grad;
+  Buffer<T> raw, fprime;
+  Buffer<uint8_t> blocks;
 };
 
 // S' of one tile row from the raw product (in t, or none: `raw` false) and P: t = P * S'
@@ -111,11 +118,44 @@ TangentScratch<T> tangent_scratch(const Problem<T>& pb) {
   s.a.resize(bq * 2 * pb.d);
   s.s.resize(bq * bk);
   s.t.resize(bq * bk);
-  if (pb.cap != T(0)) s.slope.resize(bq * bk);
+  if (pb.cap != T(0) || pb.program != nullptr) s.slope.resize(bq * bk);
   s.acc.resize(bq * pb.dv);
   s.mu.resize(bq);
   if (pb.mask_program != nullptr) s.mask = std::make_unique<Runner<T>>(*pb.mask_program, bk);
+  if (pb.program != nullptr) {
+    s.run = std::make_unique<Runner<T>>(*pb.program, bk);
+    s.grad = std::make_unique<Runner<T>>(*pb.grad_program, bk);
+    s.raw.resize(bq * bk);
+    s.fprime.resize(bq * bk);
+    if (pb.status != nullptr) s.blocks.resize(bq * bk);
+  }
   return s;
+}
+
+// The tile S (rows i0 .. i0 + r of head (b, h), keys j0 .. j0 + c) capped, run through the
+// score program, biased and masked (`mask_tile`), and the slope of the score modifications
+// into `slope` (nullptr without a softcap or program): the softcap's 1 - t^2 times the
+// program's f'(x), its backward program run with GRAD = 1 on the capped scores (zero where
+// the mask drops a key; no SCATTER: no captured tensor's tangent reaches this pass).
+template <typename T>
+void mask_with_slope(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r,
+                     int64_t j0, int64_t c, T* S, T* slope, TangentScratch<T>& w) {
+  const int64_t bk = pb.block_k;
+  uint8_t* blocks = w.blocks.empty() ? nullptr : w.blocks.data();
+  T* raw = w.raw.empty() ? nullptr : w.raw.data();
+  mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope, w.run.get(), raw, w.mask.get(), blocks);
+  if (w.grad == nullptr) return;
+  T* fprime = w.fprime.data();
+  for (int64_t ii = 0; ii < r; ++ii) std::fill(fprime + ii * bk, fprime + ii * bk + c, T(1));
+  program_gradient(pb, *w.grad, b, h, i0, r, j0, c, raw, blocks, fprime);
+  for (int64_t ii = 0; ii < r; ++ii) {
+    T* sl = slope + ii * bk;
+    const T* fp = fprime + ii * bk;
+    if (pb.cap != T(0))
+      for (int64_t j = 0; j < c; ++j) sl[j] *= fp[j];
+    else
+      std::copy(fp, fp + c, sl);
+  }
 }
 
 // One tile's forward-mode step, shared by both passes: P (the tangent pass's probabilities,
@@ -189,8 +229,7 @@ void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>&
             const T* panel = kt_h + kb * x.rows * bk + ka;
             T* P = w.s.data();
             product(engine, r, c, d, w.q.data(), d, panel, bk, P, bk, false);  // forward's S
-            mask_tile(pb, b, h, i0, r, j0, c, P, bk, slope, static_cast<Runner<T>*>(nullptr),
-                      static_cast<T*>(nullptr), w.mask.get());
+            mask_with_slope(pb, b, h, i0, r, j0, c, P, slope, w);
             probabilities(r, c, P, bk, x.stats + row0 * 2);
             tangent_tile(pb, engine, dir, b, h, i0, r, j0, c, a, inner, panel + from * bk, v_h,
                          tv_h, P, w.t.data(), slope, mu, acc);
@@ -259,8 +298,7 @@ void forward_tangent_pass(const Problem<T>& pb, Engine engine, const TangentOper
             const T* panel = kt_h + kb * x.rows * bk + ka;
             T* E = w.s.data();
             product(engine, r, c, d, w.q.data(), d, panel, bk, E, bk, false);  // forward's S
-            mask_tile(pb, b, h, i0, r, j0, c, E, bk, slope, static_cast<Runner<T>*>(nullptr),
-                      static_cast<T*>(nullptr), w.mask.get());
+            mask_with_slope(pb, b, h, i0, r, j0, c, E, slope, w);
             for (int64_t ii = 0; ii < r; ++ii) {
               const T alpha = online_row(E + ii * bk, c, m[ii], l[ii], shift[ii],
                                          pb.row_words != nullptr);

@@ -445,6 +445,24 @@ void mask_tile(const Problem<T>& pb, int64_t b, int64_t h, int64_t i0, int64_t r
   }
 }
 
+// The backward program on each row of the tile: SCORE = the capped row (raw), GRAD = dS'
+// (in dS), its out into dS, zero where the mask drops a key; then the bounds check.
+// `blocks`: the tile's BlockMask verdicts (`mask_tile`), or nullptr.
+template <typename T>
+void program_gradient(const Problem<T>& pb, Runner<T>& grad, int64_t b, int64_t h, int64_t i0,
+                      int64_t r, int64_t j0, int64_t c, const T* raw, const uint8_t* blocks,
+                      T* dS) {
+  const int64_t bk = pb.block_k;
+  for (int64_t ii = 0; ii < r; ++ii) {
+    T* ds = dS + ii * bk;
+    const uint8_t* verdicts = blocks == nullptr ? nullptr : blocks + ii * bk;
+    const T* out = grad.run(b, h, i0 + ii, j0, c, raw + ii * bk, ds, ds);
+    if (out != ds) std::copy(out, out + c, ds);
+    zero_masked(pb, b, h, i0 + ii, j0, c, verdicts, ds);
+    if (!grad.oob.empty()) check_bounds(pb, grad, b, h, i0 + ii, j0, c, verdicts);
+  }
+}
+
 // P = exp((S - m) - log l) in place from the row statistics (m, log l) of rows i0 .., every
 // P kept (`Exp::kTiny`): a key whose every P is below 2^-125 has dV and dK made of them alone.
 template <typename T>
