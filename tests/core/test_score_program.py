@@ -176,6 +176,38 @@ def test_programs_are_cached_per_closure_constant() -> None:
     assert {i.imm for i in a.forward.instructions} != {i.imm for i in b.forward.instructions}
 
 
+def test_a_closure_made_at_each_call_is_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a model's forward defines its score_mod anew each call: one trace per code object
+    # while the closure holds scalars and tensors (the tensors read by identity at run time);
+    # another scalar traces again, and a closure holding anything else is cached per function
+    traced: list[object] = []
+    compile_ = score_program._compile
+
+    def counted(fn, *args):  # type: ignore[no-untyped-def]
+        traced.append(fn)
+        return compile_(fn, *args)
+
+    monkeypatch.setattr(score_program, "_compile", counted)
+    monkeypatch.setattr(score_program, "_CACHE", type(score_program._CACHE)())
+
+    def alibi(m: torch.Tensor, c: float) -> Callable[..., torch.Tensor]:
+        return lambda s, b, h, i, j: s * c - m[h] * (i - j)
+
+    one, two = torch.rand(4), torch.rand(4)
+    first = compile_score(alibi(one, 1.0), [one], torch.float64, [True])
+    assert compile_score(alibi(two, 1.0), [two], torch.float64, [True]) is first
+    assert len(traced) == 1
+    compile_score(alibi(two, 2.0), [two], torch.float64, [True])
+    assert len(traced) == 2
+
+    def listed(m: list[float]) -> Callable[..., torch.Tensor]:
+        return lambda s, b, h, i, j: s * m[0]
+
+    for _ in range(2):
+        compile_score(listed([1.0]), [], torch.float64, [])
+    assert len(traced) == 4
+
+
 @pytest.mark.parametrize(
     ("fn", "cap"),
     [

@@ -527,3 +527,29 @@ def test_a_softcap_score_mod_runs_as_the_kernels_softcap(dtype):
         results.append((o, *torch.autograd.grad(o.sum(), (q, k, v))))
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
+
+
+def test_closures_made_at_each_call_read_their_own_tensors() -> None:
+    # one trace serves every closure of the same code (`score_program._owner`): each call's
+    # kernels still read that call's captured tensors, and its gradient reaches them
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
+
+    def gated(gate: torch.Tensor):  # type: ignore[no-untyped-def]
+        def score(s, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return s * torch.sigmoid(gate[h]) + (q_idx - kv_idx) * 0.25
+
+        return score
+
+    for values in ([0.5, 2.0], [-1.0, 3.0]):
+        gate = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+        out = attngrad.flex_attention(q, k, v, score_mod=gated(gate), strategy="fused")
+        (got,) = torch.autograd.grad(out.square().sum(), gate)
+        ref_gate = gate.detach().clone().requires_grad_()
+        scores = q @ k.transpose(-2, -1) * 8**-0.5
+        scores = scores * torch.sigmoid(ref_gate)[:, None, None] + (i - j) * 0.25
+        ref = torch.softmax(scores, dim=-1) @ v
+        (want,) = torch.autograd.grad(ref.square().sum(), ref_gate)
+        assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)

@@ -24,8 +24,9 @@ alone, as torch's compiled kernel calls it.
 
 A function with an op outside the table is not compiled: `compile_score` (`compile_mask`)
 returns the reason, naming the op, and the call runs on the tensor-op tiles (a mask: as a
-dense keep mask).  Programs are cached per function, compute dtype, captured shapes and
-the Python scalars its closure holds.
+dense keep mask).  Programs are cached per function -- per code object where its closure
+holds only scalars, tensors and None, so a closure made anew at each call is traced once
+(`_owner`) -- compute dtype, captured shapes and the Python scalars its closure holds.
 """
 
 from __future__ import annotations
@@ -583,6 +584,33 @@ _CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ScoreProgram | Mask
 )
 
 
+def _owner(fn: Callable[..., Any]) -> Any:
+    """What a function's programs are cached under: its code object where everything its
+    closure and defaults hold is a Python scalar (in the key, `_closure_key`), a tensor
+    (read by identity at run time, its shape and dtype in the key) or None -- so a closure
+    made anew at each call (a model's forward defining its score_mod) is traced once, not
+    at every call; else the function itself."""
+    code = getattr(fn, "__code__", None)
+    held = _cell_contents(fn)
+    held += list(getattr(fn, "__defaults__", None) or ())
+    held += list((getattr(fn, "__kwdefaults__", None) or {}).values())
+    plain = (bool, int, float, str, torch.Tensor, type(None))
+    if code is None or not all(isinstance(x, plain) for x in held):
+        return fn
+    return code
+
+
+def _cell_contents(fn: Callable[..., Any]) -> list[Any]:
+    """What ``fn``'s closure cells hold (empty cells left out)."""
+    held = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return held
+
+
 def _closure_key(fn: Callable[..., Any]) -> tuple[Any, ...]:
     """The Python scalars a function's closure and defaults hold: a program traced with
     others would bake in other constants."""
@@ -655,7 +683,7 @@ def compile_score(
         _closure_key(fn),
     )
     try:
-        known = _CACHE.setdefault(fn, {})
+        known = _CACHE.setdefault(_owner(fn), {})
     except TypeError:  # a callable that takes no weak reference: compiled each call
         known = {}
     if key not in known:
@@ -700,7 +728,7 @@ def compile_mask(
     cannot be compiled (the op the kernels lack).  Cached like `compile_score`."""
     key = ("mask", at, tuple((tuple(t.shape), t.dtype) for t in captured), _closure_key(fn))
     try:
-        known = _CACHE.setdefault(fn, {})
+        known = _CACHE.setdefault(_owner(fn), {})
     except TypeError:  # a callable that takes no weak reference: compiled each call
         known = {}
     if key not in known:
