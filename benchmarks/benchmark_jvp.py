@@ -35,36 +35,35 @@ Nothing here asserts a target; the script prints each ratio with its target and 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
 
 import attngrad
+from _common import (
+    HEAD_DIM,
+    HEADS,
+    Calls,
+    alibi,
+    alibi_slopes,
+    arguments,
+    causal_mask,
+    first_order,
+    measure,
+    report,
+    start,
+    write,
+)
 from attngrad.strategies.fused.strategy import Fused
-from attngrad.tools.machine import probe
-from attngrad.tools.timing import interleaved, spreads
 
-HEADS, HEAD_DIM = 8, 64
 TARGET = 0.8  # jvp / first-order
 BASELINES = {
     "jvp": "first-order", "jvp-two-pass": "first-order", "jvp-tiled": "first-order",
     "flex-jvp": "flex-first-order", "flex-jvp-two-pass": "flex-first-order",
     "flex-jvp-tiled": "flex-first-order",
 }  # fmt: skip
-TARGETS = ("jvp", "flex-jvp")  # the contenders held to TARGET
-
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _note(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -81,11 +80,7 @@ def two_pass() -> Iterator[None]:
         yield
 
 
-def causal(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    return i >= j
-
-
-def calls(n: int, flex: bool) -> dict[str, Callable[[], object]]:
+def calls(n: int, flex: bool) -> Calls:
     """{contender: one timed call} at N = n (module docstring)."""
     g = torch.Generator().manual_seed(0)
     q, k, v, do, tq, tk, tv = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(7))
@@ -102,29 +97,21 @@ def calls(n: int, flex: bool) -> dict[str, Callable[[], object]]:
         with two_pass():
             return torch.func.jvp(fused, (q, k, v), (tq, tk, tv))
 
-    out: dict[str, Callable[[], object]] = {
-        "first-order": lambda: torch.autograd.grad(fused(*leaves), leaves, do),
+    out: Calls = {
+        "first-order": lambda: first_order(fused, leaves, do),
         "jvp": lambda: torch.func.jvp(fused, (q, k, v), (tq, tk, tv)),
         "jvp-two-pass": jvp_two_pass,
         "jvp-tiled": jvp_tiled,
     }
     if not flex:
         return out
-    mask = create_block_mask(causal, None, None, n, n, device="cpu")
-    slopes = torch.exp2(-8 * torch.arange(1, HEADS + 1) / HEADS)
+    flex_alibi = alibi(causal_mask(n))
+    slopes = alibi_slopes()
     t_slopes = torch.randn(HEADS, generator=g)
     learn = slopes.clone().requires_grad_()
 
-    def alibi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        def score(s, b, h, i, j):  # type: ignore[no-untyped-def]
-            return s - m[h] * (i - j)
-
-        return attngrad.flex_attention(q, k, v, score_mod=score, block_mask=mask, strategy="fused")
-
-    out["flex-first-order"] = lambda: torch.autograd.grad(
-        alibi(*leaves, learn), (*leaves, learn), do
-    )
-    out["flex-jvp"] = lambda: torch.func.jvp(alibi, (q, k, v, slopes), (tq, tk, tv, t_slopes))
+    out["flex-first-order"] = lambda: first_order(flex_alibi, (*leaves, learn), do)
+    out["flex-jvp"] = lambda: torch.func.jvp(flex_alibi, (q, k, v, slopes), (tq, tk, tv, t_slopes))
 
     def flex_jvp_two_pass() -> object:
         with two_pass():
@@ -140,52 +127,13 @@ def calls(n: int, flex: bool) -> dict[str, Callable[[], object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="intra-op threads (default torch's)")
-    parser.add_argument("--no-flex", action="store_true", help="leave out the ALiBi calls")
-    parser.add_argument("--csv", default="results/benchmark_jvp.csv")
-    args = parser.parse_args()
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(probe(torch.float32).line(), flush=True)
-    rows: list[dict[str, object]] = []
-    print(f"\n{'N':>6}  {'contender':<17} {'median ms':>10} {'spread ms':>17}  ratio (fastest)")
-    for n in args.seq:
-        _note(f"N={n}: timing {args.repeats} interleaved rounds ...")
-        times = interleaved(calls(n, not args.no_flex), repeats=args.repeats)
-        spread = spreads(times)
-        for name, s in spread.items():
-            base = BASELINES.get(name)
-            ratio = None if base is None else s.median / spread[base].median
-            fastest = None if base is None else s.low / spread[base].low
-            shown = "" if base is None else f"{ratio:.2f}x ({fastest:.2f}x) {base}"
-            print(
-                f"{n:>6}  {name:<17} {s.median * 1e3:>10.1f} "
-                f"{s.low * 1e3:>8.1f}-{s.high * 1e3:<8.1f}  {shown}"
-            )
-            rows.append({"seq": n, "contender": name, "median_s": s.median, "low_s": s.low,
-                         "high_s": s.high, "ratio": ratio, "fastest_ratio": fastest,
-                         "baseline": base})  # fmt: skip
-
+    args = arguments(__doc__, "results/benchmark_jvp.csv").parse_args()
+    machine = start(args)
+    rows = measure(args.seq, lambda n: calls(n, not args.no_flex), BASELINES, args.repeats)
     print("\ntargets (reported, not asserted):")
-    for r in rows:
-        if r["contender"] in TARGETS:
-            ratio, fastest = float(r["ratio"]), float(r["fastest_ratio"])  # type: ignore[arg-type]
-            verdict = "met" if ratio <= TARGET else "MISSED"
-            print(f"  fused {r['contender']} / {r['baseline']} at N={r['seq']}: {ratio:.2f} "
-                  f"(fastest rounds {fastest:.2f}; target <= {TARGET}): {verdict}")  # fmt: skip
-    if args.csv:
-        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+    report(rows, "jvp", TARGET, "fused jvp / first-order")
+    report(rows, "flex-jvp", TARGET, "fused flex-jvp (learnable ALiBi) / flex-first-order")
+    write(args.csv, rows, machine)
 
 
 if __name__ == "__main__":
