@@ -79,23 +79,32 @@ struct TangentScratch {  // one block of query rows
 // S' of one tile row from the raw product (in t, or none: `raw` false) and P: t = P * S'
 // with S' = slope * t + D' + bias' (slope, D', bias: nullptr for none, the modifications'
 // pushes in the chain's order; bias read every `step` elements); returns rowsum(P * S').
+// One pass over the row where the bias is read densely (a strided bias is added first).
 template <typename T>
 T tangent_row(const T* p, T* t, const T* slope, const T* diagonal, const T* bias, int64_t step,
               bool raw, int64_t c) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   if (!raw) std::fill(t, t + c, T(0));
-  if (slope != nullptr && raw)
-    at::vec::map2([](Vec x, Vec s) { return x * s; }, t, t, slope, c);
-  if (diagonal != nullptr) add_row(t, diagonal, c);
-  if (bias != nullptr && step == 1) add_row(t, bias, c);
-  if (bias != nullptr && step != 1)
+  if (bias != nullptr && step != 1) {  // strided: added before the pass, after the slope
+    if (slope != nullptr && raw)
+      at::vec::map2([](Vec x, Vec s) { return x * s; }, t, t, slope, c);
+    slope = nullptr;
     for (int64_t j = 0; j < c; ++j) t[j] += bias[j * step];
+    bias = nullptr;
+  }
+  if (!raw) slope = nullptr;
+  auto step_at = [&](int64_t j, int64_t n) {  // P * S' at t[j .. j + n)
+    Vec x = Vec::loadu(t + j, n);
+    if (slope != nullptr) x = x * Vec::loadu(slope + j, n);
+    if (diagonal != nullptr) x = x + Vec::loadu(diagonal + j, n);
+    if (bias != nullptr) x = x + Vec::loadu(bias + j, n);
+    return Vec::loadu(p + j, n) * x;
+  };
   Vec s0(T(0)), s1(T(0));  // two chains, as `exp_row_`
   int64_t j = 0;
   for (; j + 2 * W <= c; j += 2 * W) {
-    const Vec x0 = Vec::loadu(p + j) * Vec::loadu(t + j);
-    const Vec x1 = Vec::loadu(p + j + W) * Vec::loadu(t + j + W);
+    const Vec x0 = step_at(j, W), x1 = step_at(j + W, W);
     x0.store(t + j);
     x1.store(t + j + W);
     s0 = s0 + x0;
@@ -103,7 +112,7 @@ T tangent_row(const T* p, T* t, const T* slope, const T* diagonal, const T* bias
   }
   for (; j < c; j += W) {
     const int64_t n = std::min(W, c - j);
-    const Vec x = Vec::loadu(p + j, n) * Vec::loadu(t + j, n);
+    const Vec x = step_at(j, n);
     x.store(t + j, n);
     s0 = s0 + Vec::set(Vec(T(0)), x, n);
   }
