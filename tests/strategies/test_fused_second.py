@@ -18,31 +18,30 @@ from typing import Any
 
 import pytest
 import torch
-from test_fused_tangent import CASES, TOL64, Call, _causal, _plain, threads
+from test_fused_tangent import (  # _library: the autouse fixture that builds the kernels
+    CASES,
+    TOL64,
+    Call,
+    _causal,
+    _library,  # noqa: F401
+    _plain,
+    refuse,
+    threads,
+)
 from torch.nn.attention.flex_attention import create_block_mask
 
 import attngrad
 from attngrad.autograd import gradients
-from attngrad.strategies.fused import build
 from attngrad.strategies.fused.strategy import Fused
 from attngrad.verify.derivatives import relative_error
 from attngrad.verify.reference import reference_attention
 from attngrad.verify.rule import judge, rounding_floor
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _library() -> None:
-    build.load()
-
-
 @pytest.fixture
 def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared tiled pass raises: double backward must take fused's kernel."""
-
-    def refuse(*args: object) -> None:
-        raise AssertionError("the shared tiled second-order pass ran, not fused's kernel")
-
-    monkeypatch.setattr(gradients, "second_order", refuse)
+    refuse(monkeypatch, gradients, "second_order", "the shared tiled second-order pass")
 
 
 def _draws(call: Call, seed: int) -> dict[str, torch.Tensor]:

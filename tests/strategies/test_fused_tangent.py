@@ -44,24 +44,25 @@ def _library() -> None:
     build.load()
 
 
+def refuse(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, what: str) -> None:
+    """``owner.name`` raises AssertionError saying ``what`` ran: a test that must not reach it."""
+
+    def refused(*args: object) -> None:
+        raise AssertionError(f"{what} ran")
+
+    monkeypatch.setattr(owner, name, refused)
+
+
 @pytest.fixture
 def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared tiled pass raises: forward mode must take fused's kernel."""
-
-    def refuse(*args: object) -> None:
-        raise AssertionError("the shared tiled tangent pass ran, not fused's kernel")
-
-    monkeypatch.setattr(tangent, "tiled_tangent", refuse)
+    refuse(monkeypatch, tangent, "tiled_tangent", "the shared tiled tangent pass, not the kernel,")
 
 
 @pytest.fixture
 def one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """The two-pass kernel raises: forward mode must take the one-pass kernel."""
-
-    def refuse(*args: object) -> None:
-        raise AssertionError("the two-pass tangent kernel ran, not the one-pass kernel")
-
-    monkeypatch.setattr(Fused, "tangent", refuse)
+    refuse(monkeypatch, Fused, "tangent", "the two-pass tangent kernel, not the one pass,")
 
 
 @pytest.fixture(params=["one-pass", "two-pass"])
@@ -70,11 +71,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     if request.param == "one-pass":
         request.getfixturevalue("one_pass")
     else:
-
-        def refuse(*args: object) -> None:
-            raise AssertionError("the one-pass kernel ran, not the two-pass one")
-
-        monkeypatch.setattr(Fused, "forward_tangent", refuse)
+        refuse(monkeypatch, Fused, "forward_tangent", "the one-pass kernel, not the two passes,")
         monkeypatch.setattr(Fused, "one_pass_tangent", lambda self, problem, tangents: False)
     return str(request.param)
 

@@ -674,6 +674,74 @@ std::pair<std::optional<Program>, std::optional<Program>> slope_programs(
                      batch, Role::kBackward)};
 }
 
+// Both forward-mode ops (`tangent.h`): with forward's o and stats, the tangent pass after
+// autograd's forward; without them (nullopt), the one pass, which makes O and the
+// statistics too.  Returns (O, stats, O', lse'); O and stats undefined in the tangent pass.
+std::tuple<Tensor, Tensor, Tensor, Tensor> forward_mode(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& o_in,
+    const std::optional<Tensor>& stats_in, const std::optional<Tensor>& tq,
+    const std::optional<Tensor>& tk, const std::optional<Tensor>& tv,
+    const std::optional<Tensor>& tbias,
+    const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
+    const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
+    const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words, double scale,
+    double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
+    int64_t engine, const std::optional<Tensor>& mask_code,
+    const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
+    int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
+    const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal,
+    const std::optional<Tensor>& code, const std::optional<Tensor>& constants,
+    const std::optional<Tensor>& indices, int64_t out, std::optional<at::TensorList> captured,
+    int64_t batch, const std::optional<Tensor>& grad_code,
+    const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
+    int64_t grad_out) {
+  check_inputs(q, k, v, block_q, block_k, engine);
+  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
+  check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
+  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
+  check_diagonal(q, k, code, diagonal);
+  const auto [program, grad_program] =
+      slope_programs(q, code, constants, indices, out, captured, batch, grad_code,
+                     grad_constants, grad_indices, grad_out);
+  const bool one_pass = !o_in.has_value();
+  const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  if (!one_pass) {
+    check_like(o_in, "o", out_like);
+    check_optional(stats_in, "stats", q.scalar_type(), 2 * q.size(0) * q.size(1) * q.size(2));
+  }
+  const std::optional<Program> mask =
+      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
+                 mask_captured, mask_batch, Role::kMask);
+  Tensor o = one_pass ? at::empty_like(out_like) : Tensor();
+  Tensor stats = one_pass ? at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options()) : Tensor();
+  Tensor dout = at::empty_like(out_like);
+  Tensor dlse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward_mode", [&] {
+    // k'^T below k^T in each key block's panel: one product of inner dim 2d forms S'
+    const Tensor kt = panels<scalar_t>(k, block_k, tk);
+    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
+                                threshold, keep_scale, block_q, block_k);
+    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
+    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
+    pb.program = program ? &*program : nullptr;
+    pb.grad_program = grad_program ? &*grad_program : nullptr;
+    const TangentOperands<scalar_t> x{
+        q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+        one_pass ? nullptr : o_in->data_ptr<scalar_t>(),
+        one_pass ? nullptr : stats_in->data_ptr<scalar_t>(), kt.size(3)};
+    const Direction<scalar_t> dir = direction<scalar_t>(tq, tk, tv, tbias, tdiagonal);
+    if (one_pass)
+      forward_tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dir,
+                                     o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>(),
+                                     dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
+    else
+      tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x, dir,
+                             dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
+  });
+  return {o, stats, dout, dlse};
+}
+
 // Forward mode (`tangent.h`): O' [B, Hq, Nq, dv] and lse' [B, Hq, Nq] along the tangents
 // tq, tk, tv (like q, k, v), tbias (like bias, at the scores' shape) and tdiagonal (like
 // the diagonal term D), None for zero; o and stats are the forward's.  The mask arguments,
@@ -697,38 +765,12 @@ std::tuple<Tensor, Tensor> tangent(
     int64_t batch, const std::optional<Tensor>& grad_code,
     const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
     int64_t grad_out) {
-  check_inputs(q, k, v, block_q, block_k, engine);
-  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
-  check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
-  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
-  check_diagonal(q, k, code, diagonal);
-  const auto [program, grad_program] =
-      slope_programs(q, code, constants, indices, out, captured, batch, grad_code,
-                     grad_constants, grad_indices, grad_out);
-  const Tensor out_like = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  check_like(o, "o", out_like);
-  check_optional(stats, "stats", q.scalar_type(), 2 * q.size(0) * q.size(1) * q.size(2));
-  const std::optional<Program> mask =
-      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
-                 mask_captured, mask_batch, Role::kMask);
-  Tensor dout = at::empty_like(out_like);
-  Tensor dlse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::tangent", [&] {
-    // k'^T below k^T in each key block's panel: one product of inner dim 2d forms S'
-    const Tensor kt = panels<scalar_t>(k, block_k, tk);
-    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
-                                threshold, keep_scale, block_q, block_k);
-    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
-    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
-    pb.program = program ? &*program : nullptr;
-    pb.grad_program = grad_program ? &*grad_program : nullptr;
-    const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
-                                      v.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
-                                      stats.data_ptr<scalar_t>(), kt.size(3)};
-    tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x,
-                           direction<scalar_t>(tq, tk, tv, tbias, tdiagonal),
-                           dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
-  });
+  auto [o_, stats_, dout, dlse] = forward_mode(
+      q, k, v, o, stats, tq, tk, tv, tbias, bias, keep, lo, hi, row_words, col_words, scale, cap, threshold,
+      keep_scale, block_q, block_k, engine, mask_code, mask_constants, mask_indices, mask_out,
+      mask_captured, mask_batch, status, mask_block_q, mask_block_k, diagonal, tdiagonal, code,
+      constants, indices, out, captured, batch, grad_code, grad_constants, grad_indices,
+      grad_out);
   return {dout, dlse};
 }
 
@@ -738,14 +780,14 @@ std::tuple<Tensor, Tensor> tangent(
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& tq,
     const std::optional<Tensor>& tk, const std::optional<Tensor>& tv,
-    const std::optional<Tensor>& tbias, const std::optional<Tensor>& bias,
-    const std::optional<Tensor>& keep, const std::optional<Tensor>& lo,
-    const std::optional<Tensor>& hi, const std::optional<Tensor>& row_words,
-    const std::optional<Tensor>& col_words, double scale, double cap, int64_t threshold,
-    double keep_scale, int64_t block_q, int64_t block_k, int64_t engine,
-    const std::optional<Tensor>& mask_code, const std::optional<Tensor>& mask_constants,
-    const std::optional<Tensor>& mask_indices, int64_t mask_out,
-    std::optional<at::TensorList> mask_captured, int64_t mask_batch,
+    const std::optional<Tensor>& tbias,
+    const std::optional<Tensor>& bias, const std::optional<Tensor>& keep,
+    const std::optional<Tensor>& lo, const std::optional<Tensor>& hi,
+    const std::optional<Tensor>& row_words, const std::optional<Tensor>& col_words, double scale,
+    double cap, int64_t threshold, double keep_scale, int64_t block_q, int64_t block_k,
+    int64_t engine, const std::optional<Tensor>& mask_code,
+    const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
+    int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
     const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
     const std::optional<Tensor>& diagonal, const std::optional<Tensor>& tdiagonal,
     const std::optional<Tensor>& code, const std::optional<Tensor>& constants,
@@ -753,37 +795,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
     int64_t batch, const std::optional<Tensor>& grad_code,
     const std::optional<Tensor>& grad_constants, const std::optional<Tensor>& grad_indices,
     int64_t grad_out) {
-  check_inputs(q, k, v, block_q, block_k, engine);
-  check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
-  check_tangents(q, k, v, tq, tk, tv, tbias, diagonal, tdiagonal);
-  check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
-  check_diagonal(q, k, code, diagonal);
-  const auto [program, grad_program] =
-      slope_programs(q, code, constants, indices, out, captured, batch, grad_code,
-                     grad_constants, grad_indices, grad_out);
-  const std::optional<Program> mask =
-      program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
-                 mask_captured, mask_batch, Role::kMask);
-  Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  Tensor stats = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options());
-  Tensor dout = at::empty_like(o);
-  Tensor dlse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::forward_tangent", [&] {
-    const Tensor kt = panels<scalar_t>(k, block_k, tk);
-    auto pb = problem<scalar_t>(q, k, v, bias, keep, lo, hi, row_words, col_words, scale, cap,
-                                threshold, keep_scale, block_q, block_k);
-    read_blocks(pb, status, mask, mask_block_q, mask_block_k);
-    pb.diagonal = diagonal ? diagonal->data_ptr<scalar_t>() : nullptr;
-    pb.program = program ? &*program : nullptr;
-    pb.grad_program = grad_program ? &*grad_program : nullptr;
-    const TangentOperands<scalar_t> x{q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
-                                      v.data_ptr<scalar_t>(), nullptr, nullptr, kt.size(3)};
-    forward_tangent_pass<scalar_t>(pb, static_cast<Engine>(engine), x,
-                                   direction<scalar_t>(tq, tk, tv, tbias, tdiagonal),
-                                   o.data_ptr<scalar_t>(), stats.data_ptr<scalar_t>(),
-                                   dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>());
-  });
-  return {o, stats, dout, dlse};
+  return forward_mode(q, k, v, std::nullopt, std::nullopt, tq, tk, tv, tbias, bias, keep, lo, hi, row_words, col_words, scale, cap, threshold,
+      keep_scale, block_q, block_k, engine, mask_code, mask_constants, mask_indices, mask_out,
+      mask_captured, mask_batch, status, mask_block_q, mask_block_k, diagonal, tdiagonal, code,
+      constants, indices, out, captured, batch, grad_code, grad_constants, grad_indices,
+      grad_out);
 }
 
 // The second-order pass (`second.h`): for the cotangents gq, gk, gv (like q, k, v), gbias
