@@ -417,15 +417,14 @@ def test_the_local_block_mask_is_kept_per_block_mask_and_heads():
     assert moved.kv_num_blocks is shared.kv_num_blocks and moved.mask_mod is not shared.mask_mod
 
 
-def test_without_a_process_group_it_is_flex_attention_and_ring_is_refused():
+@pytest.mark.parametrize("scheme", ["all_to_all", "ring"])
+def test_without_a_process_group_it_is_flex_attention(scheme):
     q = torch.randn(1, 2, 16, 4, dtype=F64)
     theta = torch.rand(2, dtype=F64)
     blocks = _block_mask("causal", 16, 2)
-    got = flex_ring_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
+    got = flex_ring_attention(q, q, q, _alibi(theta), blocks, return_lse=True, scheme=scheme)
     want = attngrad.flex_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    with pytest.raises(ValueError, match=r"scheme='ring' does not take score functions.*use"):
-        flex_ring_attention(q, q, q, _alibi(theta), scheme="ring")
     cu = torch.tensor([0, 5, 16])
     torch.testing.assert_close(
         packed_ring_attention(q, q, q, cu, is_causal=True),

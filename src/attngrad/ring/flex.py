@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import copy
 import math
-import types
+import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,9 +49,17 @@ import torch
 from attngrad.api import flex_attention
 from attngrad.call.flex import FlexCall
 from attngrad.core.block_table import is_no_mask
-from attngrad.core.contract import ArgumentError, ArgumentTypeError, check_flag, validate_attention
+from attngrad.core.contract import (
+    ArgumentError,
+    ArgumentTypeError,
+    Shapes,
+    check_flag,
+    validate_attention,
+)
 from attngrad.core.pointwise import check_arity
+from attngrad.core.scores import ScoreMods
 from attngrad.ring.all_to_all import check_heads, over_heads
+from attngrad.ring.attention import BLOCK_STRATEGIES, flex_over_ring
 from attngrad.ring.checks import (
     Settings,
     block_mask_of,
@@ -62,62 +69,11 @@ from attngrad.ring.checks import (
     validate_scheme,
 )
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingComm
-from attngrad.strategies import STRATEGIES, unavailable_reason
+from attngrad.ring.flex_pairs import FlexPairs
+from attngrad.ring.shifted import at_heads
+from attngrad.strategies import REGISTRY, STRATEGIES, tiled_default, unavailable_reason
 
 __all__ = ["at_heads", "flex_ring_attention", "local_block_mask"]
-
-# -- the functions at global heads ------------------------------------------------------
-
-_AT_HEADS = "_attngrad_at_heads"  # a plain function's wrappers, {(arity, offset): wrapper}
-# other callables' wrappers, held only while in use (module docstring)
-_HELD: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[tuple[int, int], Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _wrap(fn: Callable[..., torch.Tensor], offset: int, arity: int) -> Callable[..., torch.Tensor]:
-    """fn with its head argument moved by ``offset`` (a score_mod: arity 5; a mask_mod: 4)."""
-    if arity == 5:
-
-        def score_mod(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                      kv_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
-            return fn(s, b, h + offset, q_idx, kv_idx)
-
-        return score_mod
-
-    def mask_mod(
-        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-    ) -> torch.Tensor:
-        return fn(b, h + offset, q_idx, kv_idx)
-
-    return mask_mod
-
-
-def at_heads(fn: Any, offset: int, arity: int) -> Any:
-    """``fn`` (a score_mod of ``arity`` 5 or a mask_mod of 4) as a call whose head h is the
-    gathered call's head h + ``offset`` sees it: fn itself for offset 0, else one wrapper
-    per (fn, offset), the same object at every call (module docstring).
-
-    >>> f = lambda s, b, h, i, j: s + h
-    >>> g = at_heads(f, 2, 5)
-    >>> g is at_heads(f, 2, 5), int(g(torch.tensor(0), 0, torch.tensor(1), 0, 0))
-    (True, 3)
-    """
-    if offset == 0 or fn is None:
-        return fn
-    key = (arity, offset)
-    if isinstance(fn, types.FunctionType):
-        table: Any = fn.__dict__.setdefault(_AT_HEADS, {})
-    else:
-        try:
-            table = _HELD.setdefault(fn, weakref.WeakValueDictionary())
-        except TypeError:  # takes no weak reference: a wrapper per call
-            return _wrap(fn, offset, arity)
-    found = table.get(key)
-    if found is None:
-        found = table[key] = _wrap(fn, offset, arity)
-    return found
-
 
 # -- the BlockMask at the rank's heads ------------------------------------------------------
 
@@ -179,39 +135,93 @@ def local_block_mask(block_mask: Any, start: int, heads: int) -> Any:
 # -- the call ----------------------------------------------------------------------------
 
 
-def _refuse_ring(scheme: str) -> None:
-    if scheme == "ring":
-        raise ArgumentError(
-            "flex_ring_attention's scheme='ring' does not take score functions or BlockMasks "
-            "yet (the ring computes each rank's queries against one key block at a time); "
-            "use scheme='all_to_all', which runs flex_attention over whole sequences of H/P "
-            "heads per rank."
-        )
-
-
-def _local_problem(
+def _stand_in_call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     world: int,
+    heads_shared: bool,
     score_mod: Any,
     block_mask: Any,
     scale: float | None,
     enable_gqa: bool,
     strategy: str,
 ) -> FlexCall:
-    """The local call checked before any collective, on stand-ins of its traded inputs
-    [B, H/P, N, d] (zero-stride: no memory): its score_mod, BlockMask and strategy."""
+    """A call checked before any collective, on stand-ins (zero-stride: no memory) over the
+    full sequence: the all-to-all's local call over H/P heads [B, H/P, N, d] when
+    ``heads_shared``, else the gathered call [B, H, N, d]: its score_mod, BlockMask and
+    strategy."""
     b, hq, n, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
+    split = world if heads_shared else 1
 
     def like(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
-        return t.new_zeros(()).expand(b, heads // world, n * world, dim)
+        return t.new_zeros(()).expand(b, heads // split, n * world, dim)
 
     return FlexCall.build(
         like(q, hq, d), like(k, hkv, d), like(v, hkv, dv), score_mod, block_mask, scale,
         enable_gqa, True, None, None, strategy,
     )  # fmt: skip
+
+
+def _ring_strategy(strategy: str, q: torch.Tensor, shapes: Shapes, mods: ScoreMods) -> str:
+    """The block kernel: ``strategy``, or for "auto" the ring's default (`tiled_default`),
+    flash where that one cannot run the score_mod or BlockMask (warned once per reason)."""
+    if strategy != "auto":
+        reason = REGISTRY[strategy].refuses(mods)
+        if reason is not None:
+            raise ArgumentError(f"strategy={strategy!r} cannot run this call: {reason}")
+        return strategy
+    name = tiled_default(q.device, shapes.head_dim, shapes.value_dim)
+    reason = REGISTRY[name].refuses(mods)
+    if reason is None:
+        return name
+    warnings.warn(
+        f"attngrad: strategy='auto' runs flex_ring_attention's blocks on 'flash' (tensor ops, "
+        f"slower) instead of {name!r}: {reason}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "flash"
+
+
+def _over_ring(
+    comm: RingComm,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shapes: Shapes,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    layout: str,
+    strategy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of scheme="ring" (module docstring): the gathered call checked on
+    stand-ins, the ranks' settings compared, then the ring (`flex_over_ring`)."""
+    p = comm.world
+    # flash takes every score_mod and BlockMask: the check of the call itself
+    call = _stand_in_call(q, k, v, p, False, score_mod, block_mask, scale, enable_gqa, "flash")
+    mods = call.problem.mods
+    name = _ring_strategy(strategy, q, shapes, mods)
+    REGISTRY[name].tiles(shapes, q.dtype, None, None)  # ArgumentError for sizes it cannot take
+    score = mods.score
+    captured = () if score is None else score.captured
+    wants = ["score_mod"] if any(t.requires_grad for t in captured) else []
+    wants += [n for n, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
+    s = call.problem.scale
+    settings = Settings(
+        False, layout, s, 0.0, "ring",
+        score_mod=score_mod is not None,
+        block_mask=() if block_mask is None else block_mask_of(block_mask),
+        requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
+    )  # fmt: skip
+    check_same_shards(comm, q, shapes, settings)
+    status = None if mods.blocks is None else mods.blocks.status
+    keys = () if score is None else score.keys
+    pairs = FlexPairs(score_mod, block_mask, status, keys, name, s)
+    return flex_over_ring(comm, layout, name, q, k, v, s, pairs, captured)
 
 
 def flex_ring_attention(
@@ -258,7 +268,6 @@ def flex_ring_attention(
     torch.Size([1, 2, 16, 8])
     """
     scheme = validate_scheme(scheme)
-    _refuse_ring(scheme)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ArgumentError(
@@ -267,8 +276,13 @@ def flex_ring_attention(
             )
     shapes = validate_attention(q, k, v, None, 0.0, False, scale, enable_gqa)
     check_flag("return_lse", return_lse)
-    validate_ring(shapes, layout, timeout, strategy, ("auto", *STRATEGIES),
-                  "local call (flex_ring_attention)")  # fmt: skip
+    if scheme == "ring":
+        validate_ring(shapes, layout, timeout, strategy, ("auto", *BLOCK_STRATEGIES),
+                      "block kernel (flex_ring_attention's scheme='ring'; scheme='all_to_all' "
+                      "takes every strategy)")  # fmt: skip
+    else:
+        validate_ring(shapes, layout, timeout, strategy, ("auto", *STRATEGIES),
+                      "local call (flex_ring_attention)")  # fmt: skip
     if strategy != "auto":
         reason = unavailable_reason(strategy, q.device)
         if reason is not None:
@@ -283,6 +297,10 @@ def flex_ring_attention(
     p, n = comm.world, shapes.seq_q
     if is_no_mask(block_mask, n * p, n * p):
         block_mask = None  # torch's stand-in for no mask
+    if scheme == "ring":
+        o_r, lse_r = _over_ring(comm, q, k, v, shapes, score_mod, block_mask, scale, enable_gqa,
+                                layout, strategy)  # fmt: skip
+        return (o_r, lse_r) if return_lse else o_r
     heads = shapes.heads_q // p
     start = comm.rank * heads
     score_l, mask_l, wants = score_mod, block_mask, []
@@ -295,7 +313,7 @@ def flex_ring_attention(
                     f"create_block_mask), got {type(block_mask).__name__}."
                 )
             mask_l = local_block_mask(block_mask, start, heads)
-        call = _local_problem(q, k, v, p, score_l, mask_l, scale, enable_gqa, strategy)
+        call = _stand_in_call(q, k, v, p, True, score_l, mask_l, scale, enable_gqa, strategy)
         score = call.problem.mods.score
         if score is not None and any(t.requires_grad for t in score.captured_originals):
             wants.append("score_mod")
