@@ -1,6 +1,7 @@
-r"""FlexAttention over a sharded sequence: ``score_mod`` and ``BlockMask`` through the all-to-all.
+r"""FlexAttention over a sharded sequence: ``score_mod`` and ``BlockMask`` in both schemes.
 
-`flex_ring_attention` runs `attngrad.flex_attention` in the all-to-all scheme
+scheme="all_to_all" (the default).  `flex_ring_attention` runs
+`attngrad.flex_attention` in the all-to-all scheme
 (`attngrad.ring.all_to_all`): rank r trades its sequence shard of every head
 for all N positions of heads r H/P .. (r+1) H/P - 1, calls flex_attention
 there, and trades the output back.  The local call covers the whole sequence
@@ -21,19 +22,31 @@ functions themselves.
 The compiled programs (`attngrad.core.score_program`), the BlockMask's band
 (`attngrad.core.block_table`) and the local BlockMask are found once per
 function or BlockMask and kept across calls, so the wrappers are too: one per
-(function, offset), kept in the function's own ``__dict__`` (a plain Python
-function: it lives exactly as long as the function, no global table holds
-it), or, for another callable (a bound method, a callable object), in a table
-that holds it only while a call or an autograd graph uses it.  The local
-BlockMask is kept per (BlockMask, heads) in a table keyed weakly by the
-BlockMask, rebuilt when its mask_mod or block lists are replaced.
+(function, offset) (`attngrad.ring.shifted`).  The local BlockMask is kept per
+(BlockMask, heads) in a table keyed weakly by the BlockMask, rebuilt when its
+mask_mod or block lists are replaced.
+
+scheme="ring".  Each rank keeps its rows and every head; the k/v shards travel
+around the ring (`attngrad.ring.attention`), and each (query block, key block)
+pair, rows from global position q0 and keys from k0, is one local call of the
+block kernel with the functions at the pair's global origin,
+
+    score_mod_pair(s, b, h, i, j) = score_mod(s, b, h, i + q0, j + k0)
+    mask_mod_pair(b, h, i, j)     = mask_mod(b, h, i + q0, j + k0)
+
+and the BlockMask cut to the pair from the full one's block table
+(`attngrad.ring.shifted.pair_block_mask`); a pair it leaves empty is skipped
+(`attngrad.ring.flex_pairs`).  The gathered call is checked first, on
+stand-ins over the full sequence, before any collective.
 
 A tensor the score_mod captures (ALiBi slopes, a relative table) is read by
-every rank's local call for that rank's heads, so its gradient on a rank is
-that rank's share: sum it over the group (``dist.all_reduce(t.grad)``), as
-for any parameter replicated across the ranks.  Every derivative of
-flex_attention carries over (the trades are linear `autograd.Function`\ s):
-backward, double backward, forward mode, torch.func's transforms.
+every rank's local calls for that rank's heads (all-to-all) or rows (ring), so
+its gradient on a rank is that rank's share: sum it over the group
+(``dist.all_reduce(t.grad)``), as for any parameter replicated across the
+ranks.  Every derivative of flex_attention carries over under the all-to-all
+(the trades are linear `autograd.Function`\ s): backward, double backward,
+forward mode, torch.func's transforms; under the ring, backward, double
+backward and forward mode (``forward_ad``), as `attngrad.ring_attention`'s.
 """
 
 from __future__ import annotations
@@ -250,15 +263,21 @@ def flex_ring_attention(
     is built for the full sequence, [B or 1, Hq or 1, N, N] (``create_block_mask(mask_mod,
     B, H, N, N)``), the same on every rank.
 
-    ``scheme``: "all_to_all" (the only one that takes score functions yet; "ring" raises
-    ValueError naming it): each rank computes Hq/P whole heads over every position
-    (module docstring), so Hq and Hkv must divide by P, and the work is balanced whatever
-    the mask.  A tensor the score_mod captures gets this rank's share of its gradient:
-    sum it over ``group`` (``dist.all_reduce``).  Every derivative works: backward,
-    double backward, forward mode, torch.func's transforms (every rank alike).
+    ``scheme``: "all_to_all" (the default): each rank computes Hq/P whole heads over every
+    position (module docstring), so Hq and Hkv must divide by P, and the work is balanced
+    whatever the mask; every derivative works: backward, double backward, forward mode,
+    torch.func's transforms (every rank alike).  "ring": each rank computes its rows of
+    every head against one key block at a time, the functions called at each pair's
+    global positions ``(i + q0, j + k0)`` and the BlockMask cut to the pair; pairs the
+    BlockMask leaves empty are skipped (balance them with `attngrad.ring.balanced_layout`);
+    any Hq, Hkv (GQA); backward, double backward and forward mode (``forward_ad``).
+    Under either, a tensor the score_mod captures gets this rank's share of its gradient:
+    sum it over ``group`` (``dist.all_reduce``).
 
-    ``return_lse=True`` returns (out, lse [B, Hq, N/P]).  ``strategy``: the local call's
-    (any of `attngrad.STRATEGIES`, or "auto").  ``group``, ``timeout``: as in
+    ``return_lse=True`` returns (out, lse [B, Hq, N/P]).  ``strategy``: under "all_to_all"
+    the local call's (any of `attngrad.STRATEGIES`, or "auto"); under "ring" the block
+    kernel, one of `attngrad.ring.BLOCK_STRATEGIES` or "auto" (fused on CPU, triton on
+    CUDA, flash where that one refuses the score_mod; another raises ValueError).  ``group``, ``timeout``: as in
     `attngrad.ring_attention`; without a process group, or with one rank, this is
     `attngrad.flex_attention`.  Different shapes, settings, score_mod presence or
     BlockMasks on different ranks raise ValueError on every rank.
