@@ -1,8 +1,9 @@
-"""flex_ring_attention (score_mod, BlockMask) and packed_ring_attention (cu_seqlens) through the
-all-to-all scheme; balanced_layout.
+"""flex_ring_attention (score_mod, BlockMask) through both schemes, packed_ring_attention
+(cu_seqlens) through the all-to-all; balanced_layout.
 
 One group of 4 forkserver gloo processes (`process_group.shared_run`) runs every case at
-P = 2, 3 and 4 (subgroups of ranks 0..P-1), then the cross-rank errors at P = 2.  Each
+P = 2, 3 and 4 (subgroups of ranks 0..P-1), then the cross-rank errors at P = 2 and the
+ring's block-kernel calls at P = 4.  Each
 rank saves its shards of out, lse and the derivatives, and the score_mod's captured
 tensor's gradient all-reduced over the group; the tests reassemble the shards with
 `unshard` and judge them against the single-process `attngrad.flex_attention` (or
@@ -24,8 +25,10 @@ import torch
 import torch.distributed as dist
 from process_group import join, launch, shared_run
 from torch.autograd import forward_ad
+from torch.distributed.nn.functional import all_reduce
 
 import attngrad
+from attngrad.core.block_table import BlockTable
 from attngrad.core.contract import Shapes
 from attngrad.core.score_function import ScoreFunction
 from attngrad.core.score_program import compile_score
@@ -39,6 +42,8 @@ from attngrad.ring import (
 )
 from attngrad.ring.flex import at_heads, local_block_mask
 from attngrad.ring.layout import block_work
+from attngrad.ring.shifted import pair_block_mask
+from attngrad.strategies import REGISTRY
 from attngrad.verify.cases import Case, make_inputs
 from attngrad.verify.flex_cases import block_mask as verify_block_mask
 from attngrad.verify.flex_cases import scenario
@@ -78,9 +83,9 @@ def _doc_ids(n: int) -> torch.Tensor:
 
 
 @functools.cache
-def _block_mask(name: str, n: int, heads: int):
-    """The BlockMask called ``name`` over [N, N], built once per process (the same object at
-    every call: the caches keyed by it are exercised too)."""
+def _block_mask(name: str, n: int, heads: int, block: int = BLOCK):
+    """The BlockMask called ``name`` over [N, N] in blocks of ``block``, built once per process
+    (the same object at every call: the caches keyed by it are exercised too)."""
     docs = _doc_ids(n)
     masks = {
         "causal": lambda b, h, i, j: j <= i,
@@ -89,19 +94,23 @@ def _block_mask(name: str, n: int, heads: int):
         "per-head": lambda b, h, i, j: (j <= i) & (i - j < 2 + 3 * h),  # a window per head
     }
     per_head = heads if name == "per-head" else None
-    return attngrad.create_block_mask(masks[name], None, per_head, n, n, BLOCK_SIZE=BLOCK)
+    return attngrad.create_block_mask(masks[name], None, per_head, n, n, BLOCK_SIZE=block)
 
 
 @dataclass(frozen=True)
 class FlexShardCase:
-    """One call at ``world`` ranks over [B = 2, Hq = 2P, N = 8P, d = 4] against [Hkv = P, dv = 3].
+    """One call at ``world`` ranks over [B = 2, Hq = 2P, N = 8P, d = 4] against [Hkv = P, dv = 3]
+    (scheme "all_to_all"), or over [B = 1, Hq = 2, N = 64 or 96, d = 8] against [Hkv = 1,
+    dv = 8] (scheme "ring": chunks of 16, several pairs of blocks each).
 
     score: a key of `SCORES` (its theta learnable) or None; mask: a `_block_mask` name or
-    None; verify: a scenario of `attngrad.verify.flex_cases` instead of both (its score,
-    theta and BlockMask, N = 48: the float32 cases the rule judges); packed: cu_seqlens
-    through `packed_ring_attention` (causal) instead of flex; order: "first" (out, lse
-    and the gradients of out * dout + sin(lse)), "second" (those with create_graph, then
-    the gradients of the sum of their squares) or "forward" (forward_ad tangents).
+    None, in blocks of ``block`` (the ring's pairs start on block edges where it divides
+    16, else inside blocks); verify: a scenario of `attngrad.verify.flex_cases` instead of
+    both (its score, theta and BlockMask, N = 48: the float32 cases the rule judges);
+    packed: cu_seqlens through `packed_ring_attention` (causal) instead of flex; order:
+    "first" (out, lse and the gradients of out * dout + sin(lse)), "second" (those with
+    create_graph, then the gradients of the sum of their squares) or "forward" (forward_ad
+    tangents).
     """
 
     world: int
@@ -113,18 +122,33 @@ class FlexShardCase:
     strategy: str = "flash"
     verify: str | None = None
     packed: bool = False
+    scheme: str = "all_to_all"
+    block: int = BLOCK
 
     @property
     def id(self) -> str:
         what = self.verify or ("packed" if self.packed else f"{self.score}+{self.mask}")
+        what += "" if self.block == BLOCK else f"/{self.block}"
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"P{self.world}-{self.layout}-{what}-{dtype}-{self.order}-{self.strategy}"
+        return (
+            f"{self.scheme}-P{self.world}-{self.layout}-{what}-{dtype}-{self.order}-{self.strategy}"
+        )
 
     @property
     def case(self) -> Case:
-        n = 48 if self.verify else 8 * self.world
-        shapes = Shapes((2,), 2 * self.world, self.world, n, n, 4, 3)
+        if self.verify:
+            shapes = Shapes((2,), 2 * self.world, self.world, 48, 48, 4, 3)
+        elif self.scheme == "ring":
+            n = 96 if self.world == 3 else 64
+            shapes = Shapes((1,), 2, 1, n, n, 8, 8)
+        else:
+            shapes = Shapes((2,), 2 * self.world, self.world, 8 * self.world, 8 * self.world, 4, 3)
         return Case(shapes, self.dtype, enable_gqa=True, flex=self.verify)
+
+
+def _ring(world: int, score: str | None, mask: str | None, layout: str = "zigzag",
+          **kw) -> FlexShardCase:  # fmt: skip
+    return FlexShardCase(world, score, mask, layout, scheme="ring", **kw)
 
 
 CASES = [
@@ -142,6 +166,22 @@ CASES = [
     FlexShardCase(2, dtype=F32, verify="document", layout="contiguous"),
     FlexShardCase(2, packed=True),
     FlexShardCase(4, packed=True, layout="contiguous", order="second"),
+    # scheme="ring": every pair's local call at its global origin
+    _ring(2, "alibi", "causal"),
+    _ring(3, "alibi", "causal", strategy="fused"),
+    _ring(4, "alibi", "causal", "contiguous"),
+    _ring(2, "relative", None, "contiguous", strategy="fused"),
+    _ring(3, None, "document", "contiguous"),
+    _ring(4, "relative", "causal-document", strategy="fused"),
+    # blocks of 12 and 24: pairs that start inside a block (their BlockMask from <= 2 x 2)
+    _ring(2, "relative", "causal-document", block=12, strategy="fused"),
+    _ring(3, "alibi", "document", block=12),
+    _ring(4, "alibi", "per-head", "contiguous", block=24, strategy="fused"),
+    _ring(2, "alibi", "causal", order="second"),
+    _ring(3, "relative", "causal-document", "contiguous", order="second", strategy="fused"),
+    _ring(2, "relative", "per-head", order="forward", strategy="fused"),
+    _ring(3, "alibi", "causal-document", order="forward"),
+    _ring(3, None, None, dtype=F32, verify="alibi", strategy="fused"),
 ]
 
 
@@ -176,7 +216,8 @@ def _call(fc: FlexShardCase, x: dict, flex, packed):
         blocks = verify_block_mask(fc.verify, n, n)
     else:
         score = None if fc.score is None else SCORES[fc.score](theta)
-        blocks = None if fc.mask is None else _block_mask(fc.mask, n, fc.case.shapes.heads_q)
+        heads = fc.case.shapes.heads_q
+        blocks = None if fc.mask is None else _block_mask(fc.mask, n, heads, fc.block)
     return flex(x["q"], x["k"], x["v"], score, blocks)
 
 
@@ -207,7 +248,10 @@ def _run(fc: FlexShardCase, full: dict, rank: int, world: int, flex, packed, gro
     got = {"out": out.detach(), "lse": lse.detach()}
     got |= {"d" + n: g.detach() for n, g in zip(names, grads, strict=True)}
     if second:
-        penalty = sum(g.square().sum() for g in grads)
+        penalty = sum(g.square().sum() for n, g in zip(names, grads, strict=True) if n != "theta")
+        if "theta" in leaves:  # the penalty on theta's whole gradient: its shares summed
+            whole = grads[-1] if world == 1 else all_reduce(grads[-1], group=group)
+            penalty = penalty + whole.square().sum() / world  # world ranks add it
         seconds = torch.autograd.grad(penalty, list(leaves.values()))
         got |= {"d2" + n: g for n, g in zip(names, seconds, strict=True)}
     if world > 1:  # a replicated parameter's gradient: each rank's share, summed
@@ -221,7 +265,7 @@ def _sharded(fc: FlexShardCase, group):
     def flex(q, k, v, score, blocks):
         return flex_ring_attention(
             q, k, v, score, blocks, group=group, layout=fc.layout, enable_gqa=True,
-            return_lse=True, strategy=fc.strategy,
+            return_lse=True, strategy=fc.strategy, scheme=fc.scheme,
         )  # fmt: skip
 
     def packed(q, k, v, cu):
@@ -291,13 +335,57 @@ def _errors(rank: int, group) -> dict[str, tuple[str, str]]:
     coarse = attngrad.create_block_mask(lambda b, h, i, j: j <= i, None, None, 16, 16,
                                         BLOCK_SIZE=8)  # fmt: skip
     cu = torch.tensor([0, 5, 16] if rank == 0 else [0, 7, 16])
+    ring = functools.partial(call, scheme="ring")
     return {
         "heads": _error_of(lambda: call(alibi, q=q3, kv=q3)),
         "score_mod": _error_of(lambda: call(alibi if rank == 0 else None)),
         "block_mask": _error_of(lambda: call(None, causal if rank == 0 else coarse)),
         "requires_grad": _error_of(lambda: call(alibi)),
         "cu_seqlens": _error_of(lambda: packed_ring_attention(q, kv, kv, cu, group=group)),
+        "ring-score_mod": _error_of(lambda: ring(alibi if rank == 0 else None)),
+        "ring-block_mask": _error_of(lambda: ring(None, causal if rank == 0 else coarse)),
+        "ring-requires_grad": _error_of(lambda: ring(alibi)),
+        "ring-lengths": _error_of(lambda: ring(None, _block_mask("causal", 8, 4))),
     }
+
+
+def _block_calls(rank: int, group) -> dict[str, tuple[int, int]]:
+    """How many times the ring's block kernel runs forward and backward on this rank (of 4,
+    contiguous: one chunk each) under documents of one chunk each and under causal: the
+    pairs the BlockMask leaves empty are skipped, so 1 and rank + 1 of the 4 pairs."""
+    n = 64
+    docs = torch.arange(n) // (n // WORLD)
+    masks = {
+        "document": lambda b, h, i, j: docs[i] == docs[j],
+        "causal": lambda b, h, i, j: j <= i,
+    }
+    kernel = REGISTRY["flash"]
+    calls = {"forward": 0, "backward_into": 0}
+
+    def counted(name: str):
+        method = getattr(kernel, name)
+
+        def count(*args):
+            calls[name] += 1
+            return method(*args)
+
+        return count
+
+    found = {}
+    q = shard(torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(7)), rank, WORLD)
+    q.requires_grad_()
+    for name, mask_mod in masks.items():
+        blocks = attngrad.create_block_mask(mask_mod, None, None, n, n, BLOCK_SIZE=8)
+        calls.update(forward=0, backward_into=0)
+        kernel.forward, kernel.backward_into = counted("forward"), counted("backward_into")
+        try:
+            out = flex_ring_attention(q, q, q, None, blocks, group=group, scheme="ring",
+                                      layout="contiguous", strategy="flash")  # fmt: skip
+            out.sum().backward()
+        finally:
+            del kernel.forward, kernel.backward_into  # the class's methods again
+        found[name] = (calls["forward"], calls["backward_into"])
+    return found
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
@@ -310,6 +398,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             results[fc.id] = _run(fc, _inputs(fc), rank, fc.world, flex, packed, group)
     if rank < 2:
         results["errors"] = _errors(rank, groups[2])
+    results["block calls"] = _block_calls(rank, groups[WORLD])
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     os._exit(0)
 
@@ -358,6 +447,9 @@ def test_heads_that_do_not_divide_by_p_raise_on_every_rank(group_run):
         ("block_mask", "BLOCK_SIZE=(4, 4), 4 partial and 6 full blocks), rank 1 BlockMask"),
         ("requires_grad", "requires_grad: rank 0 ['score_mod'], rank 1 []"),
         ("cu_seqlens", "cu_seqlens: rank 0 2 documents"),
+        ("ring-score_mod", "score_mod: rank 0 given, rank 1 None"),
+        ("ring-block_mask", "BLOCK_SIZE=(4, 4), 4 partial and 6 full blocks), rank 1 BlockMask"),
+        ("ring-requires_grad", "requires_grad: rank 0 ['score_mod'], rank 1 []"),
     ],
 )
 def test_settings_that_differ_across_ranks_raise_the_same_error_on_every_rank(
@@ -367,6 +459,19 @@ def test_settings_that_differ_across_ranks_raise_the_same_error_on_every_rank(
     assert messages[0] == messages[1]
     kind, message = messages[0]
     assert kind == "ArgumentError" and table in message, message
+
+
+def test_a_block_mask_built_for_other_lengths_is_refused_before_the_ring(group_run):
+    for res in group_run[:2]:
+        kind, message = res["errors"]["ring-lengths"]
+        assert kind == "ArgumentError", message
+        assert "(Q_LEN, KV_LEN) = (8, 8)" in message and "Nq = 16" in message, message
+
+
+def test_the_ring_skips_the_pairs_the_block_mask_leaves_empty(group_run):
+    calls = [res["block calls"] for res in group_run]
+    assert [c["document"] for c in calls] == [(1, 1)] * WORLD
+    assert [c["causal"] for c in calls] == [(r + 1, r + 1) for r in range(WORLD)]
 
 
 # ---------------------------------------------------------------------------
@@ -417,20 +522,51 @@ def test_the_local_block_mask_is_kept_per_block_mask_and_heads():
     assert moved.kv_num_blocks is shared.kv_num_blocks and moved.mask_mod is not shared.mask_mod
 
 
-def test_without_a_process_group_it_is_flex_attention_and_ring_is_refused():
+@pytest.mark.parametrize("scheme", ["all_to_all", "ring"])
+def test_without_a_process_group_it_is_flex_attention(scheme):
     q = torch.randn(1, 2, 16, 4, dtype=F64)
     theta = torch.rand(2, dtype=F64)
     blocks = _block_mask("causal", 16, 2)
-    got = flex_ring_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
+    got = flex_ring_attention(q, q, q, _alibi(theta), blocks, return_lse=True, scheme=scheme)
     want = attngrad.flex_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    with pytest.raises(ValueError, match=r"scheme='ring' does not take score functions.*use"):
-        flex_ring_attention(q, q, q, _alibi(theta), scheme="ring")
     cu = torch.tensor([0, 5, 16])
     torch.testing.assert_close(
         packed_ring_attention(q, q, q, cu, is_causal=True),
         attngrad.attention(q, q, q, is_causal=True, cu_seqlens_q=cu),
     )
+
+
+@pytest.mark.parametrize("block", [4, 6, 16])
+def test_a_pairs_block_mask_keeps_the_full_masks_scores_of_the_pair(block):
+    """Every pair of chunks of 8 of N = 48 (block 4: on block edges; 6 and 16: inside
+    blocks): the pair's BlockMask keeps exactly the full one's scores at global positions,
+    and says empty only where it keeps none."""
+    n = 48
+    full = _block_mask("causal-document", n, 2, block)
+    q = torch.zeros(1, 2, n, 8)
+    table = BlockTable.of(full, q, q, 1)
+    kept = table.keep(1, slice(0, n), slice(0, n), q.device)
+    assert kept is not None
+    for q0 in range(0, n, 8):
+        for k0 in range(0, n, 8):
+            local, empty = pair_block_mask(full, table.status, (q0, k0), (8, 8))
+            assert pair_block_mask(full, table.status, (q0, k0), (8, 8))[0] is local
+            qp = torch.zeros(1, 2, 8, 8)
+            pair = BlockTable.of(local, qp, qp, 1).keep(1, slice(0, 8), slice(0, 8), q.device)
+            want = kept[..., q0 : q0 + 8, k0 : k0 + 8]
+            got = torch.ones_like(want) if pair is None else pair
+            assert torch.equal(got, want), (q0, k0)
+            assert not empty or not want.any(), (q0, k0)
+            if block == 4:  # on block edges the empty pairs are exactly those keeping nothing
+                assert empty == (not want.any()), (q0, k0)
+
+
+def test_the_ring_refuses_a_strategy_that_is_not_a_block_kernel():
+    q = torch.randn(1, 2, 16, 4)
+    with pytest.raises(ValueError, match=r"strategy must be one of 'auto', 'flash'.*"
+                       r"scheme='all_to_all' takes every strategy.*got 'explicit'"):  # fmt: skip
+        flex_ring_attention(q, q, q, scheme="ring", strategy="explicit")
 
 
 DOCS = [1500, 300, 640, 100, 900, 400, 192, 64]  # docs/ring.md's 8 documents, N = 4096

@@ -21,8 +21,9 @@ output is traded back (`attngrad.ring.all_to_all`).
 timeout), `checks` validates the shards on each rank and across the ring,
 `attention` computes: forward, backward and the public `ring_attention`;
 `all_to_all` is the other scheme (and `packed_ring_attention`, packed documents
-through it); `flex` runs `attngrad.flex_attention` through it
-(`flex_ring_attention`: a score_mod and a BlockMask); `layout.balanced_layout`
+through it); `flex` runs `attngrad.flex_attention` through either scheme
+(`flex_ring_attention`: a score_mod and a BlockMask; `shifted` and `flex_pairs` put them
+at a local call's global heads or positions); `layout.balanced_layout`
 balances the ring's work under a block-sparse mask.
 """
 

@@ -103,6 +103,7 @@ from attngrad.ring.checks import (
     validate_scheme,
 )
 from attngrad.ring.comm import DEFAULT_TIMEOUT, Exchange, RingComm, RingShift, shared_dropout
+from attngrad.ring.flex_pairs import FlexPairs, Pair
 from attngrad.ring.layout import Block, chunks_of, step_blocks
 from attngrad.strategies import REGISTRY, STRATEGIES, TILED, tiled_default, unavailable_reason
 from attngrad.strategies.base import differentiable
@@ -153,8 +154,10 @@ def merge_partial_(
 @dataclass(frozen=True)
 class _Ring:
     """What forward and backward share: the comm, the layout, the block strategy, the band
-    (``is_causal`` and ``window``), the softcap, the dropout, and whether an attn_mask
-    is given (its tensors travel as the Function's arguments)."""
+    (``is_causal`` and ``window``), the softcap, the dropout, whether an attn_mask
+    is given (its tensors travel as the Function's arguments), and a FlexAttention
+    call's score_mod and BlockMask (`attngrad.ring.flex_pairs`; the score_mod's
+    captured tensors travel as the Function's arguments)."""
 
     comm: RingComm
     layout: str
@@ -164,12 +167,17 @@ class _Ring:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     masked: bool = False
+    flex: FlexPairs | None = None
 
     @property
     def positional(self) -> bool:
         """Whether blocks need their global origins: dropout hashes global positions, a
-        window's band sits at the pair's global offset, a mask's keys are global columns."""
-        return self.dropout is not None or self.window is not None or self.masked
+        window's band sits at the pair's global offset, a mask's keys are global columns,
+        a score_mod and a BlockMask see global positions."""
+        return (
+            self.dropout is not None or self.window is not None or self.masked
+            or self.flex is not None
+        )  # fmt: skip
 
     def steps(self, seq_local: int) -> list[list[Block]]:
         """The blocks of each step s, against the k/v shard of rank r - s."""
@@ -258,14 +266,19 @@ def _problem(
     scale: float,
     mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     skip: bool = True,
+    captured: tuple[torch.Tensor, ...] = (),
 ) -> Problem[Any] | None:
     """The block kernel's problem: the block's rows of q against its k/v block, the block's
-    mods (its band, the softcap, the mask's columns, the dropout at its global origin) and
-    the strategy's tiles for it.  None (with ``skip``) when the band leaves the pair empty:
-    no compute, the k/v block still travels."""
+    mods (its band, the softcap, the mask's columns, the dropout at its global origin, a
+    score_mod and BlockMask at its global origin reading ``captured``) and the strategy's
+    tiles for it.  None (with ``skip``) when the band or the BlockMask leaves the pair
+    empty: no compute, the k/v block still travels."""
     qb, kb, vb = _rows(q, blk.rows), _rows(k, blk.cols), _rows(v, blk.cols)
     band = ring.band(blk)
     if skip and band is not None and band.key_span(slice(0, qb.shape[2]))[0] >= kb.shape[2]:
+        return None
+    pair = _pair(ring, blk, qb, kb, vb)
+    if skip and pair is not None and pair.empty:
         return None
     dropout = ring.dropout
     if dropout is not None:
@@ -273,9 +286,25 @@ def _problem(
         dropout = dropout.shifted(*blk.origin)
     bias, keep = (_mask_block(t, blk) for t in mask)
     r, c = qb.shape[2], kb.shape[2]
-    mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout)
-    tiles = ring.strategy.tiles(Shapes.of(qb, kb, vb), q.dtype, None, None)
+    if pair is None:
+        mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout)
+        tiles = ring.strategy.tiles(Shapes.of(qb, kb, vb), q.dtype, None, None)
+    else:
+        score = pair.score_over(captured)
+        mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout, score,
+                         pair.blocks)  # fmt: skip
+        tiles = pair.tiles
     return Problem(qb, kb, vb, mods, scale, tiles)
+
+
+def _pair(
+    ring: _Ring, blk: Block, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
+) -> Pair | None:
+    """The block's score_mod and BlockMask (`attngrad.ring.flex_pairs`), or None without."""
+    if ring.flex is None:
+        return None
+    assert blk.origin is not None  # a flex call makes the blocks positional
+    return ring.flex.pair(blk.origin, qb, kb, vb)
 
 
 def ring_forward(
@@ -285,11 +314,13 @@ def ring_forward(
     ring: _Ring,
     scale: float,
     mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    captured: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O: [B, Hq, n, dv] (input dtype) and stats: [B, Hq, n, 2] of this rank's queries over all keys.
 
     q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv], contiguous; n = N / P.
     mask: (bias, keep), each [Bm, Hm, nm, Nkm] (nm 1 or n, Nkm 1 or N) or None.
+    captured: the score_mod's tensors (``ring.flex``), in `FlexPairs.keys`'s order.
     """
     b, hq, n, _ = q.shape
     dtype = compute_dtype(q.dtype)
@@ -302,7 +333,7 @@ def ring_forward(
     for s, blocks in enumerate(steps):
         incoming = ring.comm.send_recv((kc, vc)) if s + 1 < len(steps) else None
         for blk in blocks:
-            problem = _problem(ring, blk, q, kc, vc, scale, mask)
+            problem = _problem(ring, blk, q, kc, vc, scale, mask, captured=captured)
             if problem is None:
                 continue
             o_b, saved = ring.strategy.forward(problem)
@@ -335,7 +366,8 @@ class _Shard:
     """This rank's tensors of one backward, shapes as in `ring_forward`: q, k, v, the
     final O and stats of its rows, dout [B, Hq, n, dv] and dlse [B, Hq, n], lse's
     cotangent (None: lse unused); the mask's (bias, keep) and dbias, the bias's
-    gradient accumulator (None: not wanted)."""
+    gradient accumulator (None: not wanted); the score_mod's captured tensors and their
+    gradients' accumulators (None each where not wanted), in `FlexPairs.keys`'s order."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -346,10 +378,12 @@ class _Shard:
     dlse: torch.Tensor | None
     mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     dbias: torch.Tensor | None = None
+    captured: tuple[torch.Tensor, ...] = ()
+    dcaptured: tuple[torch.Tensor | None, ...] = ()
 
     def heads(self, qh: slice, kh: slice) -> _Shard:
         """The query heads ``qh`` and their kv heads ``kh`` (k, v made contiguous: they travel)."""
-        assert self.mask == (None, None)  # a mask runs as one group
+        assert self.mask == (None, None) and not self.captured  # these run as one group
         return _Shard(
             self.q[:, qh], self.k[:, kh].contiguous(), self.v[:, kh].contiguous(), self.o[:, qh],
             self.stats[:, qh], self.dout[:, qh], None if self.dlse is None else self.dlse[:, qh],
@@ -366,14 +400,15 @@ def ring_backward(
     heads go with their kv head) and each group's gradients come from a ring
     pass of their own, `_ring_backward_group`: same messages in total, each
     1/HEAD_GROUPS the size, so the ring's buffers shrink by that factor.
-    With dropout or a mask, one group of all heads (module docstring).
+    With dropout, a mask or a flex call, one group of all heads (module docstring; a
+    score_mod or mask_mod reads the head index, which a group would renumber).
     """
     q, k = shard.q, shard.k
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(shard.v)
-    one = ring.dropout is not None or shard.mask != (None, None)
+    one = ring.dropout is not None or shard.mask != (None, None) or ring.flex is not None
     groups = 1 if one else min(hkv, HEAD_GROUPS)
     if groups == 1:
         dk[:], dv[:] = _ring_backward_group(dq, shard, ring, scale)
@@ -416,15 +451,17 @@ def _ring_backward_group(
     def add_share(blocks: list[Block], kc: torch.Tensor, vc: torch.Tensor, dk: torch.Tensor,
                   dv: torch.Tensor) -> None:  # fmt: skip
         for blk in blocks:
-            problem = _problem(ring, blk, q, kc, vc, scale, shard.mask)
+            problem = _problem(ring, blk, q, kc, vc, scale, shard.mask, captured=shard.captured)
             if problem is None:
                 continue
             dbias = _mask_block(shard.dbias, blk)
             grads = (_rows(dq, blk.rows), _rows(dk, blk.cols), _rows(dv, blk.cols), dbias)
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
             dlse_b = None if dlse is None else _rows(dlse, blk.rows)
+            pair = _pair(ring, blk, problem.q, problem.k, problem.v)
+            dcaptured = () if pair is None else pair.pick(shard.dcaptured)
             ring.strategy.backward_into(
-                Backward(problem, final, _rows(dout, blk.rows), dlse_b, grads)
+                Backward(problem, final, _rows(dout, blk.rows), dlse_b, grads, dcaptured)
             )
 
     incoming: Exchange | None = ring.comm.send_recv((k, v))
@@ -462,9 +499,11 @@ def ring_tangent(
     ring: _Ring,
     scale: float,
     mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    captured: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O' [B, Hq, n, dv] in the input dtype, lse' [B, Hq, n] in the compute dtype) of this
-    rank's rows, along tangents (q', k', v', bias') (None: zero), shapes as their inputs.
+    rank's rows, along tangents (q', k', v', bias', *captured') (None: zero), shapes as
+    their inputs (captured: the score_mod's tensors, as in `ring_forward`).
 
     With the final statistics known, each block's P = exp(S - lse) is already the
     softmax over every key (`attngrad.autograd.tangent`), so the block kernel's
@@ -474,7 +513,7 @@ def ring_tangent(
     (O', lse').  k' and v' travel with k and v (zeros where absent, so every rank
     sends alike): one ring of P - 1 steps, O(N/P) memory.
     """
-    t_q, t_k, t_v, t_bias = tangents
+    t_q, t_k, t_v, t_bias, *t_captured = tangents
     dtype = compute_dtype(q.dtype)
     t_k = torch.zeros_like(k) if t_k is None else t_k.contiguous()
     t_v = torch.zeros_like(v) if t_v is None else t_v.contiguous()
@@ -486,15 +525,17 @@ def ring_tangent(
         incoming = ring.comm.send_recv(held) if s + 1 < len(steps) else None
         kc, vc, tkc, tvc = held
         for blk in blocks:
-            problem = _problem(ring, blk, q, kc, vc, scale, mask)
+            problem = _problem(ring, blk, q, kc, vc, scale, mask, captured=captured)
             if problem is None:
                 continue
             final = {"o": _rows(o, blk.rows), "stats": _rows(stats, blk.rows)}
+            pair = _pair(ring, blk, problem.q, problem.k, problem.v)
             moved = (
                 None if t_q is None else _rows(t_q, blk.rows),
                 _rows(tkc, blk.cols),
                 _rows(tvc, blk.cols),
                 _mask_block(t_bias, blk),
+                *(() if pair is None else pair.pick(tuple(t_captured))),
             )
             do_b, dlse_b = output_tangent(ring.strategy, problem, final, moved, final["o"])
             _rows(t_o, blk.rows).add_(do_b)
@@ -514,6 +555,7 @@ def ring_differentiable(
     ring: _Ring,
     scale: float,
     mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    captured: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O [B, Hq, n, dv] in the input dtype, lse [B, Hq, n]) as `ring_forward` computes them,
     recorded by autograd to every order: the other ranks' k/v gathered by `RingShift`
@@ -523,8 +565,8 @@ def ring_differentiable(
 
     It holds every rank's k/v (O(N) per rank) and, for backward, each pair's O and
     statistics: the memory of the second-order path (the first-order one is O(N/P)).
-    Every pair is computed, also those the band leaves empty (the kernel skips their
-    tiles), so that the graph, and with it the order of the rotations' backward
+    Every pair is computed, also those the band or the BlockMask leaves empty (the
+    kernel skips their tiles), so that the graph, and with it the order of the rotations' backward
     messages, is one on every rank.
     """
     dtype = compute_dtype(q.dtype)
@@ -533,7 +575,7 @@ def ring_differentiable(
     per_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for (kc, vc), blocks in zip(held, ring.pairs(q.shape[2]), strict=True):
         for blk in blocks:
-            problem = _problem(ring, blk, q, kc, vc, scale, mask, skip=False)
+            problem = _problem(ring, blk, q, kc, vc, scale, mask, skip=False, captured=captured)
             assert problem is not None
             o_b, lse_b, _ = differentiable(ring.strategy, problem)
             per_rows.setdefault(blk.rows.start, []).append((o_b, lse_b))
@@ -565,14 +607,15 @@ def _merge_by_lse(
 
 
 class RingAttention(torch.autograd.Function):
-    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv]
-    and the mask's (bias, keep) [Bm, Hm, nm, Nkm] (or None).
+    """autograd.Function over this rank's q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv],
+    the mask's (bias, keep) [Bm, Hm, nm, Nkm] (or None) and a score_mod's captured tensors.
 
-    RingAttention.apply(q, k, v, bias, keep, ring, scale) -> (O, lse, stats), stats
-    non-differentiable (returned so that torch.func may save it).  Backward: the
+    RingAttention.apply(q, k, v, bias, keep, ring, scale, *captured) -> (O, lse, stats),
+    stats non-differentiable (returned so that torch.func may save it).  Backward: the
     first-order ring (`ring_backward`, O(N/P)); under ``create_graph=True`` the
     gradients of `ring_differentiable` instead, which autograd differentiates again.
-    jvp: `ring_tangent`.
+    jvp: `ring_tangent`.  A captured tensor's gradient is this rank's share (its rows'
+    scores'): the caller sums it over the ranks.
     """
 
     @staticmethod
@@ -584,17 +627,18 @@ class RingAttention(torch.autograd.Function):
         keep: torch.Tensor | None,
         ring: _Ring,
         scale: float,
+        *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        o, stats = ring_forward(q, k, v, ring, scale, (bias, keep))
+        o, stats = ring_forward(q, k, v, ring, scale, (bias, keep), captured)
         return o, lse(stats), stats
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        q, k, v, bias, keep, ring, scale = inputs
+        q, k, v, bias, keep, ring, scale, *captured = inputs
         o, _, stats = output
         ctx.mark_non_differentiable(stats)
-        ctx.save_for_backward(q, k, v, bias, keep, o, stats)
-        ctx.save_for_forward(q, k, v, bias, keep, o, stats)
+        ctx.save_for_backward(q, k, v, bias, keep, o, stats, *captured)
+        ctx.save_for_forward(q, k, v, bias, keep, o, stats, *captured)
         ctx.ring, ctx.scale = ring, scale
         ctx.set_materialize_grads(False)
 
@@ -602,26 +646,36 @@ class RingAttention(torch.autograd.Function):
     def backward(
         ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None, _: object
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, bias, keep, o, stats = ctx.saved_tensors
+        q, k, v, bias, keep, o, stats, *captured = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         if torch.is_grad_enabled():  # create_graph=True: the gradients will be differentiated
-            return (*_differentiable_gradients(ctx, dout, dlse), None, None, None)
+            dq, dk, dv, dbias, *dcap_graph = _differentiable_gradients(ctx, dout, dlse)
+            return dq, dk, dv, dbias, None, None, None, *dcap_graph
         if dout is None:
             dout = torch.zeros_like(o)
         need_bias = bias is not None and ctx.needs_input_grad[3]
         dbias = None
         if need_bias:
             dbias = torch.zeros(bias.shape, dtype=compute_dtype(q.dtype), device=q.device)
-        shard = _Shard(q, k, v, o, stats, dout, dlse, (bias, keep), dbias)
+        dcaptured = tuple(
+            torch.zeros(t.shape, dtype=compute_dtype(t.dtype), device=t.device)
+            if ctx.needs_input_grad[7 + i] else None
+            for i, t in enumerate(captured)
+        )  # fmt: skip
+        shard = _Shard(q, k, v, o, stats, dout, dlse, (bias, keep), dbias, tuple(captured),
+                       dcaptured)  # fmt: skip
         dq, dk, dv = ring_backward(shard, ring, scale)
-        return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None, None
+        dbias_out = None if dbias is None else dbias.to(bias.dtype)
+        dcap = (None if g is None else g.to(t.dtype) for g, t in zip(dcaptured, captured,
+                                                                     strict=True))  # fmt: skip
+        return dq, dk, dv, dbias_out, None, None, None, *dcap
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, bias, keep, o, stats = ctx.saved_tensors
-        t_q, t_k, t_v, t_bias = tangents[:4]
+        q, k, v, bias, keep, o, stats, *captured = ctx.saved_tensors
+        moved = (*tangents[:4], *tangents[7:])
         t_o, t_lse = ring_tangent(
-            q, k, v, o, stats, (t_q, t_k, t_v, t_bias), ctx.ring, ctx.scale, (bias, keep)
+            q, k, v, o, stats, moved, ctx.ring, ctx.scale, (bias, keep), tuple(captured)
         )
         return t_o, t_lse, None
 
@@ -629,19 +683,21 @@ class RingAttention(torch.autograd.Function):
 def _differentiable_gradients(
     ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, ...]:
-    """(dq, dk, dv, dbias) of `RingAttention` as a graph autograd can differentiate again:
-    the gradients of `ring_differentiable` over the saved inputs, with create_graph."""
-    q, k, v, bias, keep, _, _ = ctx.saved_tensors
-    inputs = [q, k, v, bias]
-    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
-    o2, lse2 = ring_differentiable(q, k, v, ctx.ring, ctx.scale, (bias, keep))
+    """(dq, dk, dv, dbias, *dcaptured) of `RingAttention` as a graph autograd can
+    differentiate again: the gradients of `ring_differentiable` over the saved inputs,
+    with create_graph."""
+    q, k, v, bias, keep, _, _, *captured = ctx.saved_tensors
+    inputs = [q, k, v, bias, *captured]
+    needs = [*ctx.needs_input_grad[:4], *ctx.needs_input_grad[7:]]
+    wanted = [i for i, t in enumerate(inputs) if t is not None and needs[i]]
+    o2, lse2 = ring_differentiable(q, k, v, ctx.ring, ctx.scale, (bias, keep), tuple(captured))
     outs, cots = [], []
     for out, cot in ((o2, dout), (lse2, dlse)):
         if cot is not None:
             outs.append(out)
             # a dead row's lse is -inf: its cotangent reaches no key (and must not make NaN)
             cots.append(cot if out is o2 else torch.where(lse2.isfinite(), cot, 0.0))
-    grads: list[torch.Tensor | None] = [None] * 4
+    grads: list[torch.Tensor | None] = [None] * len(inputs)
     if outs and wanted:
         found = torch.autograd.grad(
             outs, [inputs[i] for i in wanted], cots, create_graph=True, allow_unused=True
@@ -649,6 +705,28 @@ def _differentiable_gradients(
         for i, g in zip(wanted, found, strict=True):
             grads[i] = g
     return tuple(grads)
+
+
+def flex_over_ring(
+    comm: RingComm,
+    layout: str,
+    strategy: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    pairs: FlexPairs,
+    captured: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [B, Hq, n, dv], lse [B, Hq, n]) of `attngrad.ring.flex_ring_attention`'s scheme="ring":
+    this rank's q: [B, Hq, n, d] against every rank's k: [B, Hkv, n, d], v: [B, Hkv, n, dv]
+    around the ring, each pair with ``pairs``' score_mod and BlockMask (skipped where it
+    leaves the pair empty); ``captured``: the score_mod's tensors, in ``pairs.keys``'s
+    order (their gradients are this rank's shares).  Checked by the caller."""
+    ring = _Ring(comm, layout, False, REGISTRY[strategy], flex=pairs)
+    o, lse_, _ = RingAttention.apply(q, k.contiguous(), v.contiguous(), None, None, ring, scale,
+                                     *captured)  # type: ignore[no-untyped-call]  # fmt: skip
+    return o, lse_
 
 
 # -- the public call ----------------------------------------------------------------

@@ -1,6 +1,7 @@
-r"""FlexAttention over a sharded sequence: ``score_mod`` and ``BlockMask`` through the all-to-all.
+r"""FlexAttention over a sharded sequence: ``score_mod`` and ``BlockMask`` in both schemes.
 
-`flex_ring_attention` runs `attngrad.flex_attention` in the all-to-all scheme
+scheme="all_to_all" (the default).  `flex_ring_attention` runs
+`attngrad.flex_attention` in the all-to-all scheme
 (`attngrad.ring.all_to_all`): rank r trades its sequence shard of every head
 for all N positions of heads r H/P .. (r+1) H/P - 1, calls flex_attention
 there, and trades the output back.  The local call covers the whole sequence
@@ -21,28 +22,39 @@ functions themselves.
 The compiled programs (`attngrad.core.score_program`), the BlockMask's band
 (`attngrad.core.block_table`) and the local BlockMask are found once per
 function or BlockMask and kept across calls, so the wrappers are too: one per
-(function, offset), kept in the function's own ``__dict__`` (a plain Python
-function: it lives exactly as long as the function, no global table holds
-it), or, for another callable (a bound method, a callable object), in a table
-that holds it only while a call or an autograd graph uses it.  The local
-BlockMask is kept per (BlockMask, heads) in a table keyed weakly by the
-BlockMask, rebuilt when its mask_mod or block lists are replaced.
+(function, offset) (`attngrad.ring.shifted`).  The local BlockMask is kept per
+(BlockMask, heads) in a table keyed weakly by the BlockMask, rebuilt when its
+mask_mod or block lists are replaced.
+
+scheme="ring".  Each rank keeps its rows and every head; the k/v shards travel
+around the ring (`attngrad.ring.attention`), and each (query block, key block)
+pair, rows from global position q0 and keys from k0, is one local call of the
+block kernel with the functions at the pair's global origin,
+
+    score_mod_pair(s, b, h, i, j) = score_mod(s, b, h, i + q0, j + k0)
+    mask_mod_pair(b, h, i, j)     = mask_mod(b, h, i + q0, j + k0)
+
+and the BlockMask cut to the pair from the full one's block table
+(`attngrad.ring.shifted.pair_block_mask`); a pair it leaves empty is skipped
+(`attngrad.ring.flex_pairs`).  The gathered call is checked first, on
+stand-ins over the full sequence, before any collective.
 
 A tensor the score_mod captures (ALiBi slopes, a relative table) is read by
-every rank's local call for that rank's heads, so its gradient on a rank is
-that rank's share: sum it over the group (``dist.all_reduce(t.grad)``), as
-for any parameter replicated across the ranks.  Every derivative of
-flex_attention carries over (the trades are linear `autograd.Function`\ s):
-backward, double backward, forward mode, torch.func's transforms.
+every rank's local calls for that rank's heads (all-to-all) or rows (ring), so
+its gradient on a rank is that rank's share: sum it over the group
+(``dist.all_reduce(t.grad)``), as for any parameter replicated across the
+ranks.  Every derivative of flex_attention carries over under the all-to-all
+(the trades are linear `autograd.Function`\ s): backward, double backward,
+forward mode, torch.func's transforms; under the ring, backward, double
+backward and forward mode (``forward_ad``), as `attngrad.ring_attention`'s.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import types
+import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,9 +62,17 @@ import torch
 from attngrad.api import flex_attention
 from attngrad.call.flex import FlexCall
 from attngrad.core.block_table import is_no_mask
-from attngrad.core.contract import ArgumentError, ArgumentTypeError, check_flag, validate_attention
+from attngrad.core.contract import (
+    ArgumentError,
+    ArgumentTypeError,
+    Shapes,
+    check_flag,
+    validate_attention,
+)
 from attngrad.core.pointwise import check_arity
+from attngrad.core.scores import ScoreMods
 from attngrad.ring.all_to_all import check_heads, over_heads
+from attngrad.ring.attention import BLOCK_STRATEGIES, flex_over_ring
 from attngrad.ring.checks import (
     Settings,
     block_mask_of,
@@ -62,62 +82,11 @@ from attngrad.ring.checks import (
     validate_scheme,
 )
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingComm
-from attngrad.strategies import STRATEGIES, unavailable_reason
+from attngrad.ring.flex_pairs import FlexPairs
+from attngrad.ring.shifted import at_heads
+from attngrad.strategies import REGISTRY, STRATEGIES, tiled_default, unavailable_reason
 
 __all__ = ["at_heads", "flex_ring_attention", "local_block_mask"]
-
-# -- the functions at global heads ------------------------------------------------------
-
-_AT_HEADS = "_attngrad_at_heads"  # a plain function's wrappers, {(arity, offset): wrapper}
-# other callables' wrappers, held only while in use (module docstring)
-_HELD: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[tuple[int, int], Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _wrap(fn: Callable[..., torch.Tensor], offset: int, arity: int) -> Callable[..., torch.Tensor]:
-    """fn with its head argument moved by ``offset`` (a score_mod: arity 5; a mask_mod: 4)."""
-    if arity == 5:
-
-        def score_mod(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                      kv_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
-            return fn(s, b, h + offset, q_idx, kv_idx)
-
-        return score_mod
-
-    def mask_mod(
-        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-    ) -> torch.Tensor:
-        return fn(b, h + offset, q_idx, kv_idx)
-
-    return mask_mod
-
-
-def at_heads(fn: Any, offset: int, arity: int) -> Any:
-    """``fn`` (a score_mod of ``arity`` 5 or a mask_mod of 4) as a call whose head h is the
-    gathered call's head h + ``offset`` sees it: fn itself for offset 0, else one wrapper
-    per (fn, offset), the same object at every call (module docstring).
-
-    >>> f = lambda s, b, h, i, j: s + h
-    >>> g = at_heads(f, 2, 5)
-    >>> g is at_heads(f, 2, 5), int(g(torch.tensor(0), 0, torch.tensor(1), 0, 0))
-    (True, 3)
-    """
-    if offset == 0 or fn is None:
-        return fn
-    key = (arity, offset)
-    if isinstance(fn, types.FunctionType):
-        table: Any = fn.__dict__.setdefault(_AT_HEADS, {})
-    else:
-        try:
-            table = _HELD.setdefault(fn, weakref.WeakValueDictionary())
-        except TypeError:  # takes no weak reference: a wrapper per call
-            return _wrap(fn, offset, arity)
-    found = table.get(key)
-    if found is None:
-        found = table[key] = _wrap(fn, offset, arity)
-    return found
-
 
 # -- the BlockMask at the rank's heads ------------------------------------------------------
 
@@ -179,39 +148,93 @@ def local_block_mask(block_mask: Any, start: int, heads: int) -> Any:
 # -- the call ----------------------------------------------------------------------------
 
 
-def _refuse_ring(scheme: str) -> None:
-    if scheme == "ring":
-        raise ArgumentError(
-            "flex_ring_attention's scheme='ring' does not take score functions or BlockMasks "
-            "yet (the ring computes each rank's queries against one key block at a time); "
-            "use scheme='all_to_all', which runs flex_attention over whole sequences of H/P "
-            "heads per rank."
-        )
-
-
-def _local_problem(
+def _stand_in_call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     world: int,
+    heads_shared: bool,
     score_mod: Any,
     block_mask: Any,
     scale: float | None,
     enable_gqa: bool,
     strategy: str,
 ) -> FlexCall:
-    """The local call checked before any collective, on stand-ins of its traded inputs
-    [B, H/P, N, d] (zero-stride: no memory): its score_mod, BlockMask and strategy."""
+    """A call checked before any collective, on stand-ins (zero-stride: no memory) over the
+    full sequence: the all-to-all's local call over H/P heads [B, H/P, N, d] when
+    ``heads_shared``, else the gathered call [B, H, N, d]: its score_mod, BlockMask and
+    strategy."""
     b, hq, n, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
+    split = world if heads_shared else 1
 
     def like(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
-        return t.new_zeros(()).expand(b, heads // world, n * world, dim)
+        return t.new_zeros(()).expand(b, heads // split, n * world, dim)
 
     return FlexCall.build(
         like(q, hq, d), like(k, hkv, d), like(v, hkv, dv), score_mod, block_mask, scale,
         enable_gqa, True, None, None, strategy,
     )  # fmt: skip
+
+
+def _ring_strategy(strategy: str, q: torch.Tensor, shapes: Shapes, mods: ScoreMods) -> str:
+    """The block kernel: ``strategy``, or for "auto" the ring's default (`tiled_default`),
+    flash where that one cannot run the score_mod or BlockMask (warned once per reason)."""
+    if strategy != "auto":
+        reason = REGISTRY[strategy].refuses(mods)
+        if reason is not None:
+            raise ArgumentError(f"strategy={strategy!r} cannot run this call: {reason}")
+        return strategy
+    name = tiled_default(q.device, shapes.head_dim, shapes.value_dim)
+    reason = REGISTRY[name].refuses(mods)
+    if reason is None:
+        return name
+    warnings.warn(
+        f"attngrad: strategy='auto' runs flex_ring_attention's blocks on 'flash' (tensor ops, "
+        f"slower) instead of {name!r}: {reason}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "flash"
+
+
+def _over_ring(
+    comm: RingComm,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shapes: Shapes,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    layout: str,
+    strategy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of scheme="ring" (module docstring): the gathered call checked on
+    stand-ins, the ranks' settings compared, then the ring (`flex_over_ring`)."""
+    p = comm.world
+    # flash takes every score_mod and BlockMask: the check of the call itself
+    call = _stand_in_call(q, k, v, p, False, score_mod, block_mask, scale, enable_gqa, "flash")
+    mods = call.problem.mods
+    name = _ring_strategy(strategy, q, shapes, mods)
+    REGISTRY[name].tiles(shapes, q.dtype, None, None)  # ArgumentError for sizes it cannot take
+    score = mods.score
+    captured = () if score is None else score.captured
+    wants = ["score_mod"] if any(t.requires_grad for t in captured) else []
+    wants += [n for n, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
+    s = call.problem.scale
+    settings = Settings(
+        False, layout, s, 0.0, "ring",
+        score_mod=score_mod is not None,
+        block_mask=() if block_mask is None else block_mask_of(block_mask),
+        requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
+    )  # fmt: skip
+    check_same_shards(comm, q, shapes, settings)
+    status = None if mods.blocks is None else mods.blocks.status
+    keys = () if score is None else score.keys
+    pairs = FlexPairs(score_mod, block_mask, status, keys, name, s)
+    return flex_over_ring(comm, layout, name, q, k, v, s, pairs, captured)
 
 
 def flex_ring_attention(
@@ -240,15 +263,21 @@ def flex_ring_attention(
     is built for the full sequence, [B or 1, Hq or 1, N, N] (``create_block_mask(mask_mod,
     B, H, N, N)``), the same on every rank.
 
-    ``scheme``: "all_to_all" (the only one that takes score functions yet; "ring" raises
-    ValueError naming it): each rank computes Hq/P whole heads over every position
-    (module docstring), so Hq and Hkv must divide by P, and the work is balanced whatever
-    the mask.  A tensor the score_mod captures gets this rank's share of its gradient:
-    sum it over ``group`` (``dist.all_reduce``).  Every derivative works: backward,
-    double backward, forward mode, torch.func's transforms (every rank alike).
+    ``scheme``: "all_to_all" (the default): each rank computes Hq/P whole heads over every
+    position (module docstring), so Hq and Hkv must divide by P, and the work is balanced
+    whatever the mask; every derivative works: backward, double backward, forward mode,
+    torch.func's transforms (every rank alike).  "ring": each rank computes its rows of
+    every head against one key block at a time, the functions called at each pair's
+    global positions ``(i + q0, j + k0)`` and the BlockMask cut to the pair; pairs the
+    BlockMask leaves empty are skipped (balance them with `attngrad.ring.balanced_layout`);
+    any Hq, Hkv (GQA); backward, double backward and forward mode (``forward_ad``).
+    Under either, a tensor the score_mod captures gets this rank's share of its gradient:
+    sum it over ``group`` (``dist.all_reduce``).
 
-    ``return_lse=True`` returns (out, lse [B, Hq, N/P]).  ``strategy``: the local call's
-    (any of `attngrad.STRATEGIES`, or "auto").  ``group``, ``timeout``: as in
+    ``return_lse=True`` returns (out, lse [B, Hq, N/P]).  ``strategy``: under "all_to_all"
+    the local call's (any of `attngrad.STRATEGIES`, or "auto"); under "ring" the block
+    kernel, one of `attngrad.ring.BLOCK_STRATEGIES` or "auto" (fused on CPU, triton on
+    CUDA, flash where that one refuses the score_mod; another raises ValueError).  ``group``, ``timeout``: as in
     `attngrad.ring_attention`; without a process group, or with one rank, this is
     `attngrad.flex_attention`.  Different shapes, settings, score_mod presence or
     BlockMasks on different ranks raise ValueError on every rank.
@@ -258,7 +287,6 @@ def flex_ring_attention(
     torch.Size([1, 2, 16, 8])
     """
     scheme = validate_scheme(scheme)
-    _refuse_ring(scheme)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ArgumentError(
@@ -267,8 +295,13 @@ def flex_ring_attention(
             )
     shapes = validate_attention(q, k, v, None, 0.0, False, scale, enable_gqa)
     check_flag("return_lse", return_lse)
-    validate_ring(shapes, layout, timeout, strategy, ("auto", *STRATEGIES),
-                  "local call (flex_ring_attention)")  # fmt: skip
+    if scheme == "ring":
+        validate_ring(shapes, layout, timeout, strategy, ("auto", *BLOCK_STRATEGIES),
+                      "block kernel (flex_ring_attention's scheme='ring'; scheme='all_to_all' "
+                      "takes every strategy)")  # fmt: skip
+    else:
+        validate_ring(shapes, layout, timeout, strategy, ("auto", *STRATEGIES),
+                      "local call (flex_ring_attention)")  # fmt: skip
     if strategy != "auto":
         reason = unavailable_reason(strategy, q.device)
         if reason is not None:
@@ -283,6 +316,10 @@ def flex_ring_attention(
     p, n = comm.world, shapes.seq_q
     if is_no_mask(block_mask, n * p, n * p):
         block_mask = None  # torch's stand-in for no mask
+    if scheme == "ring":
+        o_r, lse_r = _over_ring(comm, q, k, v, shapes, score_mod, block_mask, scale, enable_gqa,
+                                layout, strategy)  # fmt: skip
+        return (o_r, lse_r) if return_lse else o_r
     heads = shapes.heads_q // p
     start = comm.rank * heads
     score_l, mask_l, wants = score_mod, block_mask, []
@@ -295,7 +332,7 @@ def flex_ring_attention(
                     f"create_block_mask), got {type(block_mask).__name__}."
                 )
             mask_l = local_block_mask(block_mask, start, heads)
-        call = _local_problem(q, k, v, p, score_l, mask_l, scale, enable_gqa, strategy)
+        call = _stand_in_call(q, k, v, p, True, score_l, mask_l, scale, enable_gqa, strategy)
         score = call.problem.mods.score
         if score is not None and any(t.requires_grad for t in score.captured_originals):
             wants.append("score_mod")
