@@ -411,12 +411,16 @@ def fma_peak(seconds: float = 0.2, threads: bool = False) -> float:
 
 
 def _attention_seconds(engine: str) -> float:
-    """Seconds of one forward and backward of the ops through ``engine`` (best of three):
-    B=1, H=4, N=1024, d=64, float32, the default tiles, on the threads there are."""
+    """Seconds of one forward and backward and one forward-mode pass (O and O' along
+    tangents of q, k, v) of the ops through ``engine`` (best of three): B=1, H=4, N=2048,
+    d=64, float32, the default tiles, on the threads there are (at N=1024 the engines tie
+    within the noise, most tiles being partial ones).  Forward mode weighs the
+    products of a tall inner dimension (P v, P v', (P S') v: three of its six) that the
+    first order has two of in seven, where the engines differ most at AVX2's width."""
     from attngrad.strategies.fused.strategy import BLOCK_K, BLOCK_Q
 
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, 4, 1024, 64, generator=g) for _ in range(4))
+    q, k, v, dout = (torch.randn(1, 4, 2048, 64, generator=g) for _ in range(4))
     none = (None,) * 6
     ops, e = torch.ops.attngrad_fused, ENGINES.index(engine)
     best = float("inf")
@@ -427,6 +431,7 @@ def _attention_seconds(engine: str) -> float:
         ops.backward(
             dout, q, k, v, stats, delta, *none, 0.125, 0.0, 0, 1.0, BLOCK_Q, BLOCK_K, e, False
         )
+        ops.forward_tangent(q, k, v, v, q, k, *none, None, 0.125, 0.0, 0, 1.0, BLOCK_Q, BLOCK_K, e)
         best = min(best, time.perf_counter() - start)
     return best
 
