@@ -208,6 +208,63 @@ def test_a_closure_made_at_each_call_is_traced_once(monkeypatch: pytest.MonkeyPa
     assert len(traced) == 4
 
 
+def _traced_imm(fn: Callable[..., torch.Tensor], captured: list[torch.Tensor]) -> object:
+    """What ``fn``'s compiled forward program computes, as its instructions (op, imm)."""
+    program = compile_score(fn, captured, torch.float64, [False] * len(captured))
+    assert not isinstance(program, str), program
+    return [(i.op, i.imm) for i in program.forward.instructions]
+
+
+def test_one_code_object_never_serves_another_functions_program() -> None:
+    # what the key must tell apart among functions of one code object: a bound method's
+    # instance, keyword-only defaults, None cells by position, a tensor read for its shape
+    class Scaled:
+        def __init__(self, c: float) -> None:
+            self.c = c
+
+        def mod(self, s, b, h, i, j):  # type: ignore[no-untyped-def]
+            return s * self.c
+
+    assert _traced_imm(Scaled(1.0).mod, []) != _traced_imm(Scaled(3.0).mod, [])
+
+    def keyword(c: float) -> Callable[..., torch.Tensor]:
+        def f(s, b, h, i, j, *, k=c):  # type: ignore[no-untyped-def]
+            return s * k
+
+        return f
+
+    assert _traced_imm(keyword(1.0), []) != _traced_imm(keyword(5.0), [])
+
+    def either(scale: float | None, bias: float | None) -> Callable[..., torch.Tensor]:
+        def f(s, b, h, i, j):  # type: ignore[no-untyped-def]
+            return s * scale if bias is None else s + bias
+
+        return f
+
+    assert _traced_imm(either(2.0, None), []) != _traced_imm(either(None, 2.0), [])
+
+    def shaped(w: torch.Tensor) -> Callable[..., torch.Tensor]:
+        return lambda s, b, h, i, j: s + (i - j) * w.shape[0]
+
+    assert _traced_imm(shaped(torch.ones(4)), []) != _traced_imm(shaped(torch.ones(7)), [])
+
+
+def test_a_scalar_changing_at_every_call_keeps_a_bounded_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an annealed temperature: a new program per value, the oldest dropped past the cap
+    monkeypatch.setattr(score_program, "_CACHE", type(score_program._CACHE)())
+
+    def tempered(t: float) -> Callable[..., torch.Tensor]:
+        return lambda s, b, h, i, j: s / t
+
+    fns = [tempered(1.0 + n / 100) for n in range(score_program._PER_OWNER + 10)]
+    for fn in fns:
+        compile_score(fn, [], torch.float64, [])
+    (known,) = score_program._CACHE.values()
+    assert len(known) == score_program._PER_OWNER
+
+
 @pytest.mark.parametrize(
     ("fn", "cap"),
     [

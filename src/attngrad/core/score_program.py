@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -584,49 +585,73 @@ _CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ScoreProgram | Mask
 )
 
 
+_EMPTY = object()  # an empty closure cell's stand-in
+_PER_OWNER = 64  # programs kept per function or code object, the oldest dropped past it
+
+
 def _owner(fn: Callable[..., Any]) -> Any:
-    """What a function's programs are cached under: its code object where everything its
-    closure and defaults hold is a Python scalar (in the key, `_closure_key`), a tensor
-    (read by identity at run time, its shape and dtype in the key) or None -- so a closure
+    """What a function's programs are cached under: its code object where ``fn`` is a plain
+    Python function (not a bound method, whose instance the key cannot see) and everything
+    its closure and defaults hold is a Python scalar, a tensor (read by identity at run
+    time) or None, each described by position in the key (`_closure_key`) -- so a closure
     made anew at each call (a model's forward defining its score_mod) is traced once, not
     at every call; else the function itself."""
-    code = getattr(fn, "__code__", None)
-    held = _cell_contents(fn)
-    held += list(getattr(fn, "__defaults__", None) or ())
-    held += list((getattr(fn, "__kwdefaults__", None) or {}).values())
-    plain = (bool, int, float, str, torch.Tensor, type(None))
-    if code is None or not all(isinstance(x, plain) for x in held):
+    if type(fn) is not types.FunctionType:
         return fn
-    return code
+    plain = (bool, int, float, str, torch.Tensor, type(None))
+    if not all(isinstance(x, plain) for x in _held(fn)):
+        return fn
+    return fn.__code__
 
 
-def _cell_contents(fn: Callable[..., Any]) -> list[Any]:
-    """What ``fn``'s closure cells hold (empty cells left out)."""
-    held = []
+def _held(fn: Callable[..., Any]) -> list[Any]:
+    """What ``fn``'s closure cells (`_EMPTY` for an empty one), defaults and keyword-only
+    defaults (by name) hold, in that order."""
+    held: list[Any] = []
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             held.append(cell.cell_contents)
         except ValueError:  # an empty cell
-            continue
+            held.append(_EMPTY)
+    held += list(getattr(fn, "__defaults__", None) or ())
+    kwdefaults = getattr(fn, "__kwdefaults__", None) or {}
+    held += [kwdefaults[name] for name in sorted(kwdefaults)]
     return held
 
 
 def _closure_key(fn: Callable[..., Any]) -> tuple[Any, ...]:
-    """The Python scalars a function's closure and defaults hold: a program traced with
-    others would bake in other constants."""
-    cells = getattr(fn, "__closure__", None) or ()
-    values = [c.cell_contents for c in cells if _scalar_cell(c)]
-    values += [
-        d for d in getattr(fn, "__defaults__", None) or () if isinstance(d, (bool, int, float, str))
-    ]
-    return tuple((type(v).__name__, v) for v in values)
+    """What a program traced from ``fn`` may bake in besides its code, by position: each
+    held value's (`_held`) scalar value, tensor shape and dtype, None or emptiness (anything
+    else by identity: its function owns the cache then), and the globals it reads from."""
+
+    def describe(x: Any) -> tuple[Any, ...]:
+        if x is _EMPTY or x is None:
+            return ("empty" if x is _EMPTY else "None",)
+        if isinstance(x, (bool, int, float, str)):
+            return (type(x).__name__, x)
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype)
+        return ("object", id(x))
+
+    globals_ = getattr(fn, "__globals__", None)
+    return (*(describe(x) for x in _held(fn)), ("globals", id(globals_)))
 
 
-def _scalar_cell(cell: Any) -> bool:
+def _cached(
+    fn: Callable[..., Any],
+    key: tuple[Any, ...],
+    make: Callable[[], ScoreProgram | MaskProgram | str],
+) -> ScoreProgram | MaskProgram | str:
+    """``make()`` once per (`_owner` of fn, key), at most `_PER_OWNER` kept per owner."""
     try:
-        return isinstance(cell.cell_contents, (bool, int, float, str))
-    except ValueError:  # an empty cell
-        return False
+        known = _CACHE.setdefault(_owner(fn), {})
+    except TypeError:  # a callable that takes no weak reference: compiled each call
+        known = {}
+    if key not in known:
+        if len(known) >= _PER_OWNER:  # a closure scalar that changes at every call
+            known.pop(next(iter(known)))
+        known[key] = make()
+    return known[key]
 
 
 def softcap_of(program: Program) -> float | None:
@@ -682,13 +707,7 @@ def compile_score(
         tuple(wanted),
         _closure_key(fn),
     )
-    try:
-        known = _CACHE.setdefault(_owner(fn), {})
-    except TypeError:  # a callable that takes no weak reference: compiled each call
-        known = {}
-    if key not in known:
-        known[key] = _compile(fn, captured, dtype, wanted, at)
-    found = known[key]
+    found = _cached(fn, key, lambda: _compile(fn, captured, dtype, wanted, at))
     assert not isinstance(found, MaskProgram)  # a mask's key differs
     return found
 
@@ -727,13 +746,7 @@ def compile_mask(
     tensors its closure holds, by identity), its out an I register (1 = kept); or why it
     cannot be compiled (the op the kernels lack).  Cached like `compile_score`."""
     key = ("mask", at, tuple((tuple(t.shape), t.dtype) for t in captured), _closure_key(fn))
-    try:
-        known = _CACHE.setdefault(_owner(fn), {})
-    except TypeError:  # a callable that takes no weak reference: compiled each call
-        known = {}
-    if key not in known:
-        known[key] = _compile_mask(fn, captured, at)
-    found = known[key]
+    found = _cached(fn, key, lambda: _compile_mask(fn, captured, at))
     assert not isinstance(found, ScoreProgram)  # a score function's key differs
     return found
 

@@ -26,7 +26,7 @@
 // S-hat from them in place and takes the five gradient products (grad q's two, grad k's two,
 // grad v's; grad dO's two more where it is wanted).  Ten products a tile against the
 // fifteen of a walk for the row sums and a walk for the gradients; the kept tiles cost
-// 4 block_q Nk floats per thread (O(N)).  grad q and grad dO rows belong to their unit;
+// 4 block_q Nk floats per thread (7 with a softcap: its slope, t and x-dot too; O(N)).  grad q and grad dO rows belong to their unit;
 // grad k and grad v are summed per slab (slab 0 into the result, slab s > 0 into a
 // partial), the partials joined in slab order afterwards, as dD's and dD-hat's sums are:
 // the same bits for any thread count.
