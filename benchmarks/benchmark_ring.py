@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/benchmark_ring.py --seq 8192 --heads 4 --head-dim 64
         [--batch 1] [--causal] [--layout contiguous|zigzag] [--repeats 5] [--csv PATH]
-        [--scheme ring|all_to_all] [--strategy NAME] [--penalty]
+        [--scheme ring|all_to_all] [--strategy NAME] [--penalty] [--documents]
 
 ``--scheme all_to_all`` runs `ring_attention`'s all-to-all scheme (H/P heads per
 rank over the whole sequence) instead of the ring; ``--strategy`` is then the
@@ -10,7 +10,11 @@ local call's strategy and the single process's too (default: flash on both
 sides; under the ring scheme the ring's own default per block, fused on CPU,
 against single-process flash).  ``--penalty`` times a gradient penalty instead:
 forward, the gradients with create_graph=True, then the gradient of the sum of
-their squares (all_to_all only: the ring has no double backward).
+their squares (the ring's through its differentiable recompute, O(N) per rank).
+``--documents`` packs 8 documents of mixed lengths (``DOCUMENTS``, scaled to N) under a
+causal mask within each: `attngrad.flex_ring_attention` with the BlockMask built for the
+full sequence on the ranks, `attngrad.flex_attention` with the same BlockMask in the
+single process (``--causal`` is then implied).
 
 Both run in this one torchrun job, interleaved round by round after a warm-up
 round: each ring rank computes on 1 thread; then rank 0 runs single-process
@@ -34,10 +38,11 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import attngrad
 from attngrad.cli.table import write_csv
-from attngrad.ring import LAYOUTS, ring_attention, shard
+from attngrad.ring import LAYOUTS, flex_ring_attention, ring_attention, shard
 from attngrad.ring.checks import SCHEMES
 from attngrad.tools.machine import Machine, probe
 from attngrad.tools.memory import measure_peak_bytes
@@ -45,6 +50,19 @@ from attngrad.tools.timing import interleaved, medians
 from benchmark_cpu import forward_backward
 
 MIB = 2**20
+DOCUMENTS = (1500, 300, 640, 100, 900, 400, 192, 64)  # lengths at N = 4096, scaled to N
+
+
+def document_mask(n: int) -> BlockMask:
+    """The BlockMask of ``DOCUMENTS`` scaled to n positions, causal within each document."""
+    total = sum(DOCUMENTS)
+    ends = torch.tensor([round(sum(DOCUMENTS[: i + 1]) * n / total) for i in range(len(DOCUMENTS))])
+    ids = torch.bucketize(torch.arange(n), ends, right=True)
+
+    def same_document(b, h, i, j):  # type: ignore[no-untyped-def]
+        return (ids[i] == ids[j]) & (i >= j)
+
+    return create_block_mask(same_document, None, None, n, n, device="cpu")
 
 
 def _args() -> argparse.Namespace:
@@ -61,6 +79,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--scheme", choices=SCHEMES, default="ring")
     parser.add_argument("--strategy", default=None, help="see above (default: flash)")
     parser.add_argument("--penalty", action="store_true", help="a gradient penalty's time")
+    parser.add_argument("--documents", action="store_true", help="packed documents (see above)")
     parser.add_argument("--csv", default=None, help="write the results here (rank 0)")
     return parser.parse_args()
 
@@ -93,15 +112,20 @@ def main() -> None:
     if rank != 0:
         del full  # only rank 0 runs the single-process baseline
     q, k, v = (t.requires_grad_() for t in mine[:3])
-    if args.penalty and args.scheme == "ring":
-        raise SystemExit("--penalty needs --scheme all_to_all: the ring has no double backward")
     measure = gradient_penalty if args.penalty else forward_backward
     single_strategy = args.strategy or "flash"
     ring_strategy = args.strategy or (single_strategy if args.scheme == "all_to_all" else None)
-    ring = measure(
-        ring_attention, q, k, v, mine[3], is_causal=args.causal, layout=args.layout,
-        scheme=args.scheme, strategy=ring_strategy,
-    )  # fmt: skip
+    if args.documents:
+        blocks = document_mask(args.seq)
+        ring = measure(
+            flex_ring_attention, q, k, v, mine[3], block_mask=blocks, layout=args.layout,
+            scheme=args.scheme, strategy=ring_strategy or "auto",
+        )  # fmt: skip
+    else:
+        ring = measure(
+            ring_attention, q, k, v, mine[3], is_causal=args.causal, layout=args.layout,
+            scheme=args.scheme, strategy=ring_strategy,
+        )  # fmt: skip
 
     def ring_round() -> None:
         torch.set_num_threads(1)
@@ -110,10 +134,16 @@ def main() -> None:
 
     if rank == 0:
         fq, fk, fv = (t.requires_grad_() for t in full[:3])
-        single = measure(
-            attngrad.attention, fq, fk, fv, full[3], is_causal=args.causal,
-            strategy=single_strategy,
-        )  # fmt: skip
+        if args.documents:
+            single = measure(
+                attngrad.flex_attention, fq, fk, fv, full[3], block_mask=blocks,
+                strategy=single_strategy,
+            )  # fmt: skip
+        else:
+            single = measure(
+                attngrad.attention, fq, fk, fv, full[3], is_causal=args.causal,
+                strategy=single_strategy,
+            )  # fmt: skip
 
     def single_round() -> None:
         if rank == 0:
@@ -151,7 +181,8 @@ def _report(
     print(machine.line())
     print(
         f"B={args.batch} H={args.heads} N={args.seq} d={args.head_dim} float32 "
-        f"causal={args.causal} layout={args.layout} scheme={args.scheme} "
+        f"causal={args.causal or args.documents} documents={args.documents} "
+        f"layout={args.layout} scheme={args.scheme} "
         f"{'gradient penalty' if args.penalty else 'forward+backward'}; "
         f"{world} ranks x 1 thread, "
         f"single process: {threads} threads; medians of {args.repeats}"
@@ -181,7 +212,8 @@ def _report(
                 "heads": args.heads,
                 "seq": args.seq,
                 "head_dim": args.head_dim,
-                "causal": args.causal,
+                "causal": args.causal or args.documents,
+                "documents": args.documents,
                 "layout": args.layout,
                 "scheme": args.scheme,
                 "penalty": args.penalty,
