@@ -40,7 +40,7 @@ import torch
 from attngrad.autograd import batching
 from attngrad.autograd.layout import Args, Layout, roles
 from attngrad.autograd.linearized import Terminal
-from attngrad.autograd.second_order import second_order
+from attngrad.autograd.second_order import accumulators, second_order
 from attngrad.core.amp import no_autocast
 from attngrad.core.interface import Backward, Plan, Problem, Saved, Strategy
 
@@ -80,14 +80,8 @@ def first_order(
     if dout is None:
         dout = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
 
-    def zeros(like: torch.Tensor | None, wanted: bool) -> torch.Tensor | None:
-        if like is None or not wanted or not like.is_floating_point():
-            return None
-        dtype = torch.promote_types(like.dtype, problem.dtype)
-        return torch.zeros(like.shape, dtype=dtype, device=like.device)
-
     likes = (q, k, v, bias, *captured)
-    grads = tuple(zeros(t, n) for t, n in zip(likes, need, strict=True))
+    grads = accumulators(likes, need, problem.dtype)
     backward = Backward(problem, saved, dout, dlse, grads[:4], grads[4:])  # type: ignore[arg-type]
     strategy.backward_into(backward)
     return in_dtypes_of(grads, likes)

@@ -56,6 +56,7 @@ scores.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,9 +68,23 @@ from attngrad.core.ops import join_lse_cotangent_
 from attngrad.core.probabilities import rebuilt_records
 from attngrad.core.tiling import key_schedule, schedule
 
-__all__ = ["second_order"]
+__all__ = ["accumulators", "second_order"]
 
 Cotangents = tuple[torch.Tensor | None, ...]  # (g_q, g_k, g_v, g_bias, *g_captured)
+
+
+def accumulators(
+    likes: Sequence[torch.Tensor | None], wanted: Sequence[bool], dtype: torch.dtype
+) -> tuple[torch.Tensor | None, ...]:
+    """Zeroed gradient accumulators, one per tensor of ``likes`` that ``wanted`` asks for and
+    that is floating-point, shaped like it in its dtype promoted with the compute ``dtype``;
+    None for the rest."""
+    return tuple(
+        None
+        if t is None or not w or not t.is_floating_point()
+        else torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, dtype), device=t.device)
+        for t, w in zip(likes, wanted, strict=True)
+    )
 
 
 def _rowsum(t: torch.Tensor) -> torch.Tensor:
@@ -144,12 +159,7 @@ def second_order(
 
     # pass 2, by key blocks: the gradients
     need_dout, need_dlse, need_q, need_k, need_v, need_bias = need[:6]
-    grad_captured = tuple(
-        torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, dtype), device=t.device)
-        if wanted and t.is_floating_point()
-        else None
-        for t, wanted in zip(mods.captured, need[6:], strict=True)
-    )
+    grad_captured = accumulators(mods.captured, need[6:], dtype)
     grad_q = zeros(b, hkv, g, nq, d) if need_q else None
     grad_k = zeros(*k.shape) if need_k else None
     grad_v = zeros(*v.shape) if need_v else None

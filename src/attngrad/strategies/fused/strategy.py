@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from attngrad.autograd.second_order import accumulators
 from attngrad.core import ops
 from attngrad.core.block_table import BlockTable
 from attngrad.core.contract import ArgumentError, Shapes
@@ -252,38 +253,56 @@ def _program_args(
     return args
 
 
+def _kernel_score(problem: Problem[Tiles]) -> bool:
+    """Whether the kernels take the call's score function beyond its values in every pass:
+    none, a softcap written as one (`_softcap_mod`: the kernels' own softcap) or a relative
+    one (`_diagonal`: its term D, moved by D' and summed back by diagonal)."""
+    score = problem.mods.score
+    return score is None or _softcap_mod(problem) is not None or _diagonal(problem) is not None
+
+
 def _kernel_tangent(problem: Problem[Tiles], tangents: Sequence[torch.Tensor | None]) -> bool:
     """Whether the forward-mode kernels take the call along tangents = (q', k', v', bias',
-    *captured'): with no score function, a softcap written as one (`_softcap_mod`: the
-    kernels' own softcap, whose slope they push), a relative one (`_diagonal`: D, and D' by
-    diagonal), or a program whose captured tensors do not move (its slope f'(x) from its
-    pullback); a program whose captured tensors move takes the shared tiled pass."""
-    score = problem.mods.score
-    if score is None or _softcap_mod(problem) is not None or _diagonal(problem) is not None:
-        return True
-    return all(t is None for t in tangents[4:])
+    *captured'): a score function they take in every pass (`_kernel_score`), or a program
+    whose captured tensors do not move (its slope f'(x) from its pullback); a program whose
+    captured tensors move takes the shared tiled pass."""
+    return _kernel_score(problem) or all(t is None for t in tangents[4:])
+
+
+Terms = tuple[Diagonal, torch.Tensor, torch.Tensor | None]  # a relative term, its D and D'
+
+
+def _direction_operands(
+    problem: Problem[Tiles], direction: Sequence[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], Terms | None]:
+    """A direction (q', k', v', bias', *captured') (tangents, or the cotangents of the
+    gradients) as the forward-mode and second-order ops read it (None: zero): [q', k', v'
+    dense in the compute dtype, bias' at the scores' [B, Hq, Nq, Nk]] and, for a relative
+    score function, (its diagonal, D, D') (`_diagonal_tangent`), else None.  A softcap
+    written as a score function has no tensor here: its captured tensors' directions move
+    nothing."""
+    t_q, t_k, t_v, t_bias, *t_captured = direction
+    moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
+    scores = (*problem.q.shape[:3], problem.k.shape[2])  # [B, Hq, Nq, Nk]
+    moved.append(None if t_bias is None else t_bias.to(problem.dtype).expand(scores))
+    diagonal = _diagonal(problem)
+    if diagonal is None:
+        return moved, None
+    return moved, (*diagonal, _diagonal_tangent(diagonal[0], t_captured))
 
 
 def _tangent_operands(
     problem: Problem[Tiles], tangents: Sequence[torch.Tensor | None]
 ) -> tuple[list[torch.Tensor | None], dict[str, object]]:
     """Both forward-mode ops' tangent operands along tangents = (q', k', v', bias',
-    *captured') (None: zero): [tq, tk, tv dense in the compute dtype, tbias at the scores'
-    [B, Hq, Nq, Nk]] and, by name, a relative score function's D and D'
-    (`_diagonal_tangent`) or a program's forward and backward programs (`_program_args`).
-    A softcap written as a score function has no tensor here: its captured tensors'
-    tangents move nothing."""
-    t_q, t_k, t_v, t_bias, *t_captured = tangents
-    moved = [None if t is None else _operands(t)[0] for t in (t_q, t_k, t_v)]
-    scores = (*problem.q.shape[:3], problem.k.shape[2])  # [B, Hq, Nq, Nk]
-    moved.append(None if t_bias is None else t_bias.to(problem.dtype).expand(scores))
+    *captured') (`_direction_operands`) and, by name, a relative score function's D and D'
+    or a program's forward and backward programs (`_program_args`)."""
+    moved, terms = _direction_operands(problem, tangents)
+    if terms is not None:
+        return moved, {"diagonal": terms[1], "tdiagonal": terms[2]}
     if _softcap_mod(problem) is not None:
         return moved, {}
-    diagonal = _diagonal(problem)
-    if diagonal is None:
-        return moved, _program_args(problem, None, slope=True)
-    dot = _diagonal_tangent(diagonal[0], t_captured)
-    return moved, {"diagonal": diagonal[1], "tdiagonal": dot}
+    return moved, _program_args(problem, None, slope=True)
 
 
 class FusedAttention(AttentionFunction):
@@ -411,41 +430,29 @@ class Fused(KeepsOutput[Tiles]):
         softcap (a program), which the shared tiled pass runs.  A relative score function's
         captured tensors move its term by D' (`_diagonal_tangent`) and get their gradients
         from dS and S-hat summed along the diagonals (`Diagonal.second`)."""
-        diagonal = _diagonal(problem)
-        if problem.mods.score is not None and diagonal is None and _softcap_mod(problem) is None:
+        if not _kernel_score(problem):
             return None
         library = build.load()
-        g_q, g_k, g_v, g_bias, *g_captured = cotangents
+        g_captured = cotangents[4:]
         need_dout, need_dlse, need_q, need_k, need_v, need_bias, *need_captured = need
-        bias, captured = problem.mods.bias, problem.mods.captured
+        bias = problem.mods.bias
         need_bias = need_bias and bias is not None
-        grad_captured = [
-            torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, problem.dtype))
-            if wanted and t.is_floating_point()
-            else None
-            for t, wanted in zip(captured, need_captured, strict=True)
-        ]
-        by_diagonal: dict[str, object] = {}
-        need_sums = False
-        if diagonal is not None:
-            need_sums = any(g is not None for g in grad_captured)
-            dot = _diagonal_tangent(diagonal[0], g_captured)
-            by_diagonal = {"diagonal": diagonal[1], "gdiagonal": dot}
+        grad_captured = accumulators(problem.mods.captured, need_captured, problem.dtype)
+        moved, terms = _direction_operands(problem, cotangents)
+        need_sums = terms is not None and any(g is not None for g in grad_captured)
+        by_diagonal = {} if terms is None else {"diagonal": terms[1], "gdiagonal": terms[2]}
         qc, kc, vc, doc = _operands(problem.q, problem.k, problem.v, dout)
-        moved = [None if t is None else _operands(t)[0] for t in (g_q, g_k, g_v)]
-        scores = (*qc.shape[:3], kc.shape[2])  # [B, Hq, Nq, Nk]
-        bias_dot = None if g_bias is None else g_bias.to(qc.dtype).expand(scores)
         stats = saved["stats"].to(qc.dtype).contiguous()
         dlse_c = None if dlse is None else dlse.to(qc.dtype).contiguous()
         before, after, blocks = _mod_args(problem)
         tiles = problem.tiles
         wanted = [need_dout, need_dlse, need_q, need_k, need_v, need_bias, need_sums]
         g_dout, r, grad_q, grad_k, grad_v, s_hat, dd, dd_hat = torch.ops.attngrad_fused.second(
-            doc, qc, kc, vc, stats, dlse_c, *moved, bias_dot, *before, problem.scale, *after,
+            doc, qc, kc, vc, stats, dlse_c, *moved, *before, problem.scale, *after,
             tiles.block_q, tiles.block_k, library.engine_id, wanted, **blocks, **by_diagonal,
         )  # fmt: skip
-        if need_sums and diagonal is not None:
-            diagonal[0].second(dd, dd_hat, g_captured, grad_captured)
+        if need_sums and terms is not None:
+            terms[0].second(dd, dd_hat, g_captured, grad_captured)
         grad_bias = s_hat.sum_to_size(bias.shape) if need_bias and bias is not None else None
         results = (g_dout, r, grad_q, grad_k, grad_v)
         return (
