@@ -385,22 +385,10 @@ void backward_pass(const Problem<T>& pb, Engine engine, const Operands<T>& x, T*
         for (int64_t kb = edge[s]; kb < edge[s + 1]; ++kb)
           key_block(pb, engine, x, spans, b, hk, kb, w, dk, dv, target, ds_out);
       });
-  at::parallel_for(0, size, 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      T sum = dq[e];
-      for (int64_t s = 1; s < slabs; ++s) sum += partial[(s - 1) * size + e];
-      dq[e] = sum * pb.scale;
-    }
-  });
+  join_slabs(dq, partial.data(), slabs, size, pb.scale);
   // units u = (b * Hkv + hk) * slabs + s: dD of (b, hk)'s heads sums its slabs in order
-  at::parallel_for(0, units / slabs * diagonal, 1 << 12, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t group = e / diagonal, at = e % diagonal;
-      T sum = T(0);
-      for (int64_t s = 0; s < slabs; ++s) sum += diagonal_sums[(group * slabs + s) * diagonal + at];
-      ddiagonal[e] = sum;
-    }
-  });
+  if (diagonal > 0)
+    join_units(ddiagonal, diagonal_sums.data(), units / slabs, slabs, diagonal, diagonal);
   for (size_t a = 0; a < offset.size(); ++a) {
     if (offset[a] < 0) continue;
     const int64_t numel = pb.grad_program->captured[a].numel;

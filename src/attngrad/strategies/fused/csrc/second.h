@@ -353,34 +353,15 @@ void second_pass(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
           }
         }
       });
-  auto join = [&](T* result, const at::Tensor& partial, int64_t size) {
-    if (result == nullptr || slabs == 1) return;
-    const T* part = partial.data_ptr<T>();
-    at::parallel_for(0, size, 1 << 14, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) {
-        T sum = result[e];
-        for (int64_t s = 1; s < slabs; ++s) sum += part[(s - 1) * size + e];
-        result[e] = sum;
-      }
-    });
-  };
-  join(out.k, part_k, size_k);
-  join(out.v, part_v, size_v);
+  if (slabs > 1) {
+    if (out.k != nullptr) join_slabs(out.k, part_k.data_ptr<T>(), slabs, size_k, T(1));
+    if (out.v != nullptr) join_slabs(out.v, part_v.data_ptr<T>(), slabs, size_v, T(1));
+  }
   if (diagonal == 0) return;
   // units u = (b * Hkv + hk) * slabs + s: the sums of (b, hk)'s heads join in slab order
-  at::parallel_for(0, units / slabs * diagonal, 1 << 12, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t group = e / diagonal, at = e % diagonal;
-      T sum = T(0), sum_hat = T(0);
-      for (int64_t s = 0; s < slabs; ++s) {
-        const T* own = diagonal_sums.data_ptr<T>() + 2 * (group * slabs + s) * diagonal;
-        sum += own[at];
-        sum_hat += own[diagonal + at];
-      }
-      out.dd[e] = sum;
-      out.dd_hat[e] = sum_hat;
-    }
-  });
+  const T* sums = diagonal_sums.data_ptr<T>();
+  join_units(out.dd, sums, units / slabs, slabs, diagonal, 2 * diagonal);
+  join_units(out.dd_hat, sums + diagonal, units / slabs, slabs, diagonal, 2 * diagonal);
 }
 
 }  // namespace attngrad_fused

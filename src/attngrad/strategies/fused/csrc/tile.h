@@ -15,6 +15,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -552,6 +553,35 @@ inline std::vector<int64_t> slab_edges(const std::vector<int64_t>& cost, int64_t
     edge[s] = std::clamp(edge[s], edge[s - 1], blocks);
   }
   return edge;
+}
+
+// Slabs 1 .. slabs - 1's partial sums (`partial`, `size` each) joined into slab 0's, which
+// `result` holds, in slab order, then times `scale`: the same sums for any thread count.
+template <typename T>
+void join_slabs(T* result, const T* partial, int64_t slabs, int64_t size, T scale) {
+  at::parallel_for(0, size, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      T sum = result[e];
+      for (int64_t s = 1; s < slabs; ++s) sum += partial[(s - 1) * size + e];
+      result[e] = sum * scale;
+    }
+  });
+}
+
+// Units' sums joined per group of `slabs` consecutive units, in unit order: out[g * size + e]
+// = sum over s of sums[(g * slabs + s) * stride + e], for g < groups (a unit's `size` sums
+// start every `stride` elements).
+template <typename T>
+void join_units(T* out, const T* sums, int64_t groups, int64_t slabs, int64_t size,
+                int64_t stride) {
+  at::parallel_for(0, groups * size, 1 << 12, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t group = e / size, at = e % size;
+      T sum = T(0);
+      for (int64_t s = 0; s < slabs; ++s) sum += sums[(group * slabs + s) * stride + at];
+      out[e] = sum;
+    }
+  });
 }
 
 }  // namespace attngrad_fused
