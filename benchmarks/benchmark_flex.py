@@ -358,7 +358,7 @@ def main() -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip torch's compiled flex")
     parser.add_argument("--mask-seq", type=int, default=2048)
     parser.add_argument("--masks-only", action="store_true", help="only the masks of no band")
-    parser.add_argument("--csv", type=Path)
+    parser.add_argument("--csv", help="write the rows here (none by default; '' for none)")
     args = parser.parse_args()
     if args.seq % DOCUMENTS:
         parser.error(f"--seq must be a multiple of {DOCUMENTS} (the packed documents)")
@@ -369,9 +369,10 @@ def main() -> int:
     for what, against, ratio, target, verdict in rows:
         goal = "" if target is None else f"  target <= {target}: {verdict}"
         print(f"  {what} / {against}: {ratio:.3f}{goal}")
-    if args.csv is not None:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
+    if args.csv:
+        path = Path(args.csv)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["variant", "baseline", "ratio", "target", "verdict"])
             w.writerows(rows)
