@@ -187,6 +187,15 @@ def test_build_says_busy_where_an_engine_beat_the_peak(capsys, monkeypatch):
     assert "the machine was busy while the peak was probed" in out and "%" not in out
 
 
+def test_the_engine_is_the_fastest_attention_and_a_tie_goes_to_the_faster_products():
+    rates = {"brgemm": 115.0, "micro": 108.0, "aten": 97.0}
+    clear = {"brgemm": 0.150, "micro": 0.140, "aten": 0.170}  # micro 7% ahead: it wins
+    assert build._fastest(clear, rates) == "micro"
+    tied = {"brgemm": 0.1451, "micro": 0.1446, "aten": 0.170}  # 0.3% apart: the rate decides
+    assert build._fastest(tied, rates) == "brgemm"
+    assert build._fastest({"micro": 0.1, "aten": 0.1}, {"micro": 90.0, "aten": 97.0}) == "aten"
+
+
 def test_the_fma_peak_bounds_the_tile_products():
     """The peak is a limit: no engine's products run faster on one thread (15% for the noise
     between two measurements), and a probe that counted wrong would break that."""
