@@ -120,7 +120,9 @@ class A2ACase:
     ``order``: "first" (out, lse and the gradients of a loss on both: out * dout
     plus sin(lse) in float64, out * dout alone in float32, which the rule judges),
     "second" (those gradients with create_graph=True, then the gradients of the
-    penalty sum of their squares) or "forward" (out's and lse's tangents, forward_ad).
+    penalty sum of their squares), "hvp" (the gradients' tangents along the inputs'
+    tangents: forward over reverse, Hessian-vector products) or "forward" (out's and
+    lse's tangents, forward_ad).
     """
 
     case: Case
@@ -248,12 +250,21 @@ def _run(ac: A2ACase, full: dict, rank: int, world: int, fn) -> dict[str, torch.
             (o, to), (lse_, tlse) = (forward_ad.unpack_dual(x) for x in (out, lse))
         return {"out": o, "lse": lse_, "tout": to, "tlse": tlse}
     leaves = {n: mine[n].clone().requires_grad_() for n in names}
+    if ac.order == "hvp":  # forward over reverse: the gradients' tangents
+        with forward_ad.dual_level():
+            duals = {n: forward_ad.make_dual(leaves[n], mine["t" + n]) for n in names}
+            out, lse = call(duals)
+            grads = torch.autograd.grad(_loss(ac, mine, out, lse), list(duals.values()),
+                                        create_graph=True)  # fmt: skip
+            unpacked = [forward_ad.unpack_dual(g) for g in grads]
+            got = {"out": forward_ad.unpack_dual(out).primal.detach()}
+            got |= {"d" + n: u.primal.detach() for n, u in zip(names, unpacked, strict=True)}
+            got |= {"hvp" + n: u.tangent.detach() for n, u in zip(names, unpacked, strict=True)}
+        return got
     out, lse = call(leaves)
-    loss = (out * mine["dout"]).sum()
-    if c.dtype == torch.float64:  # lse's cotangent too (the rule judges out * dout alone)
-        loss = loss + torch.where(lse.isfinite(), lse, 0.0).sin().sum()  # a dead row: -inf
     second = ac.order == "second"
-    grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=second)
+    grads = torch.autograd.grad(_loss(ac, mine, out, lse), list(leaves.values()),
+                                create_graph=second)  # fmt: skip
     got = {"out": out.detach(), "lse": lse.detach()}
     got |= {"d" + n: g.detach() for n, g in zip(names, grads, strict=True)}
     if second:  # a gradient penalty's gradient
@@ -261,6 +272,18 @@ def _run(ac: A2ACase, full: dict, rank: int, world: int, fn) -> dict[str, torch.
         seconds = torch.autograd.grad(penalty, list(leaves.values()))
         got |= {"d2" + n: g for n, g in zip(names, seconds, strict=True)}
     return got
+
+
+def _loss(ac: A2ACase, mine: dict, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out * dout; in float64 also sin(lse) and, for a second derivative, out^2 / 2 (so the
+    gradients' dout depends on out, as in a gradient penalty on a real loss); the rule
+    judges out * dout alone."""
+    loss = (out * mine["dout"]).sum()
+    if ac.case.dtype == torch.float64:
+        loss = loss + torch.where(lse.isfinite(), lse, 0.0).sin().sum()  # a dead row: -inf
+        if ac.order in ("second", "hvp"):
+            loss = loss + out.square().sum() / 2
+    return loss
 
 
 def _all_to_all_fn(ac: A2ACase, group=None):
@@ -284,8 +307,8 @@ def _single_fn(ac: A2ACase):
 
 
 def _base(name: str) -> str:
-    """What a result is of: d2q, dq -> q; tout -> out."""
-    for prefix in ("d2", "d", "t"):
+    """What a result is of: d2q, dq, hvpq -> q; tout -> out."""
+    for prefix in ("d2", "d", "hvp", "t"):
         if name.startswith(prefix) and name[len(prefix) :] in (
             "q",
             "k",

@@ -109,7 +109,8 @@ class FlexShardCase:
     both (its score, theta and BlockMask, N = 48: the float32 cases the rule judges);
     packed: cu_seqlens through `packed_ring_attention` (causal) instead of flex; order:
     "first" (out, lse and the gradients of out * dout + sin(lse)), "second" (those with
-    create_graph, then the gradients of the sum of their squares) or "forward" (forward_ad
+    create_graph, then the gradients of the sum of their squares), "hvp" (the gradients'
+    tangents along the inputs' tangents: forward over reverse) or "forward" (forward_ad
     tangents).
     """
 
@@ -182,6 +183,9 @@ CASES = [
     _ring(2, "relative", "per-head", order="forward", strategy="fused"),
     _ring(3, "alibi", "causal-document", order="forward"),
     _ring(3, None, None, dtype=F32, verify="alibi", strategy="fused"),
+    _ring(2, "alibi", "causal-document", order="hvp", strategy="fused"),
+    _ring(3, "relative", "causal", "contiguous", order="hvp"),
+    FlexShardCase(2, "alibi", "causal", order="hvp"),
 ]
 
 
@@ -239,15 +243,24 @@ def _run(fc: FlexShardCase, full: dict, rank: int, world: int, flex, packed, gro
             (o, to), (lse_, tlse) = (forward_ad.unpack_dual(x) for x in (out, lse))
         return {"out": o, "lse": lse_, "tout": to, "tlse": tlse}
     leaves = {n: mine[n].clone().requires_grad_() for n in names}
-    out, lse = _call(fc, leaves, flex, packed)
-    loss = (out * mine["dout"]).sum()
-    if fc.dtype == F64:  # lse's cotangent too (the rule judges out * dout alone)
-        loss = loss + torch.where(lse.isfinite(), lse, 0.0).sin().sum()
-    second = fc.order == "second"
-    grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=second)
-    got = {"out": out.detach(), "lse": lse.detach()}
-    got |= {"d" + n: g.detach() for n, g in zip(names, grads, strict=True)}
-    if second:
+    if fc.order == "hvp":  # forward over reverse: the gradients' tangents
+        with forward_ad.dual_level():
+            duals = {n: forward_ad.make_dual(leaves[n], mine["t" + n]) for n in names}
+            out, lse = _call(fc, duals, flex, packed)
+            grads = torch.autograd.grad(_loss(fc, mine, out, lse), list(duals.values()),
+                                        create_graph=True)  # fmt: skip
+            unpacked = [forward_ad.unpack_dual(g) for g in grads]
+            got = {"out": forward_ad.unpack_dual(out).primal.detach()}
+            got |= {"d" + n: u.primal.detach() for n, u in zip(names, unpacked, strict=True)}
+            got |= {"hvp" + n: u.tangent.detach() for n, u in zip(names, unpacked, strict=True)}
+    else:
+        out, lse = _call(fc, leaves, flex, packed)
+        second = fc.order == "second"
+        grads = torch.autograd.grad(_loss(fc, mine, out, lse), list(leaves.values()),
+                                    create_graph=second)  # fmt: skip
+        got = {"out": out.detach(), "lse": lse.detach()}
+        got |= {"d" + n: g.detach() for n, g in zip(names, grads, strict=True)}
+    if fc.order == "second":
         penalty = sum(g.square().sum() for n, g in zip(names, grads, strict=True) if n != "theta")
         if "theta" in leaves:  # the penalty on theta's whole gradient: its shares summed
             whole = grads[-1] if world == 1 else all_reduce(grads[-1], group=group)
@@ -255,10 +268,21 @@ def _run(fc: FlexShardCase, full: dict, rank: int, world: int, flex, packed, gro
         seconds = torch.autograd.grad(penalty, list(leaves.values()))
         got |= {"d2" + n: g for n, g in zip(names, seconds, strict=True)}
     if world > 1:  # a replicated parameter's gradient: each rank's share, summed
-        for name in ("dtheta", "d2theta"):
+        for name in ("dtheta", "d2theta", "hvptheta"):
             if name in got:
                 dist.all_reduce(got[name], group=group)
     return got
+
+
+def _loss(fc: FlexShardCase, mine: dict, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out * dout; in float64 also sin(lse) and, for a second derivative, out^2 / 2 (the
+    gradients' dout then depends on out); the rule judges out * dout alone."""
+    loss = (out * mine["dout"]).sum()
+    if fc.dtype == F64:
+        loss = loss + torch.where(lse.isfinite(), lse, 0.0).sin().sum()
+        if fc.order in ("second", "hvp"):
+            loss = loss + out.square().sum() / 2
+    return loss
 
 
 def _sharded(fc: FlexShardCase, group):

@@ -36,6 +36,7 @@ def _cases() -> list[A2ACase]:
         cases += [
             A2ACase(_sized(world, mask="causal"), world, order="forward"),
             A2ACase(_sized(world, mask="causal"), world, order="second"),
+            A2ACase(_sized(world, mask="causal"), world, strategy="fused", order="hvp"),
             A2ACase(_sized(world, mask="causal", dtype=F32), world, "contiguous"),
         ]
     cases += [
@@ -67,6 +68,14 @@ def _cases() -> list[A2ACase]:
         # per-token sinks: a shared one's gradient is each rank's share, and a penalty on shares differs
         A2ACase(_sized(2, mask="causal", sinks="token", window=(3, 0)), 2, order="second"),
         A2ACase(_sized(2, mask="causal", dropout=0.3, softcap=2.0), 2, order="forward"),
+        # forward over reverse with every keyword the pairs take
+        A2ACase(_sized(3, mask="float", mask_shape=(6, 12, 12), window=(4, 2), softcap=2.0,
+                       dropout=0.25), 3, order="hvp"),  # fmt: skip
+        A2ACase(_sized(2, mask="bool", mask_shape=(8, 8), sinks="token"), 2, "contiguous",
+                strategy="fused", order="hvp"),  # fmt: skip
+        # a second derivative with dropout, on both block kernels
+        A2ACase(_sized(2, mask="causal", dropout=0.3), 2, strategy="fused", order="second"),
+        A2ACase(_sized(4, window=(5, 1), dropout=0.2), 4, order="second"),
         A2ACase(_sized(4, mask="bool", mask_shape=(16, 16), window=(6, 2)), 4, strategy="fused"),
     ]
     return cases

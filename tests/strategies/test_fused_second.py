@@ -31,7 +31,7 @@ from test_fused_tangent import (  # _library: the autouse fixture that builds th
 from torch.nn.attention.flex_attention import create_block_mask
 
 import attngrad
-from attngrad.autograd import gradients
+from attngrad.autograd import second_order
 from attngrad.strategies.fused.strategy import Fused
 from attngrad.verify.derivatives import relative_error
 from attngrad.verify.reference import reference_attention
@@ -41,7 +41,7 @@ from attngrad.verify.rule import judge, rounding_floor
 @pytest.fixture
 def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared tiled pass raises: double backward must take fused's kernel."""
-    refuse(monkeypatch, gradients, "second_order", "the shared tiled second-order pass")
+    refuse(monkeypatch, second_order, "second_order", "the shared tiled second-order pass")
 
 
 def _draws(call: Call, seed: int) -> dict[str, torch.Tensor]:

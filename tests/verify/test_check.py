@@ -168,7 +168,7 @@ def test_a_wrong_second_derivative_fails_the_case(monkeypatch):
     from attngrad.autograd import gradients
 
     monkeypatch.setattr(
-        gradients, "second_order", _scaled_output(gradients.second_order, 2, 1 + 1e-6)
+        gradients, "second_order_of", _scaled_output(gradients.second_order_of, 2, 1 + 1e-6)
     )
     result = _run("flash", CASE64, gradcheck=False)
     assert result.rule_passed and result.jvp_error < DERIVATIVE_TOLERANCE
@@ -179,7 +179,9 @@ def test_a_wrong_second_derivative_fails_the_case(monkeypatch):
 def test_gradgradcheck_fails_a_wrong_second_derivative(monkeypatch):
     from attngrad.autograd import gradients
 
-    monkeypatch.setattr(gradients, "second_order", _scaled_output(gradients.second_order, 2, 0.0))
+    monkeypatch.setattr(
+        gradients, "second_order_of", _scaled_output(gradients.second_order_of, 2, 0.0)
+    )
     result = _run("explicit", case((1,), 1, 1, 3, 4, 4), gradcheck=True)
     assert result.gradcheck_passed is True and result.gradgradcheck_passed is False
     assert not result.passed and "gradgradcheck failed" in result.message

@@ -40,7 +40,7 @@ import torch
 from attngrad.autograd import batching
 from attngrad.autograd.layout import Args, Layout, roles
 from attngrad.autograd.linearized import Terminal
-from attngrad.autograd.second_order import accumulators, second_order
+from attngrad.autograd.second_order import accumulators, second_order_of
 from attngrad.core.amp import no_autocast
 from attngrad.core.interface import Backward, Plan, Problem, Saved, Strategy
 
@@ -176,9 +176,7 @@ class SecondOrder(Terminal):
         problem = x.problem(plan)
         assert x.dout is not None
         strategy, saved = plan.strategy, x.saved_map(plan)
-        grads = strategy.second_order(problem, saved, x.direction, x.dout, x.dlse, need)
-        if grads is None:  # the strategy has no kernel for it: the shared tiled pass
-            grads = second_order(strategy, problem, saved, x.direction, x.dout, x.dlse, need)
+        grads = second_order_of(strategy, problem, saved, x.direction, x.dout, x.dlse, need)
         m = problem.mods
         likes = (x.dout, x.dlse, problem.q, problem.k, problem.v, m.bias, *m.captured)
         return in_dtypes_of(grads, likes)

@@ -33,7 +33,11 @@ Every term is a tile's elementwise product or a matmul with q, k, v, dO
 rows, except the row sums Delta, r and rho' and the rows u = P g_v: a first
 pass over each block of query rows accumulates them (O(Nq) floats, and
 Nq x dv for u), a second pass walks key blocks as flash's backward does
-and accumulates the gradients.  No tensor beyond one [block_q, block_k]
+and accumulates the gradients.  The row sums (`row_sums`: Delta, r,
+rowsum(P G dP), rowsum(dO * u)) add up over key blocks, so where the keys
+are sharded (ring attention) each block's first pass gives its share, and
+the second pass runs per block given their totals (``sums``), adding its
+block's P g_v to grad dO itself.  No tensor beyond one [block_q, block_k]
 tile per (batch, head) is formed; P comes from the strategy's
 ``probabilities`` (the saved P, or rebuilt from the row statistics).
 A row that attends nothing has P = 0 and so contributes nothing.
@@ -56,21 +60,26 @@ scores.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attngrad.autograd.linearized import tile_inputs
+from attngrad.autograd.linearized import Direction, tile_inputs
 from attngrad.core.heads import group_heads, take_rows
 from attngrad.core.interface import Problem, Saved, Strategy
 from attngrad.core.ops import join_lse_cotangent_
-from attngrad.core.probabilities import rebuilt_records
-from attngrad.core.tiling import key_schedule, schedule
+from attngrad.core.probabilities import ProbabilityTiles, rebuilt_records
+from attngrad.core.tiling import Blocks, key_schedule, schedule
 
-__all__ = ["accumulators", "second_order"]
+__all__ = ["ROW_SUMS", "accumulators", "row_sums", "second_order", "second_order_of", "sums_of"]
 
 Cotangents = tuple[torch.Tensor | None, ...]  # (g_q, g_k, g_v, g_bias, *g_captured)
+
+# The row sums, in this order on the last dim: rowsum(P dP) = Delta, r = rowsum(P G),
+# rowsum(P G dP) and rowsum(dO * u), u = P g_v; rho' = the third - r Delta + the fourth.
+ROW_SUMS = 4
 
 
 def accumulators(
@@ -87,8 +96,102 @@ def accumulators(
     )
 
 
-def _rowsum(t: torch.Tensor) -> torch.Tensor:
-    return t.sum(dim=-1, keepdim=True)
+@dataclass(frozen=True)
+class _Pass:
+    """What both passes read, heads grouped by kv head: q5 [B, Hkv, G, Nq, d], do5 like it
+    with dv, k and v in the compute dtype, g_v (or None), the direction's tangents, the
+    tiles of P (rebuilt or saved) and of dropout's multipliers (or None)."""
+
+    problem: Problem[Any]
+    blocks: Blocks
+    direction: Direction
+    p_tile: ProbabilityTiles
+    multipliers: Callable[[slice, slice], torch.Tensor] | None
+    q5: torch.Tensor
+    do5: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gv: torch.Tensor | None
+
+    @staticmethod
+    def of(
+        strategy: Strategy[Any],
+        problem: Problem[Any],
+        saved: Saved,
+        cotangents: Cotangents,
+        dout: torch.Tensor,
+    ) -> _Pass:
+        g_q, g_k, g_v, g_bias, *g_captured = cotangents
+        dtype, hkv = problem.dtype, problem.k.shape[1]
+        direction, p_tile, multipliers = tile_inputs(
+            strategy, problem, saved, (g_q, g_k, g_bias, *g_captured)
+        )
+        return _Pass(
+            problem, strategy.pass_blocks(problem), direction, p_tile, multipliers,
+            group_heads(problem.q, hkv), group_heads(dout.to(dtype), hkv),
+            problem.k.to(dtype), problem.v.to(dtype), None if g_v is None else g_v.to(dtype),
+        )  # fmt: skip
+
+    def zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.problem.dtype, device=self.problem.q.device)
+
+    def dp_tile(
+        self, do_r: torch.Tensor, rows: slice, keys: slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(P, dP = (dO v^T) * M, M or None) of the tile."""
+        p = self.p_tile(rows, keys)
+        m = None if self.multipliers is None else self.multipliers(rows, keys)  # Z / (1 - p)
+        dp = torch.matmul(do_r, self.v[:, :, keys].transpose(-2, -1))
+        if m is not None:
+            dp.mul_(m)
+        return p, dp, m
+
+
+def _first_pass(x: _Pass, keep_u: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The row sums [B, Hkv, G, Nq, ROW_SUMS] and, with ``keep_u``, u = P g_v [B, Hkv, G,
+    Nq, dv] (None without g_v)."""
+    pb, direction, gv = x.problem, x.direction, x.gv
+    b, hkv, g, nq, _ = x.q5.shape
+    dv_dim = x.v.shape[-1]
+    sums = x.zeros(b, hkv, g, nq, ROW_SUMS)
+    u = None if gv is None or not keep_u else x.zeros(b, hkv, g, nq, dv_dim)
+    for rows, key_tiles in schedule(pb.mods, x.blocks):
+        n = rows.stop - rows.start
+        q_r, do_r = take_rows(x.q5, rows).to(pb.dtype), take_rows(x.do5, rows)
+        part = x.zeros(b, hkv, g * n, ROW_SUMS)
+        delta_r, r_r, pgdp, pu = part.unbind(-1)
+        u_r = None if gv is None else x.zeros(b, hkv, g * n, dv_dim)
+        for keys in key_tiles:
+            p, dp, m = x.dp_tile(do_r, rows, keys)
+            delta_r += (p * dp).sum(-1)
+            if not direction.zero:
+                records = rebuilt_records(pb.mods, q_r, x.k[:, :, keys], pb.scale, rows, keys)
+                pg = direction.tangents(q_r, x.k, rows, keys, records)[-1].mul_(p)
+                r_r += pg.sum(-1)
+                pgdp += pg.mul_(dp).sum(-1)
+            if u_r is not None and gv is not None:
+                u_r += torch.matmul(p if m is None else p * m, gv[:, :, keys])
+        if u_r is not None:
+            pu += (do_r * u_r).sum(-1)
+            if u is not None:
+                u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)
+        sums[:, :, :, rows] = part.view(b, hkv, g, n, ROW_SUMS)
+    return sums, u
+
+
+def row_sums(
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
+    cotangents: Cotangents,
+    dout: torch.Tensor,
+) -> torch.Tensor:
+    """The row sums (`ROW_SUMS`) of the second-order pass over this call's keys, [B, Hq, Nq,
+    4] in the compute dtype, from the shared tiled first pass: over one block of a sharded
+    sequence's keys, that block's share (the shares add up to the sums over every key)."""
+    sums, _ = _first_pass(_Pass.of(strategy, problem, saved, cotangents, dout), keep_u=False)
+    b, hq, nq = problem.q.shape[:3]
+    return sums.view(b, hq, nq, ROW_SUMS)
 
 
 def second_order(
@@ -99,6 +202,7 @@ def second_order(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
     need: tuple[bool, ...],
+    sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of <g, (dq, dk, dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias,
     *captured).
@@ -106,79 +210,46 @@ def second_order(
     cotangents g = (g_q, g_k, g_v, g_bias, *g_captured): like q, k, v, the bias
     and the score function's captured tensors, None for zero.  dout:
     [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: the strategy's saved
-    tensors.  ``need``: which to return (the rest come back None).  Results
-    are in the compute dtype.
+    tensors.  ``need``: which to return (the rest come back None).  sums: None,
+    or the row sums over every key [B, Hq, Nq, 4] (`row_sums`'s, summed over
+    the key blocks) where k and v are one block of the keys: the gradients are
+    then that block's share (grad dlse = r, the whole).  Results are in the
+    compute dtype.
     """
-    g_q, g_k, g_v, g_bias, *g_captured = cotangents
-    q, k, v, mods, scale = problem.q, problem.k, problem.v, problem.mods, problem.scale
+    x = _Pass.of(strategy, problem, saved, cotangents, dout)
+    q, k, v, mods, scale = problem.q, x.k, x.v, problem.mods, problem.scale
     b, hq, nq, d = q.shape
     hkv, dv_dim = k.shape[1], v.shape[-1]
     g = hq // hkv
     dtype = problem.dtype
-    blocks = strategy.pass_blocks(problem)
-    direction, p_tile, multipliers = tile_inputs(
-        strategy, problem, saved, (g_q, g_k, g_bias, *g_captured)
-    )
-    q5, do5 = group_heads(q, hkv), group_heads(dout.to(dtype), hkv)
-    k, v = k.to(dtype), v.to(dtype)
-    gv = None if g_v is None else g_v.to(dtype)
-    dlse5 = None if dlse is None else group_heads(dlse.to(dtype).unsqueeze(-1), hkv)
-
-    def zeros(*shape: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=q.device)
-
-    # pass 1, by query rows: c = Delta - dlse, r, rho' and u = P g_v
-    c_row, r_sum, rho = zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1), zeros(b, hkv, g, nq, 1)
-    u = None if gv is None else zeros(b, hkv, g, nq, dv_dim)
-    for rows, key_tiles in schedule(mods, blocks):
-        n = rows.stop - rows.start
-        q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
-        delta_r, r_r, pgdp = (zeros(b, hkv, g * n, 1) for _ in range(3))
-        u_r = None if gv is None else zeros(b, hkv, g * n, dv_dim)
-        for keys in key_tiles:
-            p = p_tile(rows, keys)
-            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
-            dp = torch.matmul(do_r, v[:, :, keys].transpose(-2, -1))
-            if m is not None:
-                dp.mul_(m)  # dP = (dO v^T) * M
-            delta_r += _rowsum(p * dp)
-            if not direction.zero:
-                records = rebuilt_records(mods, q_r, k[:, :, keys], scale, rows, keys)
-                pg = direction.tangents(q_r, k, rows, keys, records)[-1].mul_(p)
-                r_r += _rowsum(pg)
-                pgdp += _rowsum(pg.mul_(dp))
-            if u_r is not None and gv is not None:
-                u_r += torch.matmul(p if m is None else p * m, gv[:, :, keys])
-        rho_r = pgdp.sub_(r_r * delta_r)  # rho' = rowsum(P G dP) - r Delta + rowsum(dO u)
-        if u is not None and u_r is not None:
-            rho_r += _rowsum(do_r * u_r)
-            u[:, :, :, rows] = u_r.view(b, hkv, g, n, dv_dim)
-        join_lse_cotangent_(delta_r, None if dlse5 is None else take_rows(dlse5, rows))
-        for full, part in ((c_row, delta_r), (r_sum, r_r), (rho, rho_r)):
-            full[:, :, :, rows] = part.view(b, hkv, g, n, 1)
+    if sums is None:
+        totals, u = _first_pass(x, keep_u=True)
+    else:
+        totals, u = group_heads(sums.to(dtype), hkv), None  # P g_v joins grad dO per tile
+    delta, r_sum, pgdp, pu = (t.unsqueeze(-1) for t in totals.unbind(-1))
+    rho = pgdp - r_sum * delta + pu  # rho'
+    c_row = delta.clone()  # c = Delta - dlse
+    join_lse_cotangent_(c_row, None if dlse is None else group_heads(dlse.unsqueeze(-1), hkv))
+    q5, do5, gv, direction = x.q5, x.do5, x.gv, x.direction
 
     # pass 2, by key blocks: the gradients
     need_dout, need_dlse, need_q, need_k, need_v, need_bias = need[:6]
     grad_captured = accumulators(mods.captured, need[6:], dtype)
-    grad_q = zeros(b, hkv, g, nq, d) if need_q else None
-    grad_k = zeros(*k.shape) if need_k else None
-    grad_v = zeros(*v.shape) if need_v else None
-    grad_do = zeros(b, hkv, g, nq, dv_dim) if need_dout else None
+    grad_q = x.zeros(b, hkv, g, nq, d) if need_q else None
+    grad_k = x.zeros(*k.shape) if need_k else None
+    grad_v = x.zeros(*v.shape) if need_v else None
+    grad_do = x.zeros(b, hkv, g, nq, dv_dim) if need_dout else None
     grad_bias = None
     if need_bias and mods.bias is not None:
-        grad_bias = zeros(*mods.bias.shape)
+        grad_bias = x.zeros(*mods.bias.shape)
     grads = mods.chain.parameters_of(grad_bias, grad_captured)  # of the modifications' tensors
     a_q, a_k = direction.a_q, direction.a_k  # scale * g_q, scale * g_k
-    for _, pairs in key_schedule(mods, blocks):
+    for _, pairs in key_schedule(mods, x.blocks):
         for rows, keys in pairs:
             n, c = rows.stop - rows.start, keys.stop - keys.start
             q_r, do_r = take_rows(q5, rows).to(dtype), take_rows(do5, rows)
             kc, vc = k[:, :, keys], v[:, :, keys]
-            p = p_tile(rows, keys)
-            m = None if multipliers is None else multipliers(rows, keys)  # Z / (1 - p)
-            y = torch.matmul(do_r, vc.transpose(-2, -1))
-            if m is not None:
-                y.mul_(m)  # dP = (dO v^T) * M
+            p, y, m = x.dp_tile(do_r, rows, keys)
             y.sub_(take_rows(c_row, rows))  # Y = dP - c
             ds = p * y
             records = rebuilt_records(mods, q_r, kc, scale, rows, keys)
@@ -199,6 +270,11 @@ def second_order(
                 t = h.mul_(y)
             if gv is not None:
                 gvt = gv[:, :, keys].transpose(-2, -1)
+                if grad_do is not None and u is None:  # this block's share of u = (P M) g_v
+                    pm = p if m is None else p * m
+                    grad_do[:, :, :, rows] += torch.matmul(pm, gv[:, :, keys]).view(
+                        b, hkv, g, n, -1
+                    )
                 if m is not None:  # through dV = (P * M)^T dO: M * (dO g_v^T)
                     dog = torch.matmul(do_r, gvt).mul_(m)
                     t = dog if t is None else t.add_(dog)
@@ -233,10 +309,41 @@ def second_order(
         grad_do += u
     return (
         None if grad_do is None else grad_do.view(b, hq, nq, dv_dim),
-        r_sum.view(b, hq, nq) if need_dlse else None,
+        r_sum.reshape(b, hq, nq) if need_dlse else None,
         None if grad_q is None else grad_q.view(b, hq, nq, d),
         grad_k,
         grad_v,
         grad_bias,
         *grad_captured,
     )
+
+
+def second_order_of(
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
+    cotangents: Cotangents,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    need: tuple[bool, ...],
+    sums: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`second_order` in the strategy's own kernels where it has them
+    (`attngrad.core.interface.Strategy.second_order`), else the shared tiled pass."""
+    grads = strategy.second_order(problem, saved, cotangents, dout, dlse, need, sums)
+    if grads is None:
+        grads = second_order(strategy, problem, saved, cotangents, dout, dlse, need, sums)
+    return grads
+
+
+def sums_of(
+    strategy: Strategy[Any],
+    problem: Problem[Any],
+    saved: Saved,
+    cotangents: Cotangents,
+    dout: torch.Tensor,
+) -> torch.Tensor:
+    """`row_sums` in the strategy's own kernels where it has them
+    (`attngrad.core.interface.Strategy.second_sums`), else the shared tiled first pass."""
+    sums = strategy.second_sums(problem, saved, cotangents, dout)
+    return row_sums(strategy, problem, saved, cotangents, dout) if sums is None else sums

@@ -213,6 +213,7 @@ class Strategy(ABC, Generic[T]):
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
         need: tuple[bool, ...],
+        sums: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...] | None:
         """The second-order pass in the strategy's own kernels: the gradients of <g, (dq, dk,
         dv, dbias, *dcaptured)> w.r.t. (dout, dlse, q, k, v, bias, *captured) in the compute
@@ -220,8 +221,25 @@ class Strategy(ABC, Generic[T]):
         default), and `attngrad.autograd.second_order` runs the shared tiled pass.
 
         cotangents g = (g_q, g_k, g_v, g_bias, *g_captured), each like its input, None for
-        zero; dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: what forward saved.
+        zero; dout: [B, Hq, Nq, dv]; dlse: [B, Hq, Nq] or None; saved: what forward saved
+        (for ring attention's blocks: the rows' final O and statistics over every key).
+        sums: None, or the row sums over every key ([B, Hq, Nq, 4], `second_sums`'s summed
+        over the key blocks) where k and v are one block of the keys: its gradients are then
+        that block's share.
         """
+        return None
+
+    def second_sums(
+        self,
+        problem: Problem[T],
+        saved: Saved,
+        cotangents: tuple[torch.Tensor | None, ...],
+        dout: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The row sums of the second-order pass over this call's keys, [B, Hq, Nq, 4] in the
+        compute dtype (`attngrad.autograd.second_order.row_sums`: additive over key blocks),
+        from the strategy's own kernels; None where `second_order` would be None (the
+        default), and the shared tiled pass forms them."""
         return None
 
     def pass_blocks(self, problem: Problem[T]) -> Blocks:

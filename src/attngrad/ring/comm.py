@@ -1,6 +1,5 @@
 """The ring's messages: non-blocking sends to the next rank, receives from the previous one;
-the collectives both schemes use (all_gather, broadcast, all-to-all); and the ring's
-rotation as a differentiable map (`RingShift`, `RingReduce`), for the second-order path.
+and the collectives both schemes use (all_gather, broadcast, all-to-all, agreeing on flags).
 
 Every wait has a deadline (`RingComm.timeout` seconds, passed to
 ``Work.wait(timeout=...)``); a message that does not arrive in time, or a
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +21,6 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Exchange",
     "RingComm",
-    "RingReduce",
-    "RingShift",
     "RingTimeoutError",
     "shared_dropout",
 ]
@@ -117,6 +113,13 @@ class RingComm:
         self._collective(lambda: dist.all_gather(out, t, group=self.group, async_op=True), what)
         return out
 
+    def any(self, flags: Sequence[bool], device: torch.device, what: str) -> tuple[bool, ...]:
+        """Each flag or-ed over the ranks (gathered on ``device``, the tensors' own): what
+        every rank must do alike where some rank needs it (which tensors travel)."""
+        mine = torch.tensor([bool(f) for f in flags], dtype=torch.uint8, device=device)
+        gathered = torch.stack(self.all_gather(mine, what)).amax(0).cpu()
+        return tuple(bool(f) for f in gathered.tolist())
+
     def all_to_all(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """t: [P, ...] (the same shape on every rank): piece i goes to rank i; returns [P, ...]
         whose piece i came from rank i (``dist.all_to_all_single``)."""
@@ -156,58 +159,3 @@ def shared_dropout(
     words = torch.tensor(draw_seed(device, generator), dtype=torch.int64, device=device)
     seed, offset = comm.broadcast(words, "sharing the dropout seed").tolist()
     return Dropout(float(dropout_p), int(seed), int(offset))
-
-
-# -- the rotation as a differentiable map --------------------------------------------------
-
-
-class RingShift(torch.autograd.Function):
-    """Every other rank's tensors, passed around the ring: a linear map, differentiable to
-    every order.
-
-    RingShift.apply(comm, *x) -> the tensors x of rank r - 1, then of r - 2, ... r - (P-1)
-    (P - 1 groups of len(x), in that order).  Its backward is `RingReduce` (each copy's
-    gradient travels on around the ring to its owner, summed on the way), whose backward
-    is this map again.  Every rank must apply it alike; with grads materialised (zeros
-    for an unused copy) every rank then also runs its backward, in the same order.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, comm: RingComm, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.comm, ctx.n = comm, len(x)
-        held: Sequence[torch.Tensor] = [t.contiguous() for t in x]
-        copies: list[torch.Tensor] = []
-        for _ in range(comm.world - 1):
-            held = comm.send_recv(held).wait()
-            copies += held
-        return tuple(copies)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        summed = RingReduce.apply(ctx.comm, ctx.n, *grads)  # type: ignore[no-untyped-call]
-        return (None, *summed)
-
-
-class RingReduce(torch.autograd.Function):
-    """The adjoint of `RingShift`: RingReduce.apply(comm, n, *g) -> n tensors, the sum over
-    the ranks r + s of their g for copy s (s = 1 .. P-1) of this rank's tensors.
-
-    An accumulator for the tensors of rank r - s leaves rank r - s + 1 with its share,
-    each rank on the way adds its own and passes it on, and after P - 1 steps each
-    rank's own comes back to it (as `attngrad.ring.attention`'s first-order backward
-    carries dK/dV): P - 1 sends of n tensors.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, comm: RingComm, n: int, *g: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.comm = comm
-        acc: Sequence[torch.Tensor] = [t.contiguous() for t in g[:n]]
-        for s in range(1, comm.world - 1):
-            arrived = comm.send_recv(acc).wait()
-            acc = [a + t for a, t in zip(arrived, g[s * n : (s + 1) * n], strict=True)]
-        return tuple(comm.send_recv(acc).wait())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        copies = RingShift.apply(ctx.comm, *grads)  # type: ignore[no-untyped-call]
-        return (None, None, *copies)

@@ -424,33 +424,25 @@ class Fused(KeepsOutput[Tiles]):
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
         need: tuple[bool, ...],
+        sums: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...] | None:
         """The second-order kernel (``csrc/second.h``) along the cotangents g = (g_q, g_k,
         g_v, g_bias, *g_captured); None for a score function other than a relative one or a
         softcap (a program), which the shared tiled pass runs.  A relative score function's
         captured tensors move its term by D' (`_diagonal_tangent`) and get their gradients
-        from dS and S-hat summed along the diagonals (`Diagonal.second`)."""
+        from dS and S-hat summed along the diagonals (`Diagonal.second`).  ``sums``: the row
+        sums over every key (`second_sums`'s layout) where these keys are some of them."""
         if not _kernel_score(problem):
             return None
-        library = build.load()
         g_captured = cotangents[4:]
         need_dout, need_dlse, need_q, need_k, need_v, need_bias, *need_captured = need
         bias = problem.mods.bias
         need_bias = need_bias and bias is not None
         grad_captured = accumulators(problem.mods.captured, need_captured, problem.dtype)
-        moved, terms = _direction_operands(problem, cotangents)
-        need_sums = terms is not None and any(g is not None for g in grad_captured)
-        by_diagonal = {} if terms is None else {"diagonal": terms[1], "gdiagonal": terms[2]}
-        qc, kc, vc, doc = _operands(problem.q, problem.k, problem.v, dout)
-        stats = saved["stats"].to(qc.dtype).contiguous()
-        dlse_c = None if dlse is None else dlse.to(qc.dtype).contiguous()
-        before, after, blocks = _mod_args(problem)
-        tiles = problem.tiles
-        wanted = [need_dout, need_dlse, need_q, need_k, need_v, need_bias, need_sums]
-        g_dout, r, grad_q, grad_k, grad_v, s_hat, dd, dd_hat = torch.ops.attngrad_fused.second(
-            doc, qc, kc, vc, stats, dlse_c, *moved, *before, problem.scale, *after,
-            tiles.block_q, tiles.block_k, library.engine_id, wanted, **blocks, **by_diagonal,
-        )  # fmt: skip
+        need_sums = any(g is not None for g in grad_captured)  # where a relative term holds them
+        wanted = [need_dout, need_dlse, need_q, need_k, need_v, need_bias, need_sums, False]
+        out, terms = self._second(problem, saved, cotangents, dout, dlse, wanted, sums)
+        g_dout, r, grad_q, grad_k, grad_v, s_hat, dd, dd_hat, _ = out
         if need_sums and terms is not None:
             terms[0].second(dd, dd_hat, g_captured, grad_captured)
         grad_bias = s_hat.sum_to_size(bias.shape) if need_bias and bias is not None else None
@@ -460,6 +452,50 @@ class Fused(KeepsOutput[Tiles]):
             grad_bias,
             *grad_captured,
         )
+
+    def second_sums(
+        self,
+        problem: Problem[Tiles],
+        saved: Saved,
+        cotangents: tuple[torch.Tensor | None, ...],
+        dout: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The second-order kernel's first walk alone: this call's keys' share of the row
+        sums [B, Hq, Nq, 4] (compute dtype); None where `second_order` is None."""
+        if not _kernel_score(problem):
+            return None
+        wanted = [False] * 7 + [True]
+        return self._second(problem, saved, cotangents, dout, None, wanted, None)[0][-1]
+
+    def _second(
+        self,
+        problem: Problem[Tiles],
+        saved: Saved,
+        cotangents: Sequence[torch.Tensor | None],
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        wanted: list[bool],
+        sums: torch.Tensor | None,
+    ) -> tuple[tuple[torch.Tensor, ...], Terms | None]:
+        """The op ``attngrad_fused.second``'s nine outputs (``csrc/fused.cpp``; ``wanted``
+        its eight flags, the diagonal sums' only with a relative term), and the relative
+        term's (`_direction_operands`)."""
+        library = build.load()
+        moved, terms = _direction_operands(problem, cotangents)
+        wanted = [*wanted[:6], wanted[6] and terms is not None, wanted[7]]
+        by_diagonal = {} if terms is None else {"diagonal": terms[1], "gdiagonal": terms[2]}
+        qc, kc, vc, doc = _operands(problem.q, problem.k, problem.v, dout)
+        stats = saved["stats"].to(qc.dtype).contiguous()
+        dlse_c = None if dlse is None else dlse.to(qc.dtype).contiguous()
+        sums_c = None if sums is None else sums.to(qc.dtype).contiguous()
+        before, after, blocks = _mod_args(problem)
+        tiles = problem.tiles
+        out: tuple[torch.Tensor, ...] = torch.ops.attngrad_fused.second(
+            doc, qc, kc, vc, stats, dlse_c, *moved, *before, problem.scale, *after,
+            tiles.block_q, tiles.block_k, library.engine_id, wanted, **blocks, **by_diagonal,
+            sums=sums_c,
+        )  # fmt: skip
+        return out, terms
 
     def backward_into(self, backward: Backward[Tiles]) -> None:
         """The backward kernel from backward.dout, its dq, dk, dv (and dS for a bias

@@ -795,10 +795,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_tangent(
 // order's gradients, None for zero, the gradients of their inner product with (dq, dk, dv,
 // dbias, dD) with respect to (dout, dlse, q, k, v, bias, D): (grad dout, grad dlse = r,
 // grad q, grad k, grad v, S-hat at the scores' shape [B, Hq, Nq, Nk], and dS's and
-// S-hat's sums along D's diagonals), each an empty [0] tensor where `need` (seven flags in
-// that order; the last for both diagonal sums) says no.  dlse: lse's cotangent or None.
-// The mask arguments and D as forward's; no score program.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> second(
+// S-hat's sums along D's diagonals), then the first walk's row sums [B, Hq, Nq, ROW_SUMS]
+// over these keys, each an empty [0] tensor where `need` (eight flags in that order; the
+// seventh for both diagonal sums) says no; with only the row sums wanted the pass stops
+// after its first walk.  dlse: lse's cotangent or None; sums: the row sums over every key
+// (like the last output) where these keys are only some of them, or None.  The mask
+// arguments and D as forward's; no score program.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> second(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
     const std::optional<Tensor>& dlse, const std::optional<Tensor>& gq,
     const std::optional<Tensor>& gk, const std::optional<Tensor>& gv,
@@ -811,13 +814,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> secon
     const std::optional<Tensor>& mask_constants, const std::optional<Tensor>& mask_indices,
     int64_t mask_out, std::optional<at::TensorList> mask_captured, int64_t mask_batch,
     const std::optional<Tensor>& status, int64_t mask_block_q, int64_t mask_block_k,
-    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& gdiagonal) {
+    const std::optional<Tensor>& diagonal, const std::optional<Tensor>& gdiagonal,
+    const std::optional<Tensor>& sums) {
   check_inputs(q, k, v, block_q, block_k, engine);
   check_mask(q, k, bias, keep, lo, hi, row_words, col_words);
   check_tangents(q, k, v, gq, gk, gv, gbias, diagonal, gdiagonal, "g");
   check_blocks(q, k, status, mask_code, mask_block_q, mask_block_k);
-  TORCH_CHECK_VALUE(need.size() == 7, "attngrad_fused: need must have 7 flags (dout, dlse, q, ",
-                    "k, v, bias, diagonal), got ", need.size());
+  TORCH_CHECK_VALUE(need.size() == 8, "attngrad_fused: need must have 8 flags (dout, dlse, q, ",
+                    "k, v, bias, diagonal, sums), got ", need.size());
   TORCH_CHECK_VALUE(diagonal || !need.get(6), "attngrad_fused: need[6] (the diagonal sums) ",
                     "without a diagonal");
   const int64_t rows = q.size(0) * q.size(1) * q.size(2);
@@ -825,6 +829,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> secon
   check_like(dout, "dout", out_like);
   check_optional(stats, "stats", q.scalar_type(), 2 * rows);
   check_optional(dlse, "dlse", q.scalar_type(), rows);
+  check_optional(sums, "sums", q.scalar_type(), ROW_SUMS * rows);
   const std::optional<Program> mask =
       program_of("mask_code", q, mask_code, mask_constants, mask_indices, mask_out,
                  mask_captured, mask_batch, Role::kMask);
@@ -837,6 +842,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> secon
                              : at::empty({0}, q.options());
   Tensor dd = need.get(6) ? at::empty_like(*diagonal) : at::empty({0}, q.options());
   Tensor dd_hat = need.get(6) ? at::empty_like(*diagonal) : at::empty({0}, q.options());
+  Tensor sums_out = wanted(7, {q.size(0), q.size(1), q.size(2), ROW_SUMS});
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attngrad_fused::second", [&] {
     using T = scalar_t;
     const Tensor kt = panels<T>(k, block_k, gk);  // g_k^T below k^T, as forward mode's k'^T
@@ -852,7 +858,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> secon
     const SecondOperands<T> x{q.data_ptr<T>(), k.data_ptr<T>(), ptr(gk), v.data_ptr<T>(),
                               ptr(gv), dout.data_ptr<T>(), stats.data_ptr<T>(), ptr(dlse),
                               kt.data_ptr<T>(), vt.data_ptr<T>(),
-                              gv ? gvt.data_ptr<T>() : nullptr, kt.size(3)};
+                              gv ? gvt.data_ptr<T>() : nullptr, kt.size(3), ptr(sums)};
     auto into = [](Tensor& t) -> T* { return t.numel() > 0 ? t.data_ptr<T>() : nullptr; };
     SecondOutputs<T> out;
     out.dout = need.get(0) ? into(g_dout) : nullptr;
@@ -863,10 +869,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> secon
     out.s_hat = need.get(5) ? into(s_hat) : nullptr;
     out.dd = need.get(6) ? into(dd) : nullptr;
     out.dd_hat = need.get(6) ? into(dd_hat) : nullptr;
+    out.sums = need.get(7) ? into(sums_out) : nullptr;
     second_pass<T>(pb, static_cast<Engine>(engine), x,
                    direction<T>(gq, gk, gv, gbias, gdiagonal), out);
   });
-  return {g_dout, r, g_q, g_k, g_v, s_hat, dd, dd_hat};
+  return {g_dout, r, g_q, g_k, g_v, s_hat, dd, dd_hat, sums_out};
 }
 
 // dcaptured: one tensor per captured one, its shape in the compute dtype where wanted (and a
@@ -1080,8 +1087,9 @@ TORCH_LIBRARY(attngrad_fused, m) {
       "int threshold, float keep_scale, int block_q, int block_k, int engine, bool[] need, "
       "Tensor? mask_code=None, Tensor? mask_constants=None, Tensor? mask_indices=None, "
       "int mask_out=-1, Tensor[]? mask_captured=None, int mask_batch=1, Tensor? status=None, "
-      "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? gdiagonal=None) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int mask_block_q=1, int mask_block_k=1, Tensor? diagonal=None, Tensor? gdiagonal=None, "
+      "Tensor? sums=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "program_rows(Tensor code, Tensor constants, Tensor indices, int out, Tensor[] captured, "
       "Tensor scores, Tensor? grad, int batch, bool[] wanted) -> (Tensor, Tensor[])");

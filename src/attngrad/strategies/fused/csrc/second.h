@@ -30,6 +30,11 @@
 // grad k and grad v are summed per slab (slab 0 into the result, slab s > 0 into a
 // partial), the partials joined in slab order afterwards, as dD's and dD-hat's sums are:
 // the same bits for any thread count.
+//
+// Where the keys are a block of a longer sequence (ring attention's pairs), the row sums are
+// over every key while a call sees some: a call that wants only the row sums
+// (`SecondOutputs::sums`) stops after the first walk with its keys' share, and a call given
+// the sums over every key (`SecondOperands::sums`) walks its tiles twice with those.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -51,21 +56,37 @@ namespace attngrad_fused {
 // What the second-order pass reads: q, k [B, Hkv, Nk, d] and g_k (like k, or nullptr), v,
 // g_v (like v, or nullptr) and dO; the statistics [B, Hq, Nq, 2] and dlse [B, Hq, Nq] (or
 // nullptr); the key panels kt (`TangentOperands::kt`: k^T, with g_k^T below where g_k is
-// given; `rows` each) and those of v^T and g_v^T ([B, Hkv, KB, dv, block_k]).
+// given; `rows` each) and those of v^T and g_v^T ([B, Hkv, KB, dv, block_k]); and the row
+// sums over every key (`ROW_SUMS` each row) when these keys are only some of them (nullptr:
+// the first walk's own).
 template <typename T>
 struct SecondOperands {
   const T *q, *k, *gk, *v, *gv, *dout, *stats, *dlse;
   const T *kt, *vt, *gvt;
   int64_t rows;
+  const T* sums = nullptr;
 };
+
+// The first walk's row sums, each additive over key tiles, in this order per row:
+// rowsum(P dP) = Delta, rowsum(P G) = r, rowsum(P G dP) and rowsum(P W); rho' = the third
+// - r Delta + the fourth.  A pass over some of the keys (a ring's pair) returns its share.
+constexpr int64_t ROW_SUMS = 4;
 
 // Where the pass writes (nullptr: not wanted): grad dO [B, Hq, Nq, dv], r [B, Hq, Nq],
 // grad q, grad k, grad v (like q, k, v), S-hat at the scores' [B, Hq, Nq, Nk] (a bias's
-// gradient), and the diagonal sums of dS and S-hat like D (a relative score_mod's).
+// gradient), the diagonal sums of dS and S-hat like D (a relative score_mod's), and the
+// first walk's row sums.
 template <typename T>
 struct SecondOutputs {
   T *dout = nullptr, *r = nullptr, *q = nullptr, *k = nullptr, *v = nullptr;
   T *s_hat = nullptr, *dd = nullptr, *dd_hat = nullptr;
+  T* sums = nullptr;  // the first walk's row sums, [B, Hq, Nq, ROW_SUMS]
+
+  // Whether anything beyond the row sums is wanted: else the second walk is skipped.
+  bool gradients() const {
+    return dout != nullptr || r != nullptr || q != nullptr || k != nullptr || v != nullptr ||
+           s_hat != nullptr || dd != nullptr;
+  }
 };
 
 template <typename T>
@@ -166,8 +187,8 @@ inline void cap_row(const T* slope, const T* t, const T* x_dot, T* ds, T* s_hat,
 }
 
 // The first walk over the key tiles of rows i0 .. i0 + r of head (b, h): each tile's P, dP,
-// G and W kept (file comment), and the rows' Delta, r and rho' (`w.delta`, `w.rsum`,
-// `w.rho`).  A: the rows' [s g_q | s q] (`tangent_rows`), `inner` wide.
+// G and W kept (file comment), and the rows' sums (`ROW_SUMS`) in `w.delta`, `w.rsum`,
+// `w.pgdp` and `w.rho`.  A: the rows' [s g_q | s q] (`tangent_rows`), `inner` wide.
 template <typename T>
 void first_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x,
                 const Direction<T>& dir, int64_t b, int64_t h, int64_t i0, int64_t r,
@@ -228,8 +249,23 @@ void first_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x,
                pw[ii]);
     }
   });
-  // rho' = rowsum(P G dP) - r Delta + rowsum(P W), into w.rho (which held rowsum(P W))
-  for (int64_t ii = 0; ii < r; ++ii) pw[ii] += pgdp[ii] - rs[ii] * delta[ii];
+}
+
+// The rows' sums after `first_walk`: stored into `out` (this pass's share) where wanted,
+// replaced by those over every key where given (`x.sums`), then rho' = rowsum(P G dP) -
+// r Delta + rowsum(P W) into w.rho (which held rowsum(P W)).  row0: the rows' first index
+// in [B, Hq, Nq].
+template <typename T>
+void settle_row_sums(const SecondOperands<T>& x, T* out, int64_t row0, int64_t r,
+                     SecondScratch<T>& w) {
+  std::array<T*, ROW_SUMS> sums{w.delta.data(), w.rsum.data(), w.pgdp.data(), w.rho.data()};
+  for (int64_t ii = 0; ii < r; ++ii)
+    for (int64_t a = 0; a < ROW_SUMS; ++a) {
+      const int64_t at = (row0 + ii) * ROW_SUMS + a;
+      if (out != nullptr) out[at] = sums[a][ii];
+      if (x.sums != nullptr) sums[a][ii] = x.sums[at];
+    }
+  for (int64_t ii = 0; ii < r; ++ii) w.rho[ii] += w.pgdp[ii] - w.rsum[ii] * w.delta[ii];
 }
 
 // The second walk over the tiles `first_walk` kept: dS, S-hat and D-hat in place, S-hat
@@ -342,6 +378,8 @@ void second_pass(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x
             const T* A = tangent_rows(pb, x.q, dir, row0, r, inner, w.qs.data(), w.a.data());
             scaled_rows(x.dout + row0 * dv, r, dv, pb.keep_scale, w.dos.data(), dv);
             first_walk(pb, engine, x, dir, b, h, i0, r, A, inner, w);
+            settle_row_sums(x, out.sums, row0, r, w);
+            if (!out.gradients()) continue;
             if (out.r != nullptr) std::copy(w.rsum.begin(), w.rsum.begin() + r, out.r + row0);
             const T* gq_rows = dir.q == nullptr ? nullptr : A;  // s g_q, A's first d columns
             second_walk(pb, engine, x, out, b, h, i0, r, gq_rows, inner, w, gk, gv);

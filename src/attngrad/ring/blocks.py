@@ -1,0 +1,248 @@
+"""The ring's unit of work, one (query block, key block) pair, and the two ways a pass walks the ring.
+
+Rank r holds its queries and, at step s = 0 .. P-1, the k/v shard of rank r - s
+(`Ring.steps`: the pairs of its query chunks and that shard's key chunks, merged
+where the layout keeps them contiguous, skipped where the causal band leaves them
+empty).  Each pair is one call of the block kernel (`BLOCK_STRATEGIES`, a tiled
+strategy) on its problem (`block_problem`): the rows against the block's keys
+with the call's keywords moved to the pair's global origin.
+
+A pass walks the ring one of two ways:
+
+* `circulate`: the shards travel on (forward, forward mode, the second-order
+  pass's row sums); what a pair computes stays with the rows.
+* `carry_home`: the shards travel on and accumulators for each shard's keys
+  travel with them, each rank adding its share, until they reach the owner
+  (backward's dK and dV, the second-order pass's grad k and grad v).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attngrad.core.band import Band, BandSpec
+from attngrad.core.contract import Shapes
+from attngrad.core.dropout import Dropout
+from attngrad.core.interface import Problem, Strategy
+from attngrad.core.ops import compute_dtype
+from attngrad.core.scores import ScoreMods
+from attngrad.ring.comm import Exchange, RingComm
+from attngrad.ring.flex_pairs import FlexPairs, Pair
+from attngrad.ring.layout import Block, step_blocks
+from attngrad.strategies import TILED
+
+__all__ = [
+    "BLOCK_STRATEGIES",
+    "Ring",
+    "block_pair",
+    "block_problem",
+    "carry_home",
+    "circulate",
+    "extent",
+    "mask_block",
+    "rows_of",
+]
+
+# The strategies that compute one block (a rank's query rows against one k/v
+# block): the tiled ones, whose forward returns O and the row statistics and
+# whose backward takes the rows' final O and statistics over every key.
+BLOCK_STRATEGIES = TILED
+
+
+@dataclass(frozen=True)
+class Ring:
+    """What forward and backward share: the comm, the layout, the block strategy, the band
+    (``is_causal`` and ``window``), the softcap, the dropout, whether an attn_mask
+    is given (its tensors travel as the Function's arguments), and a FlexAttention
+    call's score_mod and BlockMask (`attngrad.ring.flex_pairs`; the score_mod's
+    captured tensors travel as the Function's arguments)."""
+
+    comm: RingComm
+    layout: str
+    is_causal: bool
+    strategy: Strategy[Any]
+    dropout: Dropout | None = None
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    masked: bool = False
+    flex: FlexPairs | None = None
+
+    @property
+    def positional(self) -> bool:
+        """Whether blocks need their global origins: dropout hashes global positions, a
+        window's band sits at the pair's global offset, a mask's keys are global columns,
+        a score_mod and a BlockMask see global positions."""
+        return (
+            self.dropout is not None or self.window is not None or self.masked
+            or self.flex is not None
+        )  # fmt: skip
+
+    def steps(self, seq_local: int) -> list[list[Block]]:
+        """The blocks of each step s, against the k/v shard of rank r - s."""
+        rank, world = self.comm.rank, self.comm.world
+        return [
+            step_blocks(
+                rank,
+                (rank - s) % world,
+                world,
+                self.layout,
+                seq_local,
+                self.is_causal,
+                self.positional,
+            )
+            for s in range(world)
+        ]
+
+    def band(self, blk: Block) -> Band | None:
+        """The block's band: the call's causal/window band moved to the pair's global offset
+        (query i sees key j when i - left <= j <= i + right in global positions), or the
+        block's own causal flag where it has no origin (no window, mask or dropout).  None
+        when every row sees every key; a band of dead rows only when the pair sees nothing."""
+        r, c = extent(blk.rows), extent(blk.cols)
+        if blk.origin is None or not (self.is_causal or self.window is not None):
+            return BandSpec.of(None, blk.causal).build(r, c)
+        spec = BandSpec.of(self.window, self.is_causal)
+        off = blk.origin[0] - blk.origin[1]  # query row i sits at key column i + off
+        left = None if spec.left is None else spec.left - off
+        right = None if spec.right is None else spec.right + off
+        band = Band.of(r, c, left, right)
+        return None if band.covers(slice(0, r), slice(0, c)) else band
+
+
+def extent(s: slice) -> int:
+    """The length of a slice with a start and a stop."""
+    return int(s.stop - s.start)
+
+
+def rows_of(t: torch.Tensor, s: slice) -> torch.Tensor:
+    """t[:, :, s]: rows (dim 2) of a [B, H, N, ...] tensor; a view."""
+    return t[:, :, s]
+
+
+def mask_block(t: torch.Tensor | None, blk: Block) -> torch.Tensor | None:
+    """A [Bm, Hm, nm, Nkm] mask's (or its gradient's) view over the block: its local rows,
+    and the columns of its keys' global positions (dims of size 1 stay broadcast)."""
+    if t is None:
+        return None
+    if t.shape[2] > 1:
+        t = rows_of(t, blk.rows)
+    if t.shape[3] > 1:
+        assert blk.origin is not None  # a mask makes the blocks positional
+        t = t[..., blk.origin[1] : blk.origin[1] + extent(blk.cols)]
+    return t
+
+
+def block_problem(
+    ring: Ring,
+    blk: Block,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    skip: bool = True,
+    captured: tuple[torch.Tensor, ...] = (),
+) -> Problem[Any] | None:
+    """The block kernel's problem: the block's rows of q against its k/v block, the block's
+    mods (its band, the softcap, the mask's columns, the dropout at its global origin, a
+    score_mod and BlockMask at its global origin reading ``captured``) and the strategy's
+    tiles for it.  None (with ``skip``) when the band or the BlockMask leaves the pair
+    empty: no compute, the k/v block still travels."""
+    qb, kb, vb = rows_of(q, blk.rows), rows_of(k, blk.cols), rows_of(v, blk.cols)
+    band = ring.band(blk)
+    if skip and band is not None and band.key_span(slice(0, qb.shape[2]))[0] >= kb.shape[2]:
+        return None
+    pair = block_pair(ring, blk, qb, kb, vb)
+    if skip and pair is not None and pair.empty:
+        return None
+    dropout = ring.dropout
+    if dropout is not None:
+        assert blk.origin is not None  # dropout makes the blocks positional
+        dropout = dropout.shifted(*blk.origin)
+    bias, keep = (mask_block(t, blk) for t in mask)
+    r, c = qb.shape[2], kb.shape[2]
+    if pair is None:
+        mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout)
+        tiles = ring.strategy.tiles(Shapes.of(qb, kb, vb), q.dtype, None, None)
+    else:
+        score = pair.score_over(captured)
+        mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout, score,
+                         pair.blocks)  # fmt: skip
+        tiles = pair.tiles
+    return Problem(qb, kb, vb, mods, scale, tiles)
+
+
+def block_pair(
+    ring: Ring, blk: Block, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
+) -> Pair | None:
+    """The block's score_mod and BlockMask (`attngrad.ring.flex_pairs`), or None without."""
+    if ring.flex is None:
+        return None
+    assert blk.origin is not None  # a flex call makes the blocks positional
+    return ring.flex.pair(blk.origin, qb, kb, vb)
+
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def circulate(
+    ring: Ring, seq_local: int, held: Tensors, visit: Callable[[list[Block], Tensors], None]
+) -> None:
+    """Pass ``held`` (this rank's shards, the same shapes on every rank) around the ring:
+    at step s the shards of rank r - s are in hand, ``visit(blocks, shards)`` computes
+    that step's pairs while the next ones arrive."""
+    steps = ring.steps(seq_local)
+    for s, blocks in enumerate(steps):
+        incoming = ring.comm.send_recv(held) if s + 1 < len(steps) else None
+        visit(blocks, held)
+        if incoming is not None:
+            held = tuple(incoming.wait())
+
+
+def carry_home(
+    ring: Ring,
+    seq_local: int,
+    held: Tensors,
+    likes: Tensors,
+    visit: Callable[[list[Block], Tensors, Tensors], None],
+) -> Tensors:
+    """Pass ``held`` around the ring with accumulators shaped like ``likes`` (in the compute
+    dtype) travelling beside them; returns this rank's, holding every rank's share.
+
+    At step s = 1 .. P-1 the shards of rank r - s arrive (and go on to r + 1 while
+    this rank computes); their accumulators arrive from rank r - 1 holding the
+    shares of ranks r - s + 1 .. r - 1 (zeros at s = 1), ``visit(blocks, shards,
+    accumulators)`` adds this rank's share into them, and they go on.  After step
+    P-1 the own shards' accumulators come back holding every other rank's share,
+    and the own pairs' share goes into them last: P - 1 sends of the shards and P -
+    1 of the accumulators per rank, and no rank keeps a second set of accumulators
+    while the others travel.
+    """
+    steps = ring.steps(seq_local)
+
+    def zeros() -> Tensors:
+        return tuple(torch.zeros(t.shape, dtype=compute_dtype(t.dtype), device=t.device)
+                     for t in likes)  # fmt: skip
+
+    def send(accumulators: Tensors) -> Exchange | None:
+        return ring.comm.send_recv(accumulators) if accumulators else None
+
+    incoming: Exchange | None = ring.comm.send_recv(held)
+    travelling: Exchange | None = None  # the accumulators of the shards about to arrive
+    for s in range(1, len(steps)):
+        assert incoming is not None  # posted at the step before
+        shards = tuple(incoming.wait())
+        incoming = ring.comm.send_recv(shards) if s + 1 < len(steps) else None
+        accumulators = zeros() if travelling is None else tuple(travelling.wait())
+        visit(steps[s], shards, accumulators)
+        del shards
+        travelling = send(accumulators)
+        del accumulators
+    own = zeros() if travelling is None else tuple(travelling.wait())  # P >= 2
+    del travelling
+    visit(steps[0], held, own)
+    return own
