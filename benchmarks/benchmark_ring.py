@@ -10,7 +10,7 @@ local call's strategy and the single process's too (default: flash on both
 sides; under the ring scheme the ring's own default per block, fused on CPU,
 against single-process flash).  ``--penalty`` times a gradient penalty instead:
 forward, the gradients with create_graph=True, then the gradient of the sum of
-their squares (the ring's through its differentiable recompute, O(N) per rank).
+their squares (the ring's through its second-order ring pass, O(N/P) per rank).
 ``--documents`` packs 8 documents of mixed lengths (``DOCUMENTS``, scaled to N) under a
 causal mask within each: `attngrad.flex_ring_attention` with the BlockMask built for the
 full sequence on the ranks, `attngrad.flex_attention` with the same BlockMask in the

@@ -11,6 +11,8 @@ a softcap, GQA, a row that attends nothing and every cotangent at once.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -60,7 +62,7 @@ def test_key_blocks_add_up_to_the_whole_pass(name: str, softcap: float | None) -
     want = second_order_of(strategy, whole, saved, cotangents, x["dout"], x["dlse"], need)
 
     blocks = []
-    for a, b in zip(CUTS, CUTS[1:], strict=False):
+    for a, b in itertools.pairwise(CUTS):
         cols = slice(a, b)
         part = _problem(strategy, x["q"], x["k"][:, :, cols], x["v"][:, :, cols],
                         x["bias"][..., cols], softcap)  # fmt: skip
@@ -69,8 +71,7 @@ def test_key_blocks_add_up_to_the_whole_pass(name: str, softcap: float | None) -
     sums = sum(sums_of(strategy, p, saved, c, x["dout"]) for p, c in blocks)
     assert isinstance(sums, torch.Tensor) and sums.shape == (B, HQ, NQ, ROW_SUMS)
     parts = [
-        second_order_of(strategy, p, saved, c, x["dout"], x["dlse"], need, sums)
-        for p, c in blocks
+        second_order_of(strategy, p, saved, c, x["dout"], x["dlse"], need, sums) for p, c in blocks
     ]
     got = (
         sum(p[0] for p in parts),  # grad dout

@@ -69,10 +69,20 @@ def _cases() -> list[A2ACase]:
         A2ACase(_sized(2, mask="causal", sinks="token", window=(3, 0)), 2, order="second"),
         A2ACase(_sized(2, mask="causal", dropout=0.3, softcap=2.0), 2, order="forward"),
         # forward over reverse with every keyword the pairs take
-        A2ACase(_sized(3, mask="float", mask_shape=(6, 12, 12), window=(4, 2), softcap=2.0,
-                       dropout=0.25), 3, order="hvp"),  # fmt: skip
-        A2ACase(_sized(2, mask="bool", mask_shape=(8, 8), sinks="token"), 2, "contiguous",
-                strategy="fused", order="hvp"),  # fmt: skip
+        A2ACase(
+            _sized(
+                3, mask="float", mask_shape=(6, 12, 12), window=(4, 2), softcap=2.0, dropout=0.25
+            ),
+            3,
+            order="hvp",
+        ),
+        A2ACase(
+            _sized(2, mask="bool", mask_shape=(8, 8), sinks="token"),
+            2,
+            "contiguous",
+            strategy="fused",
+            order="hvp",
+        ),
         # a second derivative with dropout, on both block kernels
         A2ACase(_sized(2, mask="causal", dropout=0.3), 2, strategy="fused", order="second"),
         A2ACase(_sized(4, window=(5, 1), dropout=0.2), 4, order="second"),
@@ -107,22 +117,50 @@ TIMEOUT = 20.0
 WORLD = 4
 
 
-def _torch_func(rank: int, world: int, group) -> tuple[str, object]:
-    """torch.func.jvp through the ring (P = 2): ("ok", the tangent) or (error kind, message)."""
+def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
+    """torch.func's transforms of f(q, k, v) and of the loss f(...)^2 summed: the jvp, the
+    gradient, a vjp, forward over reverse (an HVP) and the gradient of a gradient penalty."""
+    q, k, v, tq, _, _ = inputs
+
+    def loss(q, k, v):
+        return f(q, k, v).square().sum()
+
+    def penalty(q):
+        return torch.func.grad(loss)(q, k, v).square().sum()
+
+    return {
+        "jvp": lambda: torch.func.jvp(f, (q, k, v), tuple(inputs[3:]))[1],
+        "grad": lambda: torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v),
+        "vjp": lambda: torch.func.vjp(f, q, k, v)[1](inputs[3]),
+        "jvp(grad)": lambda: torch.func.jvp(lambda x: torch.func.grad(loss)(x, k, v), (q,), (tq,))[
+            1
+        ],
+        "grad(grad)": lambda: torch.func.grad(penalty)(q),
+    }
+
+
+def _func_inputs(world: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    full = [torch.randn(2, 4, 4 * world, 4, generator=gen, dtype=torch.float64) for _ in range(6)]
-    mine = [shard(x, rank, world, "zigzag") for x in full]
+    return [torch.randn(2, 4, 4 * world, 4, generator=gen, dtype=torch.float64) for _ in range(6)]
+
+
+def _torch_func(rank: int, world: int, group) -> dict[str, tuple[str, object]]:
+    """torch.func's transforms through the ring (P = 2, fused blocks): by name, ("ok", the
+    result) or (error kind, message)."""
+    mine = [shard(x, rank, world, "zigzag") for x in _func_inputs(world)]
 
     def f(q, k, v):
         return ring_attention(
-            q, k, v, is_causal=True, layout="zigzag", group=group, strategy="flash"
+            q, k, v, is_causal=True, layout="zigzag", group=group, strategy="fused"
         )
 
-    try:
-        _, tangent = torch.func.jvp(f, tuple(mine[:3]), tuple(mine[3:]))
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return "ok", tangent
+    results = {}
+    for name, run in _transforms(f, mine).items():
+        try:
+            results[name] = ("ok", run())
+        except Exception as e:
+            results[name] = (type(e).__name__, str(e))
+    return results
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
@@ -171,15 +209,14 @@ def test_ring_derivatives_match_the_single_process_call(ac, ring_run):
         assert not failed, "; ".join(failed)
 
 
-def test_torch_func_jvp_through_the_ring(ring_run):
-    gen = torch.Generator().manual_seed(7)
-    full = [torch.randn(2, 4, 8, 4, generator=gen, dtype=torch.float64) for _ in range(6)]
-
+@pytest.mark.parametrize("name", ["jvp", "grad", "vjp", "jvp(grad)", "grad(grad)"])
+def test_torch_func_through_the_ring(ring_run, name):
     def f(q, k, v):
-        return attngrad.attention(q, k, v, is_causal=True, strategy="flash")
+        return attngrad.attention(q, k, v, is_causal=True, strategy="fused")
 
-    _, want = torch.func.jvp(f, tuple(full[:3]), tuple(full[3:]))
-    results = [res["func"] for res in ring_run[:2]]
+    want = _transforms(f, _func_inputs(2))[name]()
+    results = [res["func"][name] for res in ring_run[:2]]
     assert all(kind == "ok" for kind, _ in results), results
-    got = unshard([tangent for _, tangent in results], "zigzag")
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for i, w in enumerate(want if isinstance(want, tuple) else (want,)):
+        parts = [r if isinstance(r, torch.Tensor) else r[i] for _, r in results]
+        torch.testing.assert_close(unshard(parts, "zigzag"), w, rtol=1e-10, atol=1e-10)
