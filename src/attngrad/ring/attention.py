@@ -281,9 +281,12 @@ class RingAttention(torch.autograd.Function):
     def backward(
         ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None, _: object
     ) -> tuple[torch.Tensor | None, ...]:
+        if dout is None and dlse is None:  # reached by none of its outputs
+            return (None,) * len(ctx.needs_input_grad)
         q, k, v, bias, keep, o, stats, *captured = ctx.saved_tensors
         need = (*ctx.needs_input_grad[:4], *ctx.needs_input_grad[7:])
-        tensors = (dout, dlse, q, k, v, bias, keep, o, stats)
+        # O enters the gradients as a constant: their derivatives through it come by q, k, v
+        tensors = (dout, dlse, q, k, v, bias, keep, o.detach(), stats)
         if torch.is_grad_enabled():  # create_graph=True: the gradients will be differentiated
             grads = RingGradients.apply(ctx.ring, ctx.scale, need, *tensors, *captured)  # type: ignore[no-untyped-call]
         else:

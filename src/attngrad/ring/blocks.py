@@ -213,14 +213,14 @@ def carry_home(
     """Pass ``held`` around the ring with accumulators shaped like ``likes`` (in the compute
     dtype) travelling beside them; returns this rank's, holding every rank's share.
 
-    At step s = 1 .. P-1 the shards of rank r - s arrive (and go on to r + 1 while
-    this rank computes); their accumulators arrive from rank r - 1 holding the
+    The own pairs go first, into accumulators of their own, while the first shards
+    travel.  At step s = 1 .. P-1 the shards of rank r - s arrive (and go on to r + 1
+    while this rank computes); their accumulators arrive from rank r - 1 holding the
     shares of ranks r - s + 1 .. r - 1 (zeros at s = 1), ``visit(blocks, shards,
     accumulators)`` adds this rank's share into them, and they go on.  After step
-    P-1 the own shards' accumulators come back holding every other rank's share,
-    and the own pairs' share goes into them last: P - 1 sends of the shards and P -
-    1 of the accumulators per rank, and no rank keeps a second set of accumulators
-    while the others travel.
+    P-1 the own shards' accumulators come back holding every other rank's share, and
+    the own share joins them: P - 1 sends of the shards and P - 1 of the accumulators
+    per rank.
     """
     steps = ring.steps(seq_local)
 
@@ -232,6 +232,8 @@ def carry_home(
         return ring.comm.send_recv(accumulators) if accumulators else None
 
     incoming: Exchange | None = ring.comm.send_recv(held)
+    own_share = zeros()
+    visit(steps[0], held, own_share)
     travelling: Exchange | None = None  # the accumulators of the shards about to arrive
     for s in range(1, len(steps)):
         assert incoming is not None  # posted at the step before
@@ -242,7 +244,9 @@ def carry_home(
         del shards
         travelling = send(accumulators)
         del accumulators
-    own = zeros() if travelling is None else tuple(travelling.wait())  # P >= 2
-    del travelling
-    visit(steps[0], held, own)
+    if travelling is None:  # no accumulators
+        return own_share
+    own = tuple(travelling.wait())
+    for total, share in zip(own, own_share, strict=True):
+        total += share
     return own

@@ -17,9 +17,12 @@ so the pass is two rings:
    the score_mod's tensors' gradients into this rank's, and of grad k and grad v
    into the travelling accumulators.  grad dlse = r.
 
-A rank holds its shards, the shards in hand and in flight and one set of
-accumulators, and each pair's kernel its own tiles: O(N/P), as the first-order
-backward.  Each pair pays the first walk's products twice (once per ring):
+A rank holds its shards, the shards in hand and in flight and two sets of
+accumulators (its own pairs' share, computed first while the first shards
+travel, and the travelling ones), and each pair's kernel its own tiles: O(N/P),
+as the first-order backward; as there, the kv heads are cut into up to
+`attngrad.ring.backward.HEAD_GROUPS` groups, each with rings of its own, so
+what is in flight is a group's.  Each pair pays the first walk's products twice (once per ring):
 where one process's fused kernel keeps P, dP, G and W between its walks, the
 ring forms them again in the second.
 
@@ -33,6 +36,9 @@ travel home, are agreed first (one small all_gather).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,7 +48,7 @@ from attngrad.autograd.linearized import Terminal
 from attngrad.autograd.second_order import ROW_SUMS, second_order_of, sums_of
 from attngrad.core.amp import no_autocast
 from attngrad.core.ops import compute_dtype
-from attngrad.ring.backward import ring_gradients
+from attngrad.ring.backward import HEAD_GROUPS, ring_gradients
 from attngrad.ring.blocks import (
     Ring,
     Tensors,
@@ -64,6 +70,55 @@ Optional = torch.Tensor | None
 TENSORS = ("dout", "dlse", "q", "k", "v", "bias", "keep", "o", "stats")
 
 
+@dataclass(frozen=True)
+class _Part:
+    """A group of heads' tensors (`HEAD_GROUPS`): this rank's rows' q [B, h, n, d], o, dout
+    [B, h, n, dv], stats [B, h, n, 2], dlse [B, h, n] (or None), g_q (like q, or None); and
+    what travels, k, v and the g_k, g_v of `_Rings` ([B, h_kv, n, .], contiguous); sums:
+    [B, h, n, ROW_SUMS], filled by the first ring."""
+
+    q: torch.Tensor
+    o: torch.Tensor
+    stats: torch.Tensor
+    dout: torch.Tensor
+    dlse: Optional
+    g_q: Optional
+    travel: Tensors
+    sums: torch.Tensor
+
+    def heads(self, qh: slice, kh: slice) -> _Part:
+        def cut(t: Optional, h: slice) -> Optional:
+            return None if t is None else t[:, h]
+
+        return _Part(
+            self.q[:, qh], self.o[:, qh], self.stats[:, qh], self.dout[:, qh],
+            cut(self.dlse, qh), cut(self.g_q, qh),
+            tuple(t[:, kh].contiguous() for t in self.travel), self.sums[:, qh],
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Rings:
+    """What every group's rings share: which of g_k, g_v travel (agreed by the ranks), the
+    call's mask (bias, keep), g_bias, captured tensors and g_captured (whole: with any of
+    them the heads are one group), and the wanted gradients' accumulators (None: not
+    wanted): grad dout, grad q (views of a group's heads are taken), grad bias, grad
+    captured; grad k and grad v are wanted where ``need_k``, ``need_v``."""
+
+    moving_k: bool
+    moving_v: bool
+    need_k: bool
+    need_v: bool
+    mask: tuple[Optional, Optional]
+    g_bias: Optional
+    captured: Tensors
+    g_captured: tuple[Optional, ...]
+    grad_dout: Optional
+    grad_q: Optional
+    grad_bias: Optional
+    grad_captured: tuple[Optional, ...]
+
+
 def ring_second_order(
     ring: Ring,
     scale: float,
@@ -77,102 +132,125 @@ def ring_second_order(
 
     cotangents g = (g_q, g_k, g_v, g_bias, *g_captured), this rank's, each like its
     input (None: zero); tensors: (dout, dlse, q, k, v, bias, keep, o, stats, *captured)
-    as `RingGradients` takes them.
+    as `RingGradients` takes them.  As the first-order backward, the kv heads are cut
+    into up to `HEAD_GROUPS` groups, each with rings of its own (one group with dropout,
+    a mask or a flex call), so the buffers in flight are a group's.
     """
-    dout, dlse, q, k, v, bias, keep, o, stats, *captured_ = tensors
+    dout, dlse, q, k, v, bias, keep, o, stats, *captured = tensors
     assert q is not None and k is not None and v is not None and o is not None
     assert stats is not None
     g_q, g_k, g_v, g_bias, *g_captured = cotangents
-    captured, mask = tuple(t for t in captured_ if t is not None), (bias, keep)
-    n, dtype = q.shape[2], compute_dtype(q.dtype)
-    dout = torch.zeros_like(o) if dout is None else dout
+    dtype = compute_dtype(q.dtype)
     need_dout, need_dlse, need_q, need_k, need_v, need_bias, *need_captured = need
-    # which tensors travel, the same on every rank
     moving_k, moving_v, need_k, need_v = ring.comm.any(
         (g_k is not None, g_v is not None, need_k, need_v), q.device,
         "agreeing on what the second order's rings carry",
     )  # fmt: skip
+
+    def zeros(like: torch.Tensor, wanted: bool = True) -> Optional:
+        return torch.zeros(like.shape, dtype=dtype, device=like.device) if wanted else None
+
     travel: Tensors = (k, v)
     if moving_k:
         travel += (torch.zeros_like(k) if g_k is None else g_k.contiguous(),)
     if moving_v:
         travel += (torch.zeros_like(v) if g_v is None else g_v.contiguous(),)
+    whole = _Part(q, o, stats, torch.zeros_like(o) if dout is None else dout, dlse, g_q, travel,
+                  torch.zeros((*q.shape[:3], ROW_SUMS), dtype=dtype, device=q.device))  # fmt: skip
+    common = _Rings(
+        moving_k, moving_v, need_k, need_v, (bias, keep), g_bias, tuple(t for t in captured if t is not None),
+        tuple(g_captured), zeros(o, need_dout), zeros(q, need_q),
+        None if bias is None else zeros(bias, need_bias),
+        tuple(zeros(t, w) for t, w in zip(captured, need_captured, strict=True) if t is not None),
+    )  # fmt: skip
+    grad_k, grad_v = zeros(k, need_k), zeros(v, need_v)
+    hkv, g = k.shape[1], q.shape[1] // k.shape[1]
+    one = ring.dropout is not None or bias is not None or keep is not None or ring.flex is not None
+    groups = 1 if one else min(hkv, HEAD_GROUPS)
+    bounds = [hkv * i // groups for i in range(groups + 1)]
+    for h0, h1 in itertools.pairwise(bounds):
+        qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
+        part = whole if groups == 1 else whole.heads(qh, kh)
+        views = common if groups == 1 else replace(
+            common, grad_dout=_cut(common.grad_dout, qh), grad_q=_cut(common.grad_q, qh)
+        )  # fmt: skip
+        home = _group_rings(ring, scale, part, views)
+        for total, got in zip((grad_k, grad_v), home, strict=False):
+            if total is not None:
+                total[:, kh] = got
+    r = whole.sums[..., 1] if need_dlse else None
+    return (common.grad_dout, r, common.grad_q, grad_k, grad_v, common.grad_bias,
+            *common.grad_captured)  # fmt: skip
+
+
+def _cut(t: Optional, h: slice) -> Optional:
+    return None if t is None else t[:, h]
+
+
+def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings) -> Tensors:
+    """The two rings for one group of heads: fills x.sums, adds into c's accumulators (views
+    of the group's heads), returns its grad k and grad v (those wanted, in that order)."""
+    n = x.q.shape[2]
 
     def block_cotangents(blk: Block, shards: Tensors, pair: Any) -> tuple[Optional, ...]:
-        g_kc = shards[2] if moving_k else None
-        g_vc = shards[2 + moving_k] if moving_v else None
+        g_kc = shards[2] if c.moving_k else None
+        g_vc = shards[2 + c.moving_k] if c.moving_v else None
         return (
-            None if g_q is None else rows_of(g_q, blk.rows),
+            None if x.g_q is None else rows_of(x.g_q, blk.rows),
             None if g_kc is None else rows_of(g_kc, blk.cols),
             None if g_vc is None else rows_of(g_vc, blk.cols),
-            mask_block(g_bias, blk),
-            *(() if pair is None else pair.pick(tuple(g_captured))),
+            mask_block(c.g_bias, blk),
+            *(() if pair is None else pair.pick(c.g_captured)),
         )
 
-    def pairs(blocks: list[Block], shards: Tensors) -> Any:
+    def pairs(blocks: list[Block], shards: Tensors) -> Iterator[tuple[Any, ...]]:
         """Each of the step's pairs that holds a score: (block, problem, final, cotangents,
         pair)."""
         for blk in blocks:
-            problem = block_problem(ring, blk, q, shards[0], shards[1], scale, mask,
-                                    captured=captured)  # fmt: skip
+            problem = block_problem(ring, blk, x.q, shards[0], shards[1], scale, c.mask,
+                                    captured=c.captured)  # fmt: skip
             if problem is None:
                 continue
-            final = {"o": rows_of(o, blk.rows), "stats": rows_of(stats, blk.rows)}
+            final = {"o": rows_of(x.o, blk.rows), "stats": rows_of(x.stats, blk.rows)}
             pair = block_pair(ring, blk, problem.q, problem.k, problem.v)
             yield blk, problem, final, block_cotangents(blk, shards, pair), pair
 
     # ring 1: the row sums over every key
-    sums = torch.zeros((*q.shape[:3], ROW_SUMS), dtype=dtype, device=q.device)
-
     def add_sums(blocks: list[Block], shards: Tensors) -> None:
         for blk, problem, final, cot, _ in pairs(blocks, shards):
-            part = sums_of(ring.strategy, problem, final, cot, rows_of(dout, blk.rows))
-            rows_of(sums, blk.rows).add_(part)
+            part = sums_of(ring.strategy, problem, final, cot, rows_of(x.dout, blk.rows))
+            rows_of(x.sums, blk.rows).add_(part)
 
-    circulate(ring, n, travel, add_sums)
+    circulate(ring, n, x.travel, add_sums)
 
     # ring 2: the gradients, grad k and grad v carried home
-    grad_dout = torch.zeros(o.shape, dtype=dtype, device=q.device) if need_dout else None
-    grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device) if need_q else None
-    grad_bias = None
-    if need_bias and bias is not None:
-        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=q.device)
-    grad_captured = tuple(
-        torch.zeros(t.shape, dtype=dtype, device=t.device) if wanted else None
-        for t, wanted in zip(captured, need_captured, strict=True)
-    )
-    likes = (k,) * need_k + (v,) * need_v
-
     def add_share(blocks: list[Block], shards: Tensors, accumulators: Tensors) -> None:
-        grad_kc = accumulators[0] if need_k else None
-        grad_vc = accumulators[need_k] if need_v else None
+        grad_kc = accumulators[0] if c.need_k else None
+        grad_vc = accumulators[c.need_k] if c.need_v else None
         for blk, problem, final, cot, pair in pairs(blocks, shards):
-            picked = () if pair is None else pair.pick(grad_captured)
-            wanted = (need_dout, False, need_q, need_k, need_v, grad_bias is not None,
-                      *(t is not None for t in picked))  # fmt: skip
-            dlse_b = None if dlse is None else rows_of(dlse, blk.rows)
+            picked = () if pair is None else pair.pick(c.grad_captured)
+            wanted = (c.grad_dout is not None, False, c.grad_q is not None, c.need_k,
+                      c.need_v, c.grad_bias is not None, *(t is not None for t in picked))  # fmt: skip
+            dlse_b = None if x.dlse is None else rows_of(x.dlse, blk.rows)
             parts = second_order_of(
-                ring.strategy, problem, final, cot, rows_of(dout, blk.rows), dlse_b, wanted,
-                rows_of(sums, blk.rows),
+                ring.strategy, problem, final, cot, rows_of(x.dout, blk.rows), dlse_b, wanted,
+                rows_of(x.sums, blk.rows),
             )  # fmt: skip
             into = (
-                None if grad_dout is None else rows_of(grad_dout, blk.rows),
+                None if c.grad_dout is None else rows_of(c.grad_dout, blk.rows),
                 None,
-                None if grad_q is None else rows_of(grad_q, blk.rows),
+                None if c.grad_q is None else rows_of(c.grad_q, blk.rows),
                 None if grad_kc is None else rows_of(grad_kc, blk.cols),
                 None if grad_vc is None else rows_of(grad_vc, blk.cols),
-                mask_block(grad_bias, blk),
+                mask_block(c.grad_bias, blk),
                 *picked,
             )
-            for total, part in zip(into, parts, strict=True):
-                if total is not None and part is not None:
-                    total += part
+            for total, got in zip(into, parts, strict=True):
+                if total is not None and got is not None:
+                    total += got
 
-    home = carry_home(ring, n, travel, likes, add_share)
-    grad_k = home[0] if need_k else None
-    grad_v = home[need_k] if need_v else None
-    r = sums[..., 1] if need_dlse else None
-    return grad_dout, r, grad_q, grad_k, grad_v, grad_bias, *grad_captured
+    likes = x.travel[:1] * c.need_k + x.travel[1:2] * c.need_v
+    return carry_home(ring, n, x.travel, likes, add_share)
 
 
 class RingGradients(torch.autograd.Function):
