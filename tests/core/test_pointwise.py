@@ -6,8 +6,8 @@ position) or not.  An elementwise one must give, values and every derivative, wh
 nested vmaps give; anything else (chained indexing, a reduction, a matmul) must stay on
 vmap, where torch's per-score semantics hold by construction.
 
-It also finds the relative ones, ``score + x(b, h, q_idx - kv_idx)``, which a tile
-evaluates at its distances only: every derivative must be what evaluating them score by
+It also finds the relative ones, ``score + x(b, h, q_idx - kv_idx)`` (either index moved by
+a constant, as a ring pair's function is), which a tile evaluates at its distances only: every derivative must be what evaluating them score by
 score gives, and a function that reads q_idx or kv_idx any other way, or the score other
 than once and added, must not be taken for one.
 """
@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import and_masks, or_masks
 
 from attngrad.core.block_table import MaskFunction
 from attngrad.core.score_function import ScoreFunction
+from attngrad.ring.shifted import shifted
 
 torch.manual_seed(0)
 B, H, N = 2, 4, 24
@@ -52,6 +53,10 @@ RELATIVE: dict[str, Callable[..., torch.Tensor]] = {
     "buckets": lambda s, b, h, i, j: s + BUCKETS[h, _bucket(i - j)],
     "per-batch": lambda s, b, h, i, j: s + (b + 1) * SLOPES[h] * torch.sub(j, i),
     "scalar-first": lambda s, b, h, i, j: GATE * (i - j) + s - 2.0,
+    # moved to a ring pair's global origin (q_idx + 16, kv_idx + 40): still a distance
+    "alibi-moved": shifted(ELEMENTWISE["alibi"], 5, q=16, kv=40),
+    "table-moved": shifted(ELEMENTWISE["table"], 5, q=5, kv=3),
+    "moved-by-hand": lambda s, b, h, i, j: s + SLOPES[h] * ((i - 3) - (2 + j)),
 }
 NOT_RELATIVE: dict[str, Callable[..., torch.Tensor]] = {
     "score-subtracted": lambda s, b, h, i, j: TABLE[h, i - j + N - 1] - s,
@@ -61,6 +66,9 @@ NOT_RELATIVE: dict[str, Callable[..., torch.Tensor]] = {
     "scaled-score": lambda s, b, h, i, j: torch.add(TABLE[h, i - j + N - 1], s, alpha=2),
     "full-index": ELEMENTWISE["full-index"],
     "chained-index": lambda s, b, h, i, j: s + TABLE[h][i - j + N - 1],
+    "index-from-a-constant": lambda s, b, h, i, j: s + SLOPES[h] * ((4 - i) - j),
+    "index-scaled": lambda s, b, h, i, j: s + SLOPES[h] * ((i * 2) - j),
+    "moved-reads-q_idx": shifted(lambda s, b, h, i, j: s + SLOPES[h] * (i - j) * (i > 3), 5, q=8),
 }
 NOT_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "chained-index": lambda s, b, h, i, j: s + BIAS[b][0][i][j],

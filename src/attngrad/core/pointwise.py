@@ -117,9 +117,10 @@ class Reads(TorchFunctionMode):
     indexes a captured tensor at every position (``table[h, q_idx - kv_idx]``).
 
     Given the arguments' names (``name``: "s", "b", "h", "i", "j"), it also follows which
-    of them each tensor was computed from, with ``q_idx - kv_idx`` (either order) counted
-    as one argument "d", and which tensors are the score plus a term not computed from it:
-    `relative` says whether a result is ``score + x(b, h, q_idx - kv_idx)``.
+    of them each tensor was computed from, with ``q_idx - kv_idx`` (either order, either
+    index plus or minus a Python int) counted as one argument "d", and which tensors are
+    the score plus a term not computed from it: `relative` says whether a result is
+    ``score + x(b, h, q_idx - kv_idx)``.
     """
 
     def __init__(self, made: Sequence[torch.Tensor], swap: dict[int, torch.Tensor] | None) -> None:
@@ -199,7 +200,9 @@ class Reads(TorchFunctionMode):
         elif func not in _PROPERTIES:
             name = getattr(func, "__name__", "")
             self.elementwise &= name in ELEMENTWISE or _scalar_constant(name, args, kwargs)
-        sources, plus = self._follow(getattr(func, "__name__", ""), args, kwargs)
+        name = getattr(func, "__name__", "")
+        sources, plus = self._follow(name, args, kwargs)
+        index = self._moved_index(name, args, kwargs)
         out = func(*args, **kwargs)
         made = _tensors(out)
         self.keep += made
@@ -208,7 +211,24 @@ class Reads(TorchFunctionMode):
             if id(t) not in self.arguments:  # an op returning its argument leaves it as it is
                 self.sources[id(t)] = sources
                 (self.plus_score.add if plus else self.plus_score.discard)(id(t))
+                if index is not None:
+                    self.arguments[id(t)] = index
         return out
+
+    def _moved_index(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """"i" or "j" where the op is q_idx or kv_idx plus or minus a Python int (``q_idx +
+        q0``: a local call's index moved to the gathered call's, `attngrad.ring.shifted`):
+        the result stands for that index, so (q_idx + a) - (kv_idx + b) is still a
+        distance, plus a constant."""
+        if len(args) != 2 or kwargs or not (name in _ADD or name in _SUBTRACT):
+            return None
+        first, second = args
+        if name in _ADD and isinstance(first, int):  # int + index
+            first, second = second, first
+        moved = self._argument(first)
+        if moved in ("i", "j") and isinstance(second, int) and not isinstance(second, bool):
+            return moved
+        return None
 
 
 @contextlib.contextmanager
