@@ -24,6 +24,7 @@ from test_all_to_all import _inputs as case_inputs
 
 import attngrad
 from attngrad.ring import ring_attention, shard, unshard
+from attngrad.ring.comm import RingComm
 from attngrad.verify.rule import judge_outputs
 
 F32 = torch.float32
@@ -173,7 +174,24 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         results["func"] = _torch_func(rank, 2, groups[2])
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
+    if rank < 2:  # last, as it breaks the group
+        torch.save(_peer_dies_in_second_order(rank, groups[2]), Path(out_dir) / f"dies{rank}.pt")
     os._exit(0)
+
+
+def _peer_dies_in_second_order(rank: int, group) -> tuple[str, str]:
+    """Ranks 0 and 1 take a gradient penalty; rank 1 exits as its second-order pass starts:
+    rank 0 reports what it raised."""
+    if rank == 1:
+        RingComm.any = lambda *args: os._exit(0)  # type: ignore[method-assign]
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+    try:
+        out = ring_attention(q, q, q, is_causal=True, group=group, timeout=TIMEOUT)
+        (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        g.square().sum().backward()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
 
 
 @pytest.fixture(scope="session")
@@ -186,7 +204,9 @@ def ring_run(tmp_path_factory, worker_id) -> list[dict]:
         lambda folder: launch(_worker, __name__, folder, WORLD, deadline=120.0),
     )
     assert exits == [0] * WORLD, exits
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    ranks[0]["dies"] = torch.load(out / "dies0.pt")
+    return ranks
 
 
 # ---------------------------------------------------------------------------
@@ -220,3 +240,9 @@ def test_torch_func_through_the_ring(ring_run, name):
     for i, w in enumerate(want if isinstance(want, tuple) else (want,)):
         parts = [r if isinstance(r, torch.Tensor) else r[i] for _, r in results]
         torch.testing.assert_close(unshard(parts, "zigzag"), w, rtol=1e-10, atol=1e-10)
+
+
+def test_a_peer_that_dies_in_the_second_order_pass_raises_on_the_others(ring_run):
+    kind, message = ring_run[0]["dies"]
+    assert kind == "RingTimeoutError", (kind, message)
+    assert "second order" in message and "rank 0 of 2" in message
