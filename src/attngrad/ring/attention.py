@@ -87,6 +87,7 @@ from attngrad.ring.blocks import (
     BLOCK_STRATEGIES,
     Ring,
     Tensors,
+    Travel,
     block_pair,
     block_problem,
     circulate,
@@ -208,18 +209,20 @@ def ring_tangent(
     forward mode run on the block against the final O and stats returns
     (acc_b - mu_b O, mu_b), acc_b = (P * S') v + P v' and mu_b = rowsum(P * S') its
     keys' shares; both are linear in the shares, so their sum over blocks is
-    (O', lse').  k' and v' travel with k and v (zeros where absent, so every rank
-    sends alike): one ring of P - 1 steps, O(N/P) memory.
+    (O', lse').  k' and v' travel with k and v where some rank has them
+    (`Travel`): one ring of P - 1 steps, O(N/P) memory.
     """
     t_q, t_k, t_v, t_bias, *t_captured = tangents
     dtype = compute_dtype(q.dtype)
-    t_k = torch.zeros_like(k) if t_k is None else t_k.contiguous()
-    t_v = torch.zeros_like(v) if t_v is None else t_v.contiguous()
+    moving = ring.comm.any((t_k is not None, t_v is not None), q.device,
+                           "agreeing on the tangents that travel")  # fmt: skip
+    travel = Travel.of(k, v, t_k, t_v, moving)
     t_o = torch.zeros(o.shape, dtype=dtype, device=q.device)
     t_lse = torch.zeros(stats.shape[:-1], dtype=dtype, device=q.device)
 
     def add_shares(blocks: list[Block], shards: Tensors) -> None:
-        kc, vc, tkc, tvc = shards
+        kc, vc = shards[:2]
+        tkc, tvc = travel.directions(shards)
         for blk in blocks:
             problem = block_problem(ring, blk, q, kc, vc, scale, mask, captured=captured)
             if problem is None:
@@ -228,8 +231,8 @@ def ring_tangent(
             pair = block_pair(ring, blk, problem.q, problem.k, problem.v)
             moved = (
                 None if t_q is None else rows_of(t_q, blk.rows),
-                rows_of(tkc, blk.cols),
-                rows_of(tvc, blk.cols),
+                None if tkc is None else rows_of(tkc, blk.cols),
+                None if tvc is None else rows_of(tvc, blk.cols),
                 mask_block(t_bias, blk),
                 *(() if pair is None else pair.pick(tuple(t_captured))),
             )
@@ -237,7 +240,7 @@ def ring_tangent(
             rows_of(t_o, blk.rows).add_(do_b)
             rows_of(t_lse, blk.rows).add_(dlse_b)
 
-    circulate(ring, q.shape[2], (k, v, t_k, t_v), add_shares)
+    circulate(ring, q.shape[2], travel.tensors, add_shares)
     return t_o.to(q.dtype), t_lse
 
 

@@ -18,7 +18,7 @@ A pass walks the ring one of two ways:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from attngrad.strategies import TILED
 __all__ = [
     "BLOCK_STRATEGIES",
     "Ring",
+    "Travel",
     "block_pair",
     "block_problem",
     "carry_home",
@@ -187,6 +188,38 @@ def block_pair(
 
 
 Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Travel:
+    """What a ring carries: k, v [B, Hkv, n, .] and, where some rank has them, a direction's
+    k' and v' (tangents, or the cotangents of dk and dv; zeros on a rank without one), so
+    every rank sends alike.  ``moving``: whether k' and v' travel."""
+
+    tensors: Tensors
+    moving: tuple[bool, bool]
+
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor, k_dir: torch.Tensor | None,
+           v_dir: torch.Tensor | None, moving: Sequence[bool]) -> Travel:  # fmt: skip
+        """k, v and k_dir, v_dir (None: zero) where ``moving`` (whether some rank has each:
+        `attngrad.ring.comm.RingComm.any`) says."""
+        tensors: Tensors = (k, v)
+        for like, t, moves in ((k, k_dir, moving[0]), (v, v_dir, moving[1])):
+            if moves:
+                tensors += (torch.zeros_like(like) if t is None else t.contiguous(),)
+        return Travel(tensors, (bool(moving[0]), bool(moving[1])))
+
+    def heads(self, kh: slice) -> Travel:
+        """The kv heads ``kh`` (contiguous: they travel)."""
+        return Travel(tuple(t[:, kh].contiguous() for t in self.tensors), self.moving)
+
+    def directions(self, shards: Tensors) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k', v') among ``shards`` (what arrived in place of `tensors`), None where not
+        travelling."""
+        k_dir = shards[2] if self.moving[0] else None
+        v_dir = shards[2 + self.moving[0]] if self.moving[1] else None
+        return k_dir, v_dir
 
 
 def circulate(

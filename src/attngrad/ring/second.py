@@ -52,6 +52,7 @@ from attngrad.ring.backward import HEAD_GROUPS, ring_gradients
 from attngrad.ring.blocks import (
     Ring,
     Tensors,
+    Travel,
     block_pair,
     block_problem,
     carry_home,
@@ -74,8 +75,8 @@ TENSORS = ("dout", "dlse", "q", "k", "v", "bias", "keep", "o", "stats")
 class _Part:
     """A group of heads' tensors (`HEAD_GROUPS`): this rank's rows' q [B, h, n, d], o, dout
     [B, h, n, dv], stats [B, h, n, 2], dlse [B, h, n] (or None), g_q (like q, or None); and
-    what travels, k, v and the g_k, g_v of `_Rings` ([B, h_kv, n, .], contiguous); sums:
-    [B, h, n, ROW_SUMS], filled by the first ring."""
+    what travels, k, v, g_k and g_v (`Travel`); sums: [B, h, n, ROW_SUMS], filled by the
+    first ring."""
 
     q: torch.Tensor
     o: torch.Tensor
@@ -83,7 +84,7 @@ class _Part:
     dout: torch.Tensor
     dlse: Optional
     g_q: Optional
-    travel: Tensors
+    travel: Travel
     sums: torch.Tensor
 
     def heads(self, qh: slice, kh: slice) -> _Part:
@@ -93,20 +94,18 @@ class _Part:
         return _Part(
             self.q[:, qh], self.o[:, qh], self.stats[:, qh], self.dout[:, qh],
             cut(self.dlse, qh), cut(self.g_q, qh),
-            tuple(t[:, kh].contiguous() for t in self.travel), self.sums[:, qh],
+            self.travel.heads(kh), self.sums[:, qh],
         )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class _Rings:
-    """What every group's rings share: which of g_k, g_v travel (agreed by the ranks), the
-    call's mask (bias, keep), g_bias, captured tensors and g_captured (whole: with any of
-    them the heads are one group), and the wanted gradients' accumulators (None: not
-    wanted): grad dout, grad q (views of a group's heads are taken), grad bias, grad
-    captured; grad k and grad v are wanted where ``need_k``, ``need_v``."""
+    """What every group's rings share: the call's mask (bias, keep), g_bias, captured
+    tensors and g_captured (whole: with any of them the heads are one group), and the
+    wanted gradients' accumulators (None: not wanted): grad dout, grad q (views of a
+    group's heads are taken), grad bias, grad captured; grad k and grad v are wanted where
+    ``need_k``, ``need_v`` (agreed by the ranks)."""
 
-    moving_k: bool
-    moving_v: bool
     need_k: bool
     need_v: bool
     mask: tuple[Optional, Optional]
@@ -146,19 +145,15 @@ def ring_second_order(
         (g_k is not None, g_v is not None, need_k, need_v), q.device,
         "agreeing on what the second order's rings carry",
     )  # fmt: skip
+    travel = Travel.of(k, v, g_k, g_v, (moving_k, moving_v))
 
     def zeros(like: torch.Tensor, wanted: bool = True) -> Optional:
         return torch.zeros(like.shape, dtype=dtype, device=like.device) if wanted else None
 
-    travel: Tensors = (k, v)
-    if moving_k:
-        travel += (torch.zeros_like(k) if g_k is None else g_k.contiguous(),)
-    if moving_v:
-        travel += (torch.zeros_like(v) if g_v is None else g_v.contiguous(),)
     whole = _Part(q, o, stats, torch.zeros_like(o) if dout is None else dout, dlse, g_q, travel,
                   torch.zeros((*q.shape[:3], ROW_SUMS), dtype=dtype, device=q.device))  # fmt: skip
     common = _Rings(
-        moving_k, moving_v, need_k, need_v, (bias, keep), g_bias, tuple(t for t in captured if t is not None),
+        need_k, need_v, (bias, keep), g_bias, tuple(t for t in captured if t is not None),
         tuple(g_captured), zeros(o, need_dout), zeros(q, need_q),
         None if bias is None else zeros(bias, need_bias),
         tuple(zeros(t, w) for t, w in zip(captured, need_captured, strict=True) if t is not None),
@@ -193,8 +188,7 @@ def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings) -> Tensors:
     n = x.q.shape[2]
 
     def block_cotangents(blk: Block, shards: Tensors, pair: Any) -> tuple[Optional, ...]:
-        g_kc = shards[2] if c.moving_k else None
-        g_vc = shards[2 + c.moving_k] if c.moving_v else None
+        g_kc, g_vc = x.travel.directions(shards)
         return (
             None if x.g_q is None else rows_of(x.g_q, blk.rows),
             None if g_kc is None else rows_of(g_kc, blk.cols),
@@ -221,7 +215,7 @@ def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings) -> Tensors:
             part = sums_of(ring.strategy, problem, final, cot, rows_of(x.dout, blk.rows))
             rows_of(x.sums, blk.rows).add_(part)
 
-    circulate(ring, n, x.travel, add_sums)
+    circulate(ring, n, x.travel.tensors, add_sums)
 
     # ring 2: the gradients, grad k and grad v carried home
     def add_share(blocks: list[Block], shards: Tensors, accumulators: Tensors) -> None:
@@ -249,8 +243,8 @@ def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings) -> Tensors:
                 if total is not None and got is not None:
                     total += got
 
-    likes = x.travel[:1] * c.need_k + x.travel[1:2] * c.need_v
-    return carry_home(ring, n, x.travel, likes, add_share)
+    likes = x.travel.tensors[:1] * c.need_k + x.travel.tensors[1:2] * c.need_v
+    return carry_home(ring, n, x.travel.tensors, likes, add_share)
 
 
 class RingGradients(torch.autograd.Function):
