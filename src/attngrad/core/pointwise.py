@@ -216,10 +216,11 @@ class Reads(TorchFunctionMode):
         return out
 
     def _moved_index(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """"i" or "j" where the op is q_idx or kv_idx plus or minus a Python int (``q_idx +
-        q0``: a local call's index moved to the gathered call's, `attngrad.ring.shifted`):
-        the result stands for that index, so (q_idx + a) - (kv_idx + b) is still a
-        distance, plus a constant."""
+        """The index ("i" or "j") an op moves by a Python int, else None.
+
+        ``q_idx + q0`` moves a local call's index to the gathered call's
+        (`attngrad.ring.shifted`); the result stands for that index, so
+        (q_idx + a) - (kv_idx + b) is still a distance, plus a constant."""
         if len(args) != 2 or kwargs or not (name in _ADD or name in _SUBTRACT):
             return None
         first, second = args
