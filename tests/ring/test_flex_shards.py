@@ -41,6 +41,7 @@ from attngrad.ring import (
     unshard,
 )
 from attngrad.ring.flex import at_heads, local_block_mask
+from attngrad.ring.flex_pairs import FlexPairs
 from attngrad.ring.layout import block_work
 from attngrad.ring.shifted import pair_block_mask
 from attngrad.strategies import REGISTRY
@@ -560,6 +561,28 @@ def test_a_pairs_block_mask_keeps_the_full_masks_scores_of_the_pair(block):
             assert not empty or not want.any(), (q0, k0)
             if block == 4:  # on block edges the empty pairs are exactly those keeping nothing
                 assert empty == (not want.any()), (q0, k0)
+
+
+def test_the_pairs_are_kept_across_calls_until_what_they_are_built_from_changes():
+    """A ring call's pairs (each a FlexCall: the BlockMask's table read, its mask_mod
+    checked) are the previous call's with the same BlockMask, score_mod, scale and shapes;
+    a change of what the mask_mod reads, in place, rebuilds them."""
+    n = 32
+    docs = torch.arange(n) // 8
+    full = attngrad.create_block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (j <= i),
+                                      None, None, n, n, BLOCK_SIZE=4)  # fmt: skip
+    whole, q = torch.zeros(1, 2, n, 8), torch.randn(1, 2, n // 2, 8)
+
+    def pair(scale: float = 0.5) -> object:
+        table = BlockTable.of(full, whole, whole, 1)  # as the call's check reads it
+        return FlexPairs.kept(None, full, table, (), "flash", scale, q, q, q).pair((16, 0), q, q, q)
+
+    first = pair()
+    assert pair() is first
+    docs[16:] = 0  # documents 2 and 3 merge into 0: the mask_mod reads docs
+    again = pair()
+    assert again is not first and pair() is again
+    assert pair(0.25) is not again
 
 
 def test_the_ring_refuses_a_strategy_that_is_not_a_block_kernel():
