@@ -72,7 +72,7 @@ from attngrad.ring.checks import (
     validate_ring,
 )
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingComm, shared_dropout
-from attngrad.ring.layout import shard, unshard
+from attngrad.ring.layout import shards, unshard
 from attngrad.strategies import REGISTRY, STRATEGIES, unavailable_reason
 from attngrad.strategies.base import differentiable
 
@@ -188,10 +188,9 @@ class Trade:
         if self.op == SEQ_TO_HEADS:  # (P, M, H/P, n, c): piece i, my rows of rank i's heads
             return x.reshape(-1, p, h // p, n, c).transpose(0, 1)
         if self.op == HEADS_TO_SEQ:  # (P, M, H/P, n/P, c): piece i, rank i's rows
-            y = x.reshape(-1, h, n, c)  # (M, H/P, N, c)
-            return torch.stack([shard(y, i, p, self.layout) for i in range(p)])
+            return shards(x.reshape(-1, h, n, c), p, self.layout)
         # SCATTER_ROWS, GATHER_ROWS' adjoint: (P, *x's dims but n/P): piece i, rank i's rows
-        return torch.stack([shard(x, i, p, self.layout) for i in range(p)])
+        return shards(x, p, self.layout)
 
     def _joined(self, got: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """What arrived for an x of ``shape`` ([P, ...], piece i from rank i) as the trade's

@@ -46,6 +46,7 @@ __all__ = [
     "chunks_of",
     "rank_work",
     "shard",
+    "shards",
     "step_blocks",
     "unshard",
     "validate_layout",
@@ -84,6 +85,26 @@ def shard(x: torch.Tensor, rank: int, world: int, layout: str = "contiguous") ->
     >>> shard(torch.arange(8.0).view(8, 1), 0, 2, "zigzag").flatten().tolist()
     [0.0, 1.0, 6.0, 7.0]
     """
+    return torch.cat(_chunks(x, rank, world, layout), dim=-2)
+
+
+def shards(x: torch.Tensor, world: int, layout: str = "contiguous") -> torch.Tensor:
+    """Every rank's shard of a full sequence, stacked in rank order: x [..., N, d] ->
+    [P, ..., N/P, d] (one copy; ``shards(x, P, layout)[r]`` is ``shard(x, r, P, layout)``).
+
+    >>> shards(torch.arange(8.0).view(8, 1), 2, "zigzag").flatten().tolist()
+    [0.0, 1.0, 6.0, 7.0, 2.0, 3.0, 4.0, 5.0]
+    """
+    first = _chunks(x, 0, world, layout)  # checks x, world and layout
+    pieces = [first, *(_chunks(x, r, world, layout) for r in range(1, world))]
+    out = x.new_empty((world, *x.shape[:-2], x.shape[-2] // world, x.shape[-1]))
+    for r, chunks in enumerate(pieces):
+        torch.cat(chunks, dim=-2, out=out[r])
+    return out
+
+
+def _chunks(x: torch.Tensor, rank: int, world: int, layout: str) -> list[torch.Tensor]:
+    """The chunks of x [..., N, d] that ``rank`` holds, in local order: views [..., m, d]."""
     validate_layout(layout)
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -103,7 +124,7 @@ def shard(x: torch.Tensor, rank: int, world: int, layout: str = "contiguous") ->
         layout,
         f"Pad or trim it to a multiple of {world * len(chunks)}.",
     )
-    return torch.cat([x.narrow(-2, c * m, m) for c in chunks], dim=-2)
+    return [x.narrow(-2, c * m, m) for c in chunks]
 
 
 def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous") -> torch.Tensor:
