@@ -36,12 +36,14 @@ from attngrad.ring import (
     balanced_layout,
     flex_ring_attention,
     packed_ring_attention,
+    rank_pairs,
     rank_work,
     shard,
     unshard,
 )
+from attngrad.ring.balance import block_work
 from attngrad.ring.flex import at_heads, local_block_mask
-from attngrad.ring.layout import block_work
+from attngrad.ring.flex_pairs import FlexPairs
 from attngrad.ring.shifted import pair_block_mask
 from attngrad.strategies import REGISTRY
 from attngrad.verify.cases import Case, make_inputs
@@ -586,6 +588,28 @@ def test_a_pairs_block_mask_keeps_the_full_masks_scores_of_the_pair(block):
                 assert empty == (not want.any()), (q0, k0)
 
 
+def test_the_pairs_are_kept_across_calls_until_what_they_are_built_from_changes():
+    """A ring call's pairs (each a FlexCall: the BlockMask's table read, its mask_mod
+    checked) are the previous call's with the same BlockMask, score_mod, scale and shapes;
+    a change of what the mask_mod reads, in place, rebuilds them."""
+    n = 32
+    docs = torch.arange(n) // 8
+    full = attngrad.create_block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (j <= i),
+                                      None, None, n, n, BLOCK_SIZE=4)  # fmt: skip
+    whole, q = torch.zeros(1, 2, n, 8), torch.randn(1, 2, n // 2, 8)
+
+    def pair(scale: float = 0.5) -> object:
+        table = BlockTable.of(full, whole, whole, 1)  # as the call's check reads it
+        return FlexPairs.kept(None, full, table, (), "flash", scale, q, q, q).pair((16, 0), q, q, q)
+
+    first = pair()
+    assert pair() is first
+    docs[16:] = 0  # documents 2 and 3 merge into 0: the mask_mod reads docs
+    again = pair()
+    assert again is not first and pair() is again
+    assert pair(0.25) is not again
+
+
 def test_the_ring_refuses_a_strategy_that_is_not_a_block_kernel():
     q = torch.randn(1, 2, 16, 4)
     with pytest.raises(ValueError, match=r"strategy must be one of 'auto', 'flash'.*"
@@ -596,18 +620,33 @@ def test_the_ring_refuses_a_strategy_that_is_not_a_block_kernel():
 DOCS = [1500, 300, 640, 100, 900, 400, 192, 64]  # docs/ring.md's 8 documents, N = 4096
 
 
-def test_balanced_layout_gives_each_rank_its_share_within_ten_percent():
+def _ring_time(w: list[list[int]]) -> int:
+    """T of docs/ring.md: the steps' largest shares, summed (step s: rank r's queries against
+    rank r - s's keys)."""
+    p = len(w)
+    return sum(max(w[r][(r - s) % p] for r in range(p)) for s in range(p))
+
+
+def test_balanced_layout_evens_out_each_step_of_the_ring():
     cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
     perm = balanced_layout(cu, 4)
     assert torch.equal(perm.sort().values, torch.arange(4096))
     work = rank_work(cu, 4, perm)
     mean = sum(work) / 4
     assert sum(work) == sum(block_work(cu)) and max(work) <= 1.1 * mean, work
-    assert max(rank_work(cu, 4, "zigzag")) > 1.2 * mean  # what it is there for
+    assert _ring_time(rank_pairs(cu, 4, perm)) <= 1.15 * mean
+    assert _ring_time(rank_pairs(cu, 4, "zigzag")) > 1.5 * mean  # what it is there for
+    # two ranks: equal totals, and equal shares at each step
+    assert rank_pairs(cu, 2, balanced_layout(cu, 2)) == [[44, 33], [33, 44]]
     # a BlockMask of the same documents counts the same blocks
     docs = torch.repeat_interleave(torch.arange(8), torch.tensor(DOCS))
     mask = attngrad.create_block_mask(
         lambda b, h, i, j: (j <= i) & (docs[i] == docs[j]), None, None, 4096, 4096
     )
     assert block_work(mask) == block_work(cu)
-    assert rank_work(mask, 4, balanced_layout(mask, 4)) == work
+    assert rank_pairs(mask, 4, balanced_layout(mask, 4)) == rank_pairs(cu, 4, perm)
+
+
+def test_pairs_need_whole_blocks_on_each_rank():
+    with pytest.raises(ValueError, match=r"cuts blocks of 4 between two ranks \(N = 36, P = 2\)"):
+        rank_pairs([0, 5, 9, 30, 33], 2, "contiguous", block=4)

@@ -29,7 +29,7 @@ from attngrad.core.interface import Backward, Problem
 from attngrad.ring import ring_attention, shard, unshard
 from attngrad.ring.attention import merge_partial_
 from attngrad.ring.comm import RingComm
-from attngrad.ring.layout import LAYOUTS, Block, step_blocks
+from attngrad.ring.layout import LAYOUTS, Block, shards, step_blocks
 from attngrad.strategies import REGISTRY, tiled_default, unavailable_reason
 from attngrad.verify.cases import Case, make_inputs
 from attngrad.verify.reference import reference_attention, reference_lse
@@ -46,9 +46,10 @@ NEG_INF = float("-inf")
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_unshard_inverts_shard(layout, world):
     x = torch.randn(2, 3, 2 * world * 5, 4)
-    shards = [shard(x, r, world, layout) for r in range(world)]
-    assert all(s.shape == (2, 3, 2 * 5, 4) for s in shards)
-    assert torch.equal(unshard(shards, layout), x)
+    pieces = [shard(x, r, world, layout) for r in range(world)]
+    assert all(s.shape == (2, 3, 2 * 5, 4) for s in pieces)
+    assert torch.equal(unshard(pieces, layout), x)
+    assert torch.equal(shards(x, world, layout), torch.stack(pieces))  # all at once, one copy
 
 
 def test_zigzag_pairs_an_early_chunk_with_a_late_one():

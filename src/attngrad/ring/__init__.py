@@ -23,15 +23,16 @@ timeout), `checks` validates the shards on each rank and across the ring,
 `all_to_all` is the other scheme (and `packed_ring_attention`, packed documents
 through it); `flex` runs `attngrad.flex_attention` through either scheme
 (`flex_ring_attention`: a score_mod and a BlockMask; `shifted` and `flex_pairs` put them
-at a local call's global heads or positions); `layout.balanced_layout`
-balances the ring's work under a block-sparse mask.
+at a local call's global heads or positions); `balance.balanced_layout`
+balances the ring's work under a block-sparse mask, step by step.
 """
 
 from attngrad.ring.all_to_all import packed_ring_attention
 from attngrad.ring.attention import BLOCK_STRATEGIES, ring_attention
+from attngrad.ring.balance import balanced_layout, rank_pairs, rank_work
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingTimeoutError
 from attngrad.ring.flex import flex_ring_attention
-from attngrad.ring.layout import LAYOUTS, balanced_layout, rank_work, shard, unshard
+from attngrad.ring.layout import LAYOUTS, shard, unshard
 
 __all__ = [
     "BLOCK_STRATEGIES",
@@ -41,6 +42,7 @@ __all__ = [
     "balanced_layout",
     "flex_ring_attention",
     "packed_ring_attention",
+    "rank_pairs",
     "rank_work",
     "ring_attention",
     "shard",

@@ -72,7 +72,7 @@ from attngrad.ring.checks import (
     validate_ring,
 )
 from attngrad.ring.comm import DEFAULT_TIMEOUT, RingComm, shared_dropout
-from attngrad.ring.layout import shard, unshard
+from attngrad.ring.layout import shards, unshard
 from attngrad.strategies import REGISTRY, STRATEGIES, unavailable_reason
 from attngrad.strategies.base import differentiable
 
@@ -172,26 +172,36 @@ class Trade:
     def adjoint(self) -> Trade:
         return replace(self, op=_ADJOINT[self.op])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The trade of one tensor x: [..., H, n, c] (see each case), no autograd."""
-        p = self.comm.world
+    def __call__(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The trade of each x: [..., H, n, c] (see each case), no autograd; the messages of
+        all of them in flight together."""
         what = f"the all-to-all scheme's {self.op}"
-        *lead, h, n, c = x.shape
-        if self.op == SEQ_TO_HEADS:  # [..., H, n, c] -> [..., H/P, N, c]
-            send = x.reshape(-1, p, h // p, n, c).transpose(0, 1)  # (P, M, H/P, n, c)
-            got = self.comm.all_to_all(send, what)  # piece i: rank i's rows of my heads
-            return unshard(list(got.unbind(0)), self.layout).reshape(*lead, h // p, p * n, c)
-        if self.op == HEADS_TO_SEQ:  # [..., H/P, N, c] -> [..., H, N/P, c]
-            y = x.reshape(-1, h, n, c)  # (M, H/P, N, c)
-            # (P, M, H/P, n/P, c): piece i, rank i's rows
-            send = torch.stack([shard(y, i, p, self.layout) for i in range(p)])
-            got = self.comm.all_to_all(send, what)  # piece i: head block i of my rows
-            return got.transpose(0, 1).reshape(*lead, p * h, n // p, c)
         if self.op == GATHER_ROWS:  # [..., Hx, n, c] -> [..., Hx, N, c], every rank's rows
-            return unshard(self.comm.all_gather(x, what), self.layout)
-        # SCATTER_ROWS, GATHER_ROWS' adjoint: [..., Hx, N, c] -> [..., Hx, n, c], rows summed
-        send = torch.stack([shard(x, i, p, self.layout) for i in range(p)])
-        return self.comm.all_to_all(send, what).sum(0)
+            return tuple(unshard(self.comm.all_gather(x, what), self.layout) for x in xs)
+        got = self.comm.all_to_all([self._pieces(x) for x in xs], what)
+        return tuple(self._joined(g, x.shape) for g, x in zip(got, xs, strict=True))
+
+    def _pieces(self, x: torch.Tensor) -> torch.Tensor:
+        """What x sends: [P, ...], piece i to rank i."""
+        p = self.comm.world
+        h, n, c = x.shape[-3:]
+        if self.op == SEQ_TO_HEADS:  # (P, M, H/P, n, c): piece i, my rows of rank i's heads
+            return x.reshape(-1, p, h // p, n, c).transpose(0, 1)
+        if self.op == HEADS_TO_SEQ:  # (P, M, H/P, n/P, c): piece i, rank i's rows
+            return shards(x.reshape(-1, h, n, c), p, self.layout)
+        # SCATTER_ROWS, GATHER_ROWS' adjoint: (P, *x's dims but n/P): piece i, rank i's rows
+        return shards(x, p, self.layout)
+
+    def _joined(self, got: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """What arrived for an x of ``shape`` ([P, ...], piece i from rank i) as the trade's
+        result."""
+        p = self.comm.world
+        *lead, h, n, c = shape
+        if self.op == SEQ_TO_HEADS:  # [..., H, n, c] -> [..., H/P, N, c]; piece i: rank i's rows
+            return unshard(list(got.unbind(0)), self.layout).reshape(*lead, h // p, p * n, c)
+        if self.op == HEADS_TO_SEQ:  # [..., H/P, N, c] -> [..., H, N/P, c]; piece i: head block i
+            return got.transpose(0, 1).reshape(*lead, p * h, n // p, c)
+        return got.sum(0)  # SCATTER_ROWS: [..., Hx, N, c] -> [..., Hx, n, c], rows summed
 
 
 class AllToAll(torch.autograd.Function):
@@ -205,7 +215,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(trade: Trade, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(trade(x) for x in xs)
+        return trade(*xs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -91,12 +91,12 @@ def ring_backward(
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(shard.v)
     one = ring.dropout is not None or shard.mask != (None, None) or ring.flex is not None
     groups = 1 if one else min(hkv, HEAD_GROUPS)
-    if groups == 1:
-        dk[:], dv[:] = _ring_backward_group(dq, shard, ring, scale)
-        return dq.to(q.dtype), dk, dv
+    if groups == 1:  # the accumulators that come home are dk, dv: no second pair held
+        dk_c, dv_c = _ring_backward_group(dq, shard, ring, scale)
+        return dq.to(q.dtype), dk_c.to(k.dtype), dv_c.to(shard.v.dtype)
+    dk, dv = torch.empty_like(k), torch.empty_like(shard.v)
     bounds = [hkv * i // groups for i in range(groups + 1)]
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)

@@ -10,6 +10,7 @@ this rank, the peer and the timeout, instead of hanging.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -120,15 +121,20 @@ class RingComm:
         gathered = torch.stack(self.all_gather(mine, what)).amax(0).cpu()
         return tuple(bool(f) for f in gathered.tolist())
 
-    def all_to_all(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """t: [P, ...] (the same shape on every rank): piece i goes to rank i; returns [P, ...]
-        whose piece i came from rank i (``dist.all_to_all_single``)."""
-        t = t.contiguous()
-        out = torch.empty_like(t)
-        self._collective(
-            lambda: dist.all_to_all_single(out, t, group=self.group, async_op=True), what
-        )
-        return out
+    def all_to_all(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """Each t: [P, ...] (the same shapes on every rank): piece i goes to rank i; returns
+        one [P, ...] per t whose piece i came from rank i (``dist.all_to_all_single``), every
+        one posted before the first wait: their transfers overlap."""
+        sends = [t.contiguous() for t in ts]
+        outs = [torch.empty_like(t) for t in sends]
+        trade = functools.partial(dist.all_to_all_single, group=self.group, async_op=True)
+        works = [
+            self._post(functools.partial(trade, out, t), what)
+            for out, t in zip(outs, sends, strict=True)
+        ]
+        for work in works:
+            self.wait(work, what)
+        return outs
 
     def broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Group rank 0's ``t`` on every rank (written into ``t``, which is returned)."""
@@ -138,12 +144,16 @@ class RingComm:
 
     def _collective(self, post: Callable[[], dist.Work | None], what: str) -> None:
         """Post one asynchronous collective and wait for it with the deadline."""
+        self.wait(self._post(post, what), what)
+
+    def _post(self, post: Callable[[], dist.Work | None], what: str) -> dist.Work:
+        """Post one asynchronous collective; its Work."""
         try:
             work = post()
         except RuntimeError as e:  # a broken connection fails at posting already
             raise self._error(what, e) from e
         assert work is not None  # async_op=True always returns a Work
-        self.wait(work, what)
+        return work
 
 
 def shared_dropout(

@@ -231,9 +231,8 @@ def _over_ring(
         requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
     )  # fmt: skip
     check_same_shards(comm, q, shapes, settings)
-    status = None if mods.blocks is None else mods.blocks.status
     keys = () if score is None else score.keys
-    pairs = FlexPairs(score_mod, block_mask, status, keys, name, s)
+    pairs = FlexPairs.kept(score_mod, block_mask, mods.blocks, keys, name, s, q, k, v)
     return flex_over_ring(comm, layout, name, q, k, v, s, pairs, captured)
 
 

@@ -13,8 +13,11 @@ scheme="ring" that local call takes
 and is built by `attngrad.call.flex.FlexCall`, as `attngrad.flex_attention`
 builds its call: the score function's captured tensors, the BlockMask's table
 and the strategy's tiles (whole multiples of the BlockMask's blocks) are the
-single call's.  Each pair's is built once per ring call (forward, backward,
-forward mode and the second-order recompute share it).
+single call's.  Each pair's is built at its first use and kept across calls
+(`FlexPairs.kept`, per BlockMask): forward, backward, forward mode, the
+second-order recompute and the next step's call all take it, until the
+BlockMask's blocks, its mask_mod or what the mask_mod reads change, or the call
+takes another score_mod, strategy, scale or shape.
 
 The captured tensors are inputs of `attngrad.ring.attention.RingAttention`,
 in the order of the full call's score function (`FlexPairs.keys`); a pair's
@@ -25,6 +28,7 @@ are the ring's, read and accumulated in place.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +40,11 @@ from attngrad.core.score_function import ScoreFunction
 from attngrad.ring.shifted import pair_block_mask, shifted
 
 __all__ = ["FlexPairs", "Pair"]
+
+# the full call's BlockMask -> (what its pairs were built from, its status, the pairs)
+_KEPT: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], torch.Tensor, dict[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -73,6 +82,33 @@ class FlexPairs:
     strategy: str
     scale: float
     _found: dict[tuple[int, ...], Pair] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def kept(
+        cls,
+        score_mod: Any,
+        block_mask: Any,
+        blocks: BlockTable | None,
+        keys: tuple[int, ...],
+        strategy: str,
+        scale: float,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> FlexPairs:
+        """The pairs of a call with q: [B, Hq, n, d], k: [B, Hkv, n, d], v: [B, Hkv, n, dv]
+        (this rank's shards), ``blocks`` the full BlockMask's table (None without one): the
+        pairs an earlier call with the same BlockMask built, while what they were built
+        from is the same (module docstring), else none yet."""
+        if block_mask is None or blocks is None:
+            return cls(score_mod, block_mask, None, keys, strategy, scale)
+        read = tuple((id(t), t._version) for t in blocks.mask.captured)
+        basis = (score_mod, block_mask.mask_mod, read, keys, strategy, scale, q.dtype, q.device,
+                 q.shape[:2], k.shape[:2], q.shape[3], v.shape[3])  # fmt: skip
+        known = _KEPT.get(block_mask)
+        if known is None or known[0] != basis or not torch.equal(known[1], blocks.status):
+            known = _KEPT[block_mask] = (basis, blocks.status, {})
+        return cls(score_mod, block_mask, blocks.status, keys, strategy, scale, known[2])
 
     def pair(
         self, origin: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

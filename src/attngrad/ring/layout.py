@@ -26,10 +26,8 @@ unless r = P-1, and a step may then take up to four blocks instead of one.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -41,11 +39,9 @@ from attngrad.core.scores import ScoreMods
 __all__ = [
     "LAYOUTS",
     "Block",
-    "balanced_layout",
-    "block_work",
     "chunks_of",
-    "rank_work",
     "shard",
+    "shards",
     "step_blocks",
     "unshard",
     "validate_layout",
@@ -84,6 +80,26 @@ def shard(x: torch.Tensor, rank: int, world: int, layout: str = "contiguous") ->
     >>> shard(torch.arange(8.0).view(8, 1), 0, 2, "zigzag").flatten().tolist()
     [0.0, 1.0, 6.0, 7.0]
     """
+    return torch.cat(_chunks(x, rank, world, layout), dim=-2)
+
+
+def shards(x: torch.Tensor, world: int, layout: str = "contiguous") -> torch.Tensor:
+    """Every rank's shard of a full sequence, stacked in rank order: x [..., N, d] ->
+    [P, ..., N/P, d] (one copy; ``shards(x, P, layout)[r]`` is ``shard(x, r, P, layout)``).
+
+    >>> shards(torch.arange(8.0).view(8, 1), 2, "zigzag").flatten().tolist()
+    [0.0, 1.0, 6.0, 7.0, 2.0, 3.0, 4.0, 5.0]
+    """
+    first = _chunks(x, 0, world, layout)  # checks x, world and layout
+    pieces = [first, *(_chunks(x, r, world, layout) for r in range(1, world))]
+    out = x.new_empty((world, *x.shape[:-2], x.shape[-2] // world, x.shape[-1]))
+    for r, chunks in enumerate(pieces):
+        torch.cat(chunks, dim=-2, out=out[r])
+    return out
+
+
+def _chunks(x: torch.Tensor, rank: int, world: int, layout: str) -> list[torch.Tensor]:
+    """The chunks of x [..., N, d] that ``rank`` holds, in local order: views [..., m, d]."""
     validate_layout(layout)
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -103,7 +119,7 @@ def shard(x: torch.Tensor, rank: int, world: int, layout: str = "contiguous") ->
         layout,
         f"Pad or trim it to a multiple of {world * len(chunks)}.",
     )
-    return torch.cat([x.narrow(-2, c * m, m) for c in chunks], dim=-2)
+    return [x.narrow(-2, c * m, m) for c in chunks]
 
 
 def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous") -> torch.Tensor:
@@ -242,138 +258,3 @@ def step_blocks(
         for block in row:
             _append(blocks, block, positional)
     return blocks
-
-
-# -- balance under a block-sparse mask ------------------------------------------------------
-
-
-def block_work(spec: Any, block: int = 128, is_causal: bool = True) -> list[int]:
-    """The (query block, key block) pairs each query block computes: its key blocks that
-    hold a kept score.  ``spec``: packed documents' cumulative lengths [0, ..., N] (a 1-D
-    int tensor or a sequence; query i sees the keys of its own document, up to its own
-    with ``is_causal``) cut into blocks of ``block``, or a torch BlockMask (its partial and
-    full blocks per query block, summed over its batch entries and heads; ``block`` and
-    ``is_causal`` are its own then).
-
-    >>> block_work([0, 6, 8], block=2)   # documents 0-5 and 6-7, causal
-    [1, 2, 3, 1]
-    """
-    num = getattr(spec, "kv_num_blocks", None)
-    if num is not None:
-        full = spec.full_kv_num_blocks
-        total = num if full is None else num + full
-        return [int(x) for x in total.sum(dim=(0, 1)).tolist()]
-    bounds = [int(x) for x in (spec.tolist() if isinstance(spec, torch.Tensor) else spec)]
-    n = bounds[-1] if bounds else 0
-    if len(bounds) < 2 or bounds[0] != 0 or any(a > b for a, b in itertools.pairwise(bounds)):
-        raise ArgumentError(
-            f"cu_seqlens must rise from 0 to N, [0, ..., N], got {bounds[:8]}"
-            f"{' ...' if len(bounds) > 8 else ''}."
-        )
-    if not isinstance(block, int) or block < 1:
-        raise ArgumentError(f"block must be a positive int, got {block!r}.")
-    doc = torch.zeros(n, dtype=torch.int64)  # each position's document
-    starts = torch.tensor(bounds[1:-1], dtype=torch.int64)
-    doc[starts[starts < n]] += 1
-    doc = doc.cumsum(0)
-    first = torch.tensor(bounds, dtype=torch.int64)[doc]  # each position's document start
-    last = torch.tensor(bounds[1:], dtype=torch.int64)[doc] - 1  # and end
-    work = []
-    for r0 in range(0, n, block):
-        r1 = min(r0 + block, n) - 1  # the block's rows r0 .. r1 see keys lo .. hi, one run
-        lo, hi = int(first[r0]), r1 if is_causal else int(last[r1])
-        work.append(hi // block - lo // block + 1)
-    return work
-
-
-def _fill(weights: list[int], world: int) -> list[list[int]]:
-    """The blocks split into ``world`` groups of equal count, loads near equal: largest
-    first into the lightest group with room, then swaps between the heaviest and the
-    lightest group while they narrow the spread."""
-    per = len(weights) // world
-    groups: list[list[int]] = [[] for _ in range(world)]
-    loads = [0] * world
-    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        r = min((r for r in range(world) if len(groups[r]) < per), key=lambda r: (loads[r], r))
-        groups[r].append(i)
-        loads[r] += weights[i]
-    for _ in range(len(weights) ** 2):
-        a, b = max(range(world), key=loads.__getitem__), min(range(world), key=loads.__getitem__)
-        gap = loads[a] - loads[b]
-        best = min(
-            ((x, y) for x in groups[a] for y in groups[b] if 0 < weights[x] - weights[y] < gap),
-            key=lambda xy: abs(gap - 2 * (weights[xy[0]] - weights[xy[1]])),
-            default=None,
-        )
-        if best is None:
-            break
-        x, y = best
-        groups[a][groups[a].index(x)], groups[b][groups[b].index(y)] = y, x
-        moved = weights[x] - weights[y]
-        loads[a], loads[b] = loads[a] - moved, loads[b] + moved
-    return [sorted(g) for g in groups]
-
-
-def balanced_layout(
-    spec: Any, world: int, block: int = 128, is_causal: bool = True
-) -> torch.Tensor:
-    """A permutation of the sequence's positions that gives each of ``world`` ranks an equal
-    share of the work under a block-sparse mask (`block_work`: packed documents, causal or
-    not, or a BlockMask).
-
-    Returns perm: int64 [N], whole blocks moved; rank r holds the positions
-    ``perm[r N/P : (r+1) N/P]`` (its blocks in their order in the sequence): cut
-    ``x.index_select(-2, perm)`` with ``shard(..., layout="contiguous")``, and build the
-    mask over the permuted positions (``mask_mod(b, h, perm[i], perm[j])``).  Each rank
-    computes its query blocks against every key block, so its work is the sum of its
-    blocks' `block_work`; `rank_work` counts it.  Under a causal mask of packed documents,
-    "zigzag" balances one document but not many of mixed lengths; this does (the blocks
-    split largest first, then swapped until no swap narrows the spread).  Needs N divisible
-    by ``block * world``.
-
-    >>> perm = balanced_layout([0, 8, 12, 16], 2, block=2)   # causal documents of 8, 4, 4
-    >>> rank_work([0, 8, 12, 16], 2, perm, block=2), rank_work([0, 8, 12, 16], 2, "zigzag", block=2)
-    ([8, 8], [6, 10])
-    """
-    work = block_work(spec, block, is_causal)
-    if hasattr(spec, "kv_num_blocks"):
-        block = int(spec.BLOCK_SIZE[0])
-        n = int(spec.seq_lengths[0])
-    else:
-        n = int(spec[-1])
-    if not isinstance(world, int) or world < 1:
-        raise ArgumentError(f"world must be an int >= 1, got {world!r}.")
-    if n % (block * world):
-        raise ArgumentError(
-            f"balanced_layout moves whole blocks of {block} and gives each of the {world} "
-            f"ranks as many, so N = {n} must be a multiple of {block * world}; pad the "
-            "sequence or pick a block size that divides N / world."
-        )
-    order = [b for group in _fill(work, world) for b in group]
-    return (torch.tensor(order, dtype=torch.int64)[:, None] * block + torch.arange(block)).flatten()
-
-
-def rank_work(
-    spec: Any, world: int, layout: str | torch.Tensor, block: int = 128, is_causal: bool = True
-) -> list[int]:
-    """Each rank's (query block, key block) pairs under ``spec`` (as `block_work`) when the
-    sequence is cut by ``layout``: "contiguous", "zigzag", or a permutation of positions
-    (`balanced_layout`) cut contiguously.  Blocks must not straddle two ranks' chunks.
-
-    >>> rank_work([0, 16], 2, "contiguous", block=2), rank_work([0, 16], 2, "zigzag", block=2)
-    ([10, 26], [18, 18])
-    """
-    work = block_work(spec, block, is_causal)
-    if hasattr(spec, "kv_num_blocks"):
-        block = int(spec.BLOCK_SIZE[0])
-    n = len(work) * block
-    positions = torch.arange(n) if isinstance(layout, str) else layout
-    if isinstance(layout, str):
-        positions = torch.cat([shard(positions[:, None], r, world, layout)[:, 0]
-                               for r in range(world)])  # fmt: skip
-    per = n // world
-    if n % world or (per % block and not isinstance(layout, str)):
-        raise ArgumentError(f"N = {n} does not split into {world} shards of whole blocks.")
-    blocks = [sorted({int(x) // block for x in positions[r * per : (r + 1) * per].tolist()})
-              for r in range(world)]  # fmt: skip
-    return [sum(work[b] for b in mine) for mine in blocks]
