@@ -94,19 +94,23 @@ def ring_backward(
     one = ring.dropout is not None or shard.mask != (None, None) or ring.flex is not None
     groups = 1 if one else min(hkv, HEAD_GROUPS)
     if groups == 1:  # the accumulators that come home are dk, dv: no second pair held
-        dk_c, dv_c = _ring_backward_group(dq, shard, ring, scale)
+        dk_c, dv_c = _ring_backward_group(dq, shard, ring, scale, own_first=False)
         return dq.to(q.dtype), dk_c.to(k.dtype), dv_c.to(shard.v.dtype)
     dk, dv = torch.empty_like(k), torch.empty_like(shard.v)
     bounds = [hkv * i // groups for i in range(groups + 1)]
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
-        dk[:, kh], dv[:, kh] = _ring_backward_group(dq[:, qh], shard.heads(qh, kh), ring, scale)
+        group = shard.heads(qh, kh)
+        dk[:, kh], dv[:, kh] = _ring_backward_group(dq[:, qh], group, ring, scale, own_first=True)
     return dq.to(q.dtype), dk, dv
 
 
-def _ring_backward_group(dq: torch.Tensor, shard: Shard, ring: Ring, scale: float) -> Tensors:
+def _ring_backward_group(
+    dq: torch.Tensor, shard: Shard, ring: Ring, scale: float, own_first: bool
+) -> Tensors:
     """One ring pass for a group of heads: adds into ``dq`` (and the shard's dbias and
-    dcaptured), returns this shard's dk, dv in the compute dtype (`carry_home`)."""
+    dcaptured), returns this shard's dk, dv in the compute dtype (`carry_home`, which
+    takes ``own_first``)."""
     q, o, stats, dout, dlse = shard.q, shard.o, shard.stats, shard.dout, shard.dlse
 
     def add_share(blocks: list[Block], shards: Tensors, accumulators: Tensors) -> None:
@@ -127,7 +131,8 @@ def _ring_backward_group(dq: torch.Tensor, shard: Shard, ring: Ring, scale: floa
                 Backward(problem, final, rows_of(dout, blk.rows), dlse_b, grads, dcaptured)
             )
 
-    return carry_home(ring, q.shape[2], (shard.k, shard.v), (shard.k, shard.v), add_share)
+    kv = (shard.k, shard.v)
+    return carry_home(ring, q.shape[2], kv, kv, add_share, own_first)
 
 
 def ring_gradients(

@@ -242,18 +242,20 @@ def carry_home(
     held: Tensors,
     likes: Tensors,
     visit: Callable[[list[Block], Tensors, Tensors], None],
+    own_first: bool,
 ) -> Tensors:
     """Pass ``held`` around the ring with accumulators shaped like ``likes`` (in the compute
     dtype) travelling beside them; returns this rank's, holding every rank's share.
 
-    The own pairs go first, into accumulators of their own, while the first shards
-    travel.  At step s = 1 .. P-1 the shards of rank r - s arrive (and go on to r + 1
-    while this rank computes); their accumulators arrive from rank r - 1 holding the
-    shares of ranks r - s + 1 .. r - 1 (zeros at s = 1), ``visit(blocks, shards,
-    accumulators)`` adds this rank's share into them, and they go on.  After step
-    P-1 the own shards' accumulators come back holding every other rank's share, and
-    the own share joins them: P - 1 sends of the shards and P - 1 of the accumulators
-    per rank.
+    At step s = 1 .. P-1 the shards of rank r - s arrive (and go on to r + 1 while
+    this rank computes); their accumulators arrive from rank r - 1 holding the shares
+    of ranks r - s + 1 .. r - 1 (zeros at s = 1), ``visit(blocks, shards,
+    accumulators)`` adds this rank's share into them, and they go on.  After step P-1
+    the own shards' accumulators come back holding every other rank's share, and the
+    own share joins them: P - 1 sends of the shards and P - 1 of the accumulators per
+    rank.  With ``own_first`` the own pairs go first, into accumulators of their own,
+    while the first shards travel: that wait is hidden, for one more set of
+    accumulators held (the callers take it where the accumulators are a head group's).
     """
     steps = ring.steps(seq_local)
 
@@ -261,12 +263,10 @@ def carry_home(
         return tuple(torch.zeros(t.shape, dtype=compute_dtype(t.dtype), device=t.device)
                      for t in likes)  # fmt: skip
 
-    def send(accumulators: Tensors) -> Exchange | None:
-        return ring.comm.send_recv(accumulators) if accumulators else None
-
     incoming: Exchange | None = ring.comm.send_recv(held)
-    own_share = zeros()
-    visit(steps[0], held, own_share)
+    own_share = zeros() if own_first else ()
+    if own_first:
+        visit(steps[0], held, own_share)
     travelling: Exchange | None = None  # the accumulators of the shards about to arrive
     for s in range(1, len(steps)):
         assert incoming is not None  # posted at the step before
@@ -275,11 +275,11 @@ def carry_home(
         accumulators = zeros() if travelling is None else tuple(travelling.wait())
         visit(steps[s], shards, accumulators)
         del shards
-        travelling = send(accumulators)
+        travelling = ring.comm.send_recv(accumulators) if accumulators else None
         del accumulators
-    if travelling is None:  # no accumulators
-        return own_share
-    own = tuple(travelling.wait())
-    for total, share in zip(own, own_share, strict=True):
+    own = () if travelling is None else tuple(travelling.wait())  # () where no accumulators
+    if not own_first:
+        visit(steps[0], held, own)
+    for total, share in zip(own, own_share, strict=False):
         total += share
     return own

@@ -158,33 +158,44 @@ def ring_second_order(
         None if bias is None else zeros(bias, need_bias),
         tuple(zeros(t, w) for t, w in zip(captured, need_captured, strict=True) if t is not None),
     )  # fmt: skip
-    grad_k, grad_v = zeros(k, need_k), zeros(v, need_v)
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     one = ring.dropout is not None or bias is not None or keep is not None or ring.flex is not None
     groups = 1 if one else min(hkv, HEAD_GROUPS)
+    if groups == 1:  # grad k and grad v are the accumulators that come home
+        home = iter(_group_rings(ring, scale, whole, common, own_first=False))
+        grad_k = next(home) if need_k else None
+        grad_v = next(home) if need_v else None
+        return _gradients(whole, common, grad_k, grad_v, need_dlse)
+    grad_k, grad_v = zeros(k, need_k), zeros(v, need_v)
     bounds = [hkv * i // groups for i in range(groups + 1)]
     for h0, h1 in itertools.pairwise(bounds):
         qh, kh = slice(h0 * g, h1 * g), slice(h0, h1)
-        part = whole if groups == 1 else whole.heads(qh, kh)
-        views = common if groups == 1 else replace(
+        views = replace(
             common, grad_dout=_cut(common.grad_dout, qh), grad_q=_cut(common.grad_q, qh)
-        )  # fmt: skip
-        home = _group_rings(ring, scale, part, views)
-        for total, got in zip((grad_k, grad_v), home, strict=False):
+        )
+        home = iter(_group_rings(ring, scale, whole.heads(qh, kh), views, own_first=True))
+        for total in (grad_k, grad_v):
             if total is not None:
-                total[:, kh] = got
+                total[:, kh] = next(home)
+    return _gradients(whole, common, grad_k, grad_v, need_dlse)
+
+
+def _gradients(
+    whole: _Part, c: _Rings, grad_k: Optional, grad_v: Optional, need_dlse: bool
+) -> tuple[Optional, ...]:
+    """`ring_second_order`'s result from its accumulators (grad dlse: the row sums' r)."""
     r = whole.sums[..., 1] if need_dlse else None
-    return (common.grad_dout, r, common.grad_q, grad_k, grad_v, common.grad_bias,
-            *common.grad_captured)  # fmt: skip
+    return (c.grad_dout, r, c.grad_q, grad_k, grad_v, c.grad_bias, *c.grad_captured)
 
 
 def _cut(t: Optional, h: slice) -> Optional:
     return None if t is None else t[:, h]
 
 
-def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings) -> Tensors:
+def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings, own_first: bool) -> Tensors:
     """The two rings for one group of heads: fills x.sums, adds into c's accumulators (views
-    of the group's heads), returns its grad k and grad v (those wanted, in that order)."""
+    of the group's heads), returns its grad k and grad v (those wanted, in that order;
+    `carry_home` takes ``own_first``)."""
     n = x.q.shape[2]
 
     def block_cotangents(blk: Block, shards: Tensors, pair: Any) -> tuple[Optional, ...]:
@@ -244,7 +255,7 @@ def _group_rings(ring: Ring, scale: float, x: _Part, c: _Rings) -> Tensors:
                     total += got
 
     likes = x.travel.tensors[:1] * c.need_k + x.travel.tensors[1:2] * c.need_v
-    return carry_home(ring, n, x.travel.tensors, likes, add_share)
+    return carry_home(ring, n, x.travel.tensors, likes, add_share, own_first)
 
 
 class RingGradients(torch.autograd.Function):
