@@ -221,7 +221,7 @@ def rank_pairs(
     """W [P][P]: the (query block, key block) pairs of rank r's query blocks against rank c's
     key blocks that hold a kept score under ``spec`` (as `block_work`), the sequence cut by
     ``layout``: "contiguous", "zigzag", or a permutation of positions (`balanced_layout`)
-    cut contiguously.  Ring step s computes W[r][(r - s) mod P] on rank r.  Each rank's
+    cut contiguously.  Ring step s computes ``W[r][(r - s) mod P]`` on rank r.  Each rank's
     chunks must be whole blocks (else ValueError).
 
     >>> rank_pairs([0, 16], 2, "contiguous", block=2), rank_pairs([0, 16], 2, "zigzag", block=2)
