@@ -218,7 +218,7 @@ def balanced_layout(
 def rank_pairs(
     spec: Any, world: int, layout: str | torch.Tensor, block: int = 128, is_causal: bool = True
 ) -> list[list[int]]:
-    """W [P][P]: the (query block, key block) pairs of rank r's query blocks against rank c's
+    """``W``, P × P: the (query block, key block) pairs of rank r's query blocks against rank c's
     key blocks that hold a kept score under ``spec`` (as `block_work`), the sequence cut by
     ``layout``: "contiguous", "zigzag", or a permutation of positions (`balanced_layout`)
     cut contiguously.  Ring step s computes ``W[r][(r - s) mod P]`` on rank r.  Each rank's
