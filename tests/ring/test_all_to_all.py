@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from duals import forward_mode, forward_over_reverse
 from process_group import join, launch, shared_run
-from torch.autograd import forward_ad
 
 import attngrad
 from attngrad.core.dropout import Dropout, keep_mask, mix32
@@ -243,24 +243,14 @@ def _run(ac: A2ACase, full: dict, rank: int, world: int, fn) -> dict[str, torch.
     def call(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return fn(x["q"], x["k"], x["v"], x.get("mask", mine.get("mask")), x.get("sinks"), kw)
 
+    tangents = {n: mine.get("t" + n) for n in names}  # forward mode's and hvp's
     if ac.order == "forward":
-        with forward_ad.dual_level():
-            duals = {n: forward_ad.make_dual(mine[n], mine["t" + n]) for n in names}
-            out, lse = call(duals)
-            (o, to), (lse_, tlse) = (forward_ad.unpack_dual(x) for x in (out, lse))
-        return {"out": o, "lse": lse_, "tout": to, "tlse": tlse}
+        return forward_mode(call, {n: mine[n] for n in names}, tangents)
     leaves = {n: mine[n].clone().requires_grad_() for n in names}
     if ac.order == "hvp":  # forward over reverse: the gradients' tangents
-        with forward_ad.dual_level():
-            duals = {n: forward_ad.make_dual(leaves[n], mine["t" + n]) for n in names}
-            out, lse = call(duals)
-            grads = torch.autograd.grad(_loss(ac, mine, out, lse), list(duals.values()),
-                                        create_graph=True)  # fmt: skip
-            unpacked = [forward_ad.unpack_dual(g) for g in grads]
-            got = {"out": forward_ad.unpack_dual(out).primal.detach()}
-            got |= {"d" + n: u.primal.detach() for n, u in zip(names, unpacked, strict=True)}
-            got |= {"hvp" + n: u.tangent.detach() for n, u in zip(names, unpacked, strict=True)}
-        return got
+        return forward_over_reverse(
+            call, leaves, tangents, lambda out, lse: _loss(ac, mine, out, lse)
+        )
     out, lse = call(leaves)
     second = ac.order == "second"
     grads = torch.autograd.grad(_loss(ac, mine, out, lse), list(leaves.values()),

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from duals import forward_mode, forward_over_reverse
 from process_group import join, launch, shared_run
-from torch.autograd import forward_ad
 from torch.distributed.nn.functional import all_reduce
 
 import attngrad
@@ -238,23 +238,19 @@ def _run(fc: FlexShardCase, full: dict, rank: int, world: int, flex, packed, gro
             t = shard(t, rank, world, fc.layout)
         mine[name] = t.to(fc.dtype)
     names = [n for n in ("q", "k", "v", "theta") if n in mine]
+    tangents = {n: mine.get("t" + n) for n in names}  # forward mode's and hvp's
     if fc.order == "forward":
-        with forward_ad.dual_level():
-            duals = {n: forward_ad.make_dual(mine[n], mine["t" + n]) for n in names}
-            out, lse = _call(fc, duals, flex, packed)
-            (o, to), (lse_, tlse) = (forward_ad.unpack_dual(x) for x in (out, lse))
-        return {"out": o, "lse": lse_, "tout": to, "tlse": tlse}
+        return forward_mode(
+            lambda x: _call(fc, x, flex, packed), {n: mine[n] for n in names}, tangents
+        )
     leaves = {n: mine[n].clone().requires_grad_() for n in names}
     if fc.order == "hvp":  # forward over reverse: the gradients' tangents
-        with forward_ad.dual_level():
-            duals = {n: forward_ad.make_dual(leaves[n], mine["t" + n]) for n in names}
-            out, lse = _call(fc, duals, flex, packed)
-            grads = torch.autograd.grad(_loss(fc, mine, out, lse), list(duals.values()),
-                                        create_graph=True)  # fmt: skip
-            unpacked = [forward_ad.unpack_dual(g) for g in grads]
-            got = {"out": forward_ad.unpack_dual(out).primal.detach()}
-            got |= {"d" + n: u.primal.detach() for n, u in zip(names, unpacked, strict=True)}
-            got |= {"hvp" + n: u.tangent.detach() for n, u in zip(names, unpacked, strict=True)}
+        got = forward_over_reverse(
+            lambda x: _call(fc, x, flex, packed),
+            leaves,
+            tangents,
+            lambda out, lse: _loss(fc, mine, out, lse),
+        )
     else:
         out, lse = _call(fc, leaves, flex, packed)
         second = fc.order == "second"

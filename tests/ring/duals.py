@@ -1,0 +1,41 @@
+"""Forward-mode runs shared by the ring's test files: a call on dual tensors, and forward
+over reverse (the gradients' tangents), each returning the values the tests compare."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.autograd import forward_ad
+
+Call = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def forward_mode(
+    call: Call, primals: dict[str, torch.Tensor], tangents: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """out, lse and their tangents ("tout", "tlse") of ``call`` on primals + tangents."""
+    with forward_ad.dual_level():
+        duals = {n: forward_ad.make_dual(p, tangents[n]) for n, p in primals.items()}
+        out, lse = call(duals)
+        (o, to), (lse_, tlse) = (forward_ad.unpack_dual(x) for x in (out, lse))
+    return {"out": o, "lse": lse_, "tout": to, "tlse": tlse}
+
+
+def forward_over_reverse(
+    call: Call,
+    leaves: dict[str, torch.Tensor],
+    tangents: dict[str, torch.Tensor],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """out, the gradients of loss(out, lse) w.r.t. the leaves ("d" + name) and their
+    tangents along ``tangents`` ("hvp" + name: Hessian-vector products)."""
+    with forward_ad.dual_level():
+        duals = {n: forward_ad.make_dual(t, tangents[n]) for n, t in leaves.items()}
+        out, lse = call(duals)
+        grads = torch.autograd.grad(loss(out, lse), list(duals.values()), create_graph=True)
+        unpacked = dict(zip(leaves, (forward_ad.unpack_dual(g) for g in grads), strict=True))
+        got = {"out": forward_ad.unpack_dual(out).primal.detach()}
+        got |= {"d" + n: u.primal.detach() for n, u in unpacked.items()}
+        got |= {"hvp" + n: u.tangent.detach() for n, u in unpacked.items()}
+    return got
