@@ -52,7 +52,7 @@ class Exchange:
     def wait(self) -> list[torch.Tensor]:
         for work in self._works:
             self._comm.wait(work, "sending to / receiving from its ring neighbours")
-        self._sent = []
+        self._works, self._sent = [], []  # a finished work still holds its tensors
         return self._received
 
 
