@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from duals import forward_mode, forward_over_reverse
+from duals import forward_mode, forward_over_reverse, func_forward_over_reverse, func_jvp
 from process_group import join, launch, shared_run
 from torch.distributed.nn.functional import all_reduce
 
@@ -112,8 +112,9 @@ class FlexShardCase:
     packed: cu_seqlens through `packed_ring_attention` (causal) instead of flex; order:
     "first" (out, lse and the gradients of out * dout + sin(lse)), "second" (those with
     create_graph, then the gradients of the sum of their squares), "hvp" (the gradients'
-    tangents along the inputs' tangents: forward over reverse) or "forward" (forward_ad
-    tangents).
+    tangents along the inputs' tangents: forward over reverse), "forward" (forward_ad
+    tangents) or "func" and "func-hvp" (forward mode and forward over reverse through
+    torch.func).
     """
 
     world: int
@@ -163,6 +164,7 @@ CASES = [
     FlexShardCase(3, None, "per-head"),
     FlexShardCase(2, "alibi", "causal", order="second"),
     FlexShardCase(2, "relative", "per-head", order="forward"),
+    FlexShardCase(3, "relative", "causal", order="func", strategy="fused"),
     FlexShardCase(2, "alibi", "causal-document", strategy="fused"),
     FlexShardCase(4, "relative", "per-head", strategy="fused"),
     FlexShardCase(3, dtype=F32, verify="alibi"),
@@ -184,9 +186,12 @@ CASES = [
     _ring(3, "relative", "causal-document", "contiguous", order="second", strategy="fused"),
     _ring(2, "relative", "per-head", order="forward", strategy="fused"),
     _ring(3, "alibi", "causal-document", order="forward"),
+    _ring(2, "relative", "causal-document", order="func", strategy="fused"),
+    _ring(3, "alibi", "causal", "contiguous", order="func"),
     _ring(3, None, None, dtype=F32, verify="alibi", strategy="fused"),
     _ring(2, "alibi", "causal-document", order="hvp", strategy="fused"),
     _ring(3, "relative", "causal", "contiguous", order="hvp"),
+    _ring(2, "relative", "causal-document", order="func-hvp", strategy="fused"),
     FlexShardCase(2, "alibi", "causal", order="hvp"),
 ]
 
@@ -239,13 +244,13 @@ def _run(fc: FlexShardCase, full: dict, rank: int, world: int, flex, packed, gro
         mine[name] = t.to(fc.dtype)
     names = [n for n in ("q", "k", "v", "theta") if n in mine]
     tangents = {n: mine.get("t" + n) for n in names}  # forward mode's and hvp's
-    if fc.order == "forward":
-        return forward_mode(
-            lambda x: _call(fc, x, flex, packed), {n: mine[n] for n in names}, tangents
-        )
+    if fc.order in ("forward", "func"):
+        run = forward_mode if fc.order == "forward" else func_jvp
+        return run(lambda x: _call(fc, x, flex, packed), {n: mine[n] for n in names}, tangents)
     leaves = {n: mine[n].clone().requires_grad_() for n in names}
-    if fc.order == "hvp":  # forward over reverse: the gradients' tangents
-        got = forward_over_reverse(
+    if fc.order in ("hvp", "func-hvp"):  # forward over reverse: the gradients' tangents
+        run = forward_over_reverse if fc.order == "hvp" else func_forward_over_reverse
+        got = run(
             lambda x: _call(fc, x, flex, packed),
             leaves,
             tangents,
@@ -641,6 +646,21 @@ def test_balanced_layout_evens_out_each_step_of_the_ring():
     )
     assert block_work(mask) == block_work(cu)
     assert rank_pairs(mask, 4, balanced_layout(mask, 4)) == rank_pairs(cu, 4, perm)
+
+
+@pytest.mark.parametrize(("world", "n"), [(2, 4096), (3, 6144), (4, 4096), (8, 8192)])
+def test_balanced_layout_keeps_every_ranks_total_within_a_tenth_of_the_mean(world, n):
+    # 8 causal documents cut at random: the step swaps lower T but may not unsettle the totals
+    gen = torch.Generator().manual_seed(world)
+    for _ in range(25):
+        cu = [0, *sorted((torch.randperm(n - 1, generator=gen)[:7] + 1).tolist()), n]
+        perm = balanced_layout(cu, world)
+        work = rank_work(cu, world, perm)
+        mean = sum(work) / world
+        assert max(abs(w - mean) for w in work) <= 0.1 * mean, (cu, work)
+        assert _ring_time(rank_pairs(cu, world, perm)) <= _ring_time(
+            rank_pairs(cu, world, "zigzag")
+        ), cu
 
 
 def test_pairs_need_whole_blocks_on_each_rank():

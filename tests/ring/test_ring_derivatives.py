@@ -120,7 +120,8 @@ WORLD = 4
 
 def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
     """torch.func's transforms of f(q, k, v) and of the loss f(...)^2 summed: the jvp, the
-    gradient, a vjp, forward over reverse (an HVP) and the gradient of a gradient penalty."""
+    gradient, a vjp, forward over reverse (an HVP; also of a loss linear in f) and the
+    gradient of a gradient penalty."""
     q, k, v, tq, _, _ = inputs
 
     def loss(q, k, v):
@@ -137,6 +138,10 @@ def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
             1
         ],
         "grad(grad)": lambda: torch.func.grad(penalty)(q),
+        # a loss linear in the output: the gradients' tangents come from q's alone
+        "jvp(grad), linear": lambda: torch.func.jvp(
+            torch.func.grad(lambda x: (f(x, k, v) * inputs[4]).sum()), (q,), (tq,)
+        )[1],
     }
 
 
@@ -229,7 +234,9 @@ def test_ring_derivatives_match_the_single_process_call(ac, ring_run):
         assert not failed, "; ".join(failed)
 
 
-@pytest.mark.parametrize("name", ["jvp", "grad", "vjp", "jvp(grad)", "grad(grad)"])
+@pytest.mark.parametrize(
+    "name", ["jvp", "grad", "vjp", "jvp(grad)", "grad(grad)", "jvp(grad), linear"]
+)
 def test_torch_func_through_the_ring(ring_run, name):
     def f(q, k, v):
         return attngrad.attention(q, k, v, is_causal=True, strategy="fused")

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from attngrad.api import attention
+from attngrad.autograd.linearized import Terminal
 from attngrad.autograd.tangent import output_tangent
 from attngrad.core.band import validate_window
 from attngrad.core.contract import (
@@ -90,6 +91,7 @@ from attngrad.ring.blocks import (
     Travel,
     block_pair,
     block_problem,
+    build_pairs,
     circulate,
     mask_block,
     rows_of,
@@ -299,13 +301,44 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, bias, keep, o, stats, *captured = ctx.saved_tensors
         moved = (*tangents[:4], *tangents[7:])
         with torch.no_grad():  # under a reverse pass too (forward over reverse): not recorded
-            t_o, t_lse = ring_tangent(
-                q, k, v, o, stats, moved, ctx.ring, ctx.scale, (bias, keep), tuple(captured)
-            )
+            t_o, t_lse = RingTangent.apply(ctx.ring, ctx.scale, *moved, *ctx.saved_tensors)  # type: ignore[no-untyped-call]
         return t_o, t_lse, None
+
+
+class RingTangent(Terminal):
+    """`ring_tangent` as a Function that is not differentiated again.
+
+    RingTangent.apply(ring, scale, q', k', v', bias', *captured', q, k, v, bias, keep, o,
+    stats, *captured) -> (O', lse'), as `ring_tangent` returns them.  Under
+    ``torch.func.jvp`` `RingAttention.jvp` runs at the transform's level, on its wrappers,
+    where the score_mod's tangent (autograd on a tile) cannot run; a Function's forward
+    runs below it, on plain tensors."""
+
+    MISSING = (
+        "reverse mode over ring attention's forward mode is not implemented: for second "
+        "derivatives take forward over reverse or create_graph=True."
+    )
+
+    @staticmethod
+    def forward(ring: Ring, scale: float, *args: torch.Tensor | None) -> Any:
+        n = (len(args) - 3) // 2  # 4 + n_captured tangents, 7 + n_captured tensors
+        q, k, v, bias, keep, o, stats, *captured = args[n:]
+        assert q is not None and k is not None and v is not None
+        assert o is not None and stats is not None
+        return ring_tangent(
+            q,
+            k,
+            v,
+            o,
+            stats,
+            args[:n],
+            ring,
+            scale,
+            (bias, keep),
+            tuple(captured),  # type: ignore[arg-type]
+        )
 
 
 def flex_over_ring(
@@ -325,8 +358,9 @@ def flex_over_ring(
     leaves the pair empty); ``captured``: the score_mod's tensors, in ``pairs.keys``'s
     order (their gradients are this rank's shares).  Checked by the caller."""
     ring = Ring(comm, layout, False, REGISTRY[strategy], flex=pairs)
-    o, lse_, _ = RingAttention.apply(q, k.contiguous(), v.contiguous(), None, None, ring, scale,
-                                     *captured)  # type: ignore[no-untyped-call]  # fmt: skip
+    k, v = k.contiguous(), v.contiguous()
+    build_pairs(ring, q, k, v)
+    o, lse_, _ = RingAttention.apply(q, k, v, None, None, ring, scale, *captured)  # type: ignore[no-untyped-call]
     return o, lse_
 
 
@@ -387,7 +421,10 @@ def ring_attention(
     Derivatives, under both schemes: backward; double backward
     (``create_graph=True``, e.g. a gradient penalty); forward mode
     (``torch.autograd.forward_ad`` and ``torch.func.jvp``: each rank passes
-    its shards' tangents and gets its rows' tangents of out and lse).  Under
+    its shards' tangents and gets its rows' tangents of out and lse);
+    ``torch.func.grad``, ``vjp`` and their compositions (jvp of grad, grad of
+    grad).  torch.func's vmap-based transforms (vmap, jacrev, jacfwd, hessian)
+    run under "all_to_all" only.  Under
     "ring" first-order backward and forward mode are rings of their own at
     O(N/P) memory per rank (forward mode sends k' and v' beside k and v);
     under ``create_graph=True`` the gradients' own backward is a second-order
@@ -410,8 +447,9 @@ def ring_attention(
     ``timeout``: seconds a rank waits on its peers at each step before it
     raises `attngrad.ring.RingTimeoutError` (a peer died, hangs or never
     called).  ``strategy``: under "ring" the per-block kernel, one of
-    `BLOCK_STRATEGIES` (None: triton on CUDA when Triton is installed, else
-    flash); under "all_to_all" any of `attngrad.STRATEGIES` or "auto".
+    `BLOCK_STRATEGIES` (None: triton on CUDA when Triton is installed, fused on
+    CPU where its kernels build, else flash: `attngrad.strategies.tiled_default`);
+    under "all_to_all" any of `attngrad.STRATEGIES` or "auto".
     ``return_lse=True`` returns ``(out, lse)`` as `attngrad.attention` does:
     lse [..., Hq, N/P], this shard's rows' log-sum-exp over the full sequence.
 

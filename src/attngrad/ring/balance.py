@@ -22,7 +22,10 @@ rank 0 and step 0 of rank 1.
 `balanced_layout` moves whole blocks: largest first into the lightest rank
 with room, swaps between the heaviest and the lightest rank while one narrows
 their spread (equal totals), then swaps of one block of rank a with one of
-rank b that lower T, the best for each two ranks in turn, until none does.
+rank b that lower T, the best for each two ranks in turn, until none does.  A
+swap that lowers T may unsettle the totals: it is taken only where every rank's
+total stays within `TOTALS_SLACK` (10%) of the mean, or of the spread the first
+stage left where whole blocks allow no closer.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from attngrad.core.contract import ArgumentError
 from attngrad.ring.layout import shard
 
 __all__ = ["balanced_layout", "block_work", "rank_pairs", "rank_work"]
+
+TOTALS_SLACK = 0.1  # how far from the mean the step swaps may move a rank's total
 
 
 def _pair_counts(spec: Any, block: int, is_causal: bool) -> tuple[torch.Tensor, int]:
@@ -132,8 +137,9 @@ def _ring_time(w: torch.Tensor) -> torch.Tensor:
 
 def _even_steps(counts: torch.Tensor, groups: list[list[int]]) -> list[list[int]]:
     """``groups`` after swaps of one block between two ranks that lower the ring's time T
-    (module docstring): for each two ranks in turn the swap that lowers it most, passes
-    over every two ranks until one swaps nothing.
+    (module docstring): for each two ranks in turn the swap that lowers it most while every
+    rank's total stays within ``TOTALS_SLACK`` of the mean (or of the spread ``groups``
+    have, if wider), passes over every two ranks until one swaps nothing.
 
     A swap of block x of rank a with block y of rank b moves x's pairs as a query from
     row a of W to row b (its counts against each rank's keys, out[x]) and as a key from
@@ -152,6 +158,8 @@ def _even_steps(counts: torch.Tensor, groups: list[list[int]]) -> list[list[int]
     out, into = m @ eye[rank], m.T @ eye[rank]  # [QB, P]: each block's pairs against each rank
     w = eye[rank].T @ out  # [P, P]
     now = float(_ring_time(w))
+    mean = float(m.sum()) / world
+    spread = max(TOTALS_SLACK * mean, float((w.sum(1) - mean).abs().max()))
     swapped = True
     while swapped:
         swapped = False
@@ -166,7 +174,11 @@ def _even_steps(counts: torch.Tensor, groups: list[list[int]]) -> list[list[int]
                 + (into[xs][:, None, :, None] - into[ys][None, :, :, None]) * u[None, :]
                 + self_pairs[..., None, None] * (u[:, None] * u[None, :])
             )  # [|xs|, |ys|, P, P]
-            times = _ring_time(moved).view(-1)
+            times = (
+                _ring_time(moved)
+                .masked_fill((moved.sum(-1) - mean).abs().amax(-1) > spread, torch.inf)
+                .view(-1)
+            )
             i = int(times.argmin())
             if float(times[i]) >= now:
                 continue

@@ -41,6 +41,7 @@ __all__ = [
     "Travel",
     "block_pair",
     "block_problem",
+    "build_pairs",
     "carry_home",
     "circulate",
     "extent",
@@ -185,6 +186,17 @@ def block_pair(
         return None
     assert blk.origin is not None  # a flex call makes the blocks positional
     return ring.flex.pair(blk.origin, qb, kb, vb)
+
+
+def build_pairs(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Build every pair this rank's passes compute (``ring.flex``'s, kept for them), q: [B, Hq,
+    n, d] and k: [B, Hkv, n, d], v: [B, Hkv, n, dv] (any rank's shards: the same shapes).
+    Called before the autograd.Function runs: a score_mod must be traced where the tensors
+    it reads are the caller's -- under ``torch.func.jvp`` or ``grad`` along one of them, a
+    wrapper of the transform's level, which inside the Function's forward is not live."""
+    for blocks in ring.steps(q.shape[2]):
+        for blk in blocks:
+            block_pair(ring, blk, rows_of(q, blk.rows), rows_of(k, blk.cols), rows_of(v, blk.cols))
 
 
 Tensors = tuple[torch.Tensor, ...]

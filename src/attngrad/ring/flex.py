@@ -46,7 +46,8 @@ its gradient on a rank is that rank's share: sum it over the group
 ranks.  Every derivative of flex_attention carries over under the all-to-all
 (the trades are linear `autograd.Function`\ s): backward, double backward,
 forward mode, torch.func's transforms; under the ring, backward, double
-backward and forward mode (``forward_ad``), as `attngrad.ring_attention`'s.
+backward, forward mode (``forward_ad``, ``torch.func.jvp``) and
+``torch.func.grad``, as `attngrad.ring_attention`'s.
 """
 
 from __future__ import annotations
@@ -269,7 +270,8 @@ def flex_ring_attention(
     every head against one key block at a time, the functions called at each pair's
     global positions ``(i + q0, j + k0)`` and the BlockMask cut to the pair; pairs the
     BlockMask leaves empty are skipped (balance them with `attngrad.ring.balanced_layout`);
-    any Hq, Hkv (GQA); backward, double backward and forward mode (``forward_ad``).
+    any Hq, Hkv (GQA); backward, double backward, forward mode (``forward_ad``,
+    ``torch.func.jvp``) and ``torch.func.grad``.
     Under either, a tensor the score_mod captures gets this rank's share of its gradient:
     sum it over ``group`` (``dist.all_reduce``).
 

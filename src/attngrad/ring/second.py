@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from attngrad.autograd.gradients import in_dtypes_of
 from attngrad.autograd.linearized import Terminal
@@ -307,6 +308,12 @@ class RingGradients(torch.autograd.Function):
             tensors[2].device, "agreeing on the gradients' tangents",
         )  # fmt: skip
         out: list[Optional] = [None] * (4 + len(tensors) - 9)
+        if moving_input and not moving_cotangent and retrieve_all_functorch_interpreters():
+            # under torch.func.jvp, tangents made by the second-order Function alone trip
+            # torch's forward-grad check on this Function's outputs (an internal assert);
+            # through the first-order ring too (on zero cotangents) they do not
+            t = (torch.zeros_like(tensors[0]), *t[1:])
+            moving_cotangent = True
         if moving_cotangent:
             first = RingGradients.apply(ring, scale, need, t[0], t[1], *tensors[2:])  # type: ignore[no-untyped-call]
             out = list(first)
