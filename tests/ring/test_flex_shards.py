@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from attngrad.ring import (
     packed_ring_attention,
     rank_pairs,
     rank_work,
+    ring_attention,
     shard,
     unshard,
 )
@@ -415,6 +417,30 @@ def _block_calls(rank: int, group) -> dict[str, tuple[int, int]]:
     return found
 
 
+def _through_ring_attention(rank: int, group) -> dict[str, list[torch.Tensor]]:
+    """By scheme: out and the gradients of q and theta through `ring_attention`'s score_mod and
+    block_mask keywords, then through `flex_ring_attention` (P = 2, zigzag)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (shard(torch.randn(1, 4, 32, 4, generator=gen, dtype=F64), rank, 2, "zigzag")
+               for _ in range(3))  # fmt: skip
+    blocks = _block_mask("causal-document", 32, 4)
+    found = {}
+    for scheme in ("ring", "all_to_all"):
+        runs = []
+        for via_ring_attention in (True, False):
+            x = q.clone().requires_grad_()
+            theta = torch.full((4,), 0.25, dtype=F64, requires_grad=True)
+            kw = {"group": group, "layout": "zigzag", "scheme": scheme}
+            if via_ring_attention:
+                out = ring_attention(x, k, v, score_mod=_alibi(theta), block_mask=blocks, **kw)
+            else:
+                out = flex_ring_attention(x, k, v, _alibi(theta), blocks, enable_gqa=True, **kw)
+            out.square().sum().backward()
+            runs += [out.detach(), x.grad, theta.grad]
+        found[scheme] = runs
+    return found
+
+
 def _worker(rank: int, store: str, out_dir: str) -> None:
     groups = join(rank, store, WORLD)
     results: dict[str, object] = {}
@@ -425,6 +451,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             results[fc.id] = _run(fc, _inputs(fc), rank, fc.world, flex, packed, group)
     if rank < 2:
         results["errors"] = _errors(rank, groups[2])
+        results["ring_attention"] = _through_ring_attention(rank, groups[2])
     results["block calls"] = _block_calls(rank, groups[WORLD])
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     os._exit(0)
@@ -486,6 +513,15 @@ def test_settings_that_differ_across_ranks_raise_the_same_error_on_every_rank(
     assert messages[0] == messages[1]
     kind, message = messages[0]
     assert kind == "ArgumentError" and table in message, message
+
+
+@pytest.mark.parametrize("scheme", ["ring", "all_to_all"])
+def test_ring_attention_takes_score_mod_and_block_mask_as_flex_ring_attention(group_run, scheme):
+    for res in group_run[:2]:
+        runs = res["ring_attention"][scheme]
+        for name, got, want in zip(("out", "dq", "dtheta"), runs[:3], runs[3:], strict=True):
+            assert got.abs().sum() > 0, name
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
 
 
 def test_a_block_mask_built_for_other_lengths_is_refused_before_the_ring(group_run):
@@ -557,11 +593,33 @@ def test_without_a_process_group_it_is_flex_attention(scheme):
     got = flex_ring_attention(q, q, q, _alibi(theta), blocks, return_lse=True, scheme=scheme)
     want = attngrad.flex_attention(q, q, q, _alibi(theta), blocks, return_lse=True)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    got = ring_attention(q, q, q, score_mod=_alibi(theta), block_mask=blocks, return_lse=True,
+                         scheme=scheme)  # fmt: skip
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     cu = torch.tensor([0, 5, 16])
     torch.testing.assert_close(
         packed_ring_attention(q, q, q, cu, is_causal=True),
         attngrad.attention(q, q, q, is_causal=True, cu_seqlens_q=cu),
     )
+
+
+@pytest.mark.parametrize(
+    ("keyword", "shown"),
+    [
+        ({"is_causal": True}, "is_causal=True"),
+        ({"attn_mask": torch.ones(16, 16, dtype=torch.bool)}, "attn_mask=tensor of shape (16, 16)"),
+        ({"window": (4, 0)}, "window=(4, 0)"),
+        ({"softcap": 30.0}, "softcap=30.0"),
+        ({"sinks": torch.zeros(2)}, "sinks=tensor of shape (2,)"),
+        ({"dropout_p": 0.1}, "dropout_p=0.1"),
+    ],
+)
+def test_ring_attention_refuses_the_keywords_a_block_mask_takes_the_place_of(keyword, shown):
+    q = torch.randn(1, 2, 16, 4)
+    with pytest.raises(
+        ValueError, match=rf"take the place of .*got {re.escape(shown)} beside them"
+    ):
+        ring_attention(q, q, q, block_mask=_block_mask("causal", 16, 2), **keyword)
 
 
 @pytest.mark.parametrize("block", [4, 6, 16])

@@ -75,6 +75,7 @@ from attngrad.autograd.linearized import Terminal
 from attngrad.autograd.tangent import output_tangent
 from attngrad.core.band import validate_window
 from attngrad.core.contract import (
+    ArgumentError,
     ArgumentTypeError,
     check_flag,
     validate_attention,
@@ -395,6 +396,8 @@ def ring_attention(
     attn_mask: torch.Tensor | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    score_mod: Any = None,
+    block_mask: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention over a sequence sharded across the ranks of ``group``; each rank passes its shard.
 
@@ -470,12 +473,44 @@ def ring_attention(
     across them; a per-token one's is its rows'.  The same holds for an
     ``attn_mask`` shared by the rows.
 
+    ``score_mod``, ``block_mask``: FlexAttention's, written for the full
+    sequence (global positions and heads; the BlockMask built for [.., N, N]):
+    the call is `attngrad.ring.flex_ring_attention`'s under either scheme
+    (q, k, v 4-D).  As in `attngrad.flex_attention` they take the place of
+    ``is_causal``, ``attn_mask``, ``window``, ``softcap``, ``sinks`` and
+    dropout, which raise ValueError beside them (write them into the
+    mask_mod or the score_mod).
+
     Shards of unequal length, or different shapes, dtypes or settings on
     different ranks, raise ValueError on every rank (checked with one small
     all_gather).  Backward is collective too: every rank that called forward
     must run it.
     """
     scheme = validate_scheme(scheme)
+    if score_mod is not None or block_mask is not None:
+        beside = {"is_causal": is_causal, "attn_mask": attn_mask, "window": window,
+                  "softcap": softcap, "sinks": sinks, "dropout_p": dropout_p}  # fmt: skip
+        given = [
+            f"{name}=tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+            else f"{name}={value!r}"
+            for name, value in beside.items()
+            if isinstance(value, torch.Tensor) or value not in (None, False, 0.0)
+        ]  # fmt: skip
+        if given:
+            raise ArgumentError(
+                f"score_mod and block_mask take the place of is_causal, attn_mask, window, "
+                f"softcap, sinks and dropout (as in attngrad.flex_attention), got "
+                f"{', '.join(given)} beside them: write them into the BlockMask's mask_mod "
+                "(causal: kv_idx <= q_idx; a window: q_idx - kv_idx <= left) or the score_mod "
+                "(softcap: c * tanh(score / c))."
+            )
+        from attngrad.ring.flex import flex_ring_attention  # flex builds on this module
+
+        return flex_ring_attention(  # type: ignore[no-any-return]
+            q, k, v, score_mod, block_mask, group=group, scheme=scheme, layout=layout,
+            scale=scale, enable_gqa=True, return_lse=return_lse, timeout=timeout,
+            strategy="auto" if strategy is None else strategy,
+        )  # fmt: skip
     shapes = validate_attention(q, k, v, None, dropout_p, is_causal, scale, True)
     check_flag("return_lse", return_lse)
     sink = validate_sinks(sinks, q, shapes)
