@@ -378,10 +378,12 @@ def _errors(rank: int, group) -> dict[str, tuple[str, str]]:
     }
 
 
-def _block_calls(rank: int, group) -> dict[str, tuple[int, int]]:
+def _block_calls(rank: int, group) -> dict[str, object]:
     """How many times the ring's block kernel runs forward and backward on this rank (of 4,
     contiguous: one chunk each) under documents of one chunk each and under causal: the
-    pairs the BlockMask leaves empty are skipped, so 1 and rank + 1 of the 4 pairs."""
+    pairs the BlockMask leaves empty are skipped, so 1 and rank + 1 of the 4 pairs; the
+    same documents as ring_attention's attn_mask (bool, a float one at -inf, and one at
+    finfo.min, whose scores are kept: 4 pairs)."""
     n = 64
     docs = torch.arange(n) // (n // WORLD)
     masks = {
@@ -414,6 +416,23 @@ def _block_calls(rank: int, group) -> dict[str, tuple[int, int]]:
         finally:
             del kernel.forward, kernel.backward_into  # the class's methods again
         found[name] = (calls["forward"], calls["backward_into"])
+    same = docs[:, None] == docs[None, :]
+    low = torch.finfo(q.dtype).min
+    for name, mask in {
+        "attn_mask bool": same,
+        "attn_mask -inf": torch.zeros(n, n).masked_fill(~same, -torch.inf),
+        "attn_mask finfo.min": torch.zeros(n, n).masked_fill(~same, low),
+    }.items():
+        calls.update(forward=0, backward_into=0)
+        kernel.forward, kernel.backward_into = counted("forward"), counted("backward_into")
+        try:
+            out = ring_attention(q, q, q, attn_mask=shard(mask, rank, WORLD), group=group,
+                                 strategy="flash")  # fmt: skip
+            out.sum().backward()
+        finally:
+            del kernel.forward, kernel.backward_into
+        found[name] = (calls["forward"], calls["backward_into"])
+        found[name + " out"] = out.detach()
     return found
 
 
@@ -535,6 +554,19 @@ def test_the_ring_skips_the_pairs_the_block_mask_leaves_empty(group_run):
     calls = [res["block calls"] for res in group_run]
     assert [c["document"] for c in calls] == [(1, 1)] * WORLD
     assert [c["causal"] for c in calls] == [(r + 1, r + 1) for r in range(WORLD)]
+
+
+def test_the_ring_skips_the_pairs_an_attn_mask_leaves_empty(group_run):
+    calls = [res["block calls"] for res in group_run]
+    assert [c["attn_mask bool"] for c in calls] == [(1, 1)] * WORLD
+    assert [c["attn_mask -inf"] for c in calls] == [(1, 1)] * WORLD
+    assert [c["attn_mask finfo.min"] for c in calls] == [(WORLD, WORLD)] * WORLD
+    q = torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(7))
+    same = (torch.arange(64) // 16)[:, None] == (torch.arange(64) // 16)[None, :]
+    want = attngrad.attention(q, q, q, attn_mask=same, strategy="flash")
+    for name in ("attn_mask bool", "attn_mask -inf"):
+        got = unshard([c[name + " out"] for c in calls], "contiguous")
+        torch.testing.assert_close(got, want, msg=name)
 
 
 # ---------------------------------------------------------------------------

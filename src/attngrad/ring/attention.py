@@ -95,6 +95,7 @@ from attngrad.ring.blocks import (
     build_pairs,
     circulate,
     mask_block,
+    masked_out,
     rows_of,
 )
 from attngrad.ring.checks import (
@@ -439,7 +440,9 @@ def ring_attention(
     gradient returned), the rows of this rank's shard against every key:
     broadcastable to [..., Hq, N/P, N], keys in the sequence's true order --
     ``shard(mask, rank, P, layout)`` of the full [..., N, N] mask; its
-    gradient is this rank's rows'.  Not with ``is_causal`` (as in
+    gradient is this rank's rows'.  Under "ring" a pair of chunks the mask
+    keeps no score of (all False, or all -inf; a bias at finfo.min keeps its
+    scores) is skipped.  Not with ``is_causal`` (as in
     `attngrad.attention`; ``window=(None, 0)`` is causal and takes a mask).
     ``window=(left, right)``: query i attends keys i - left .. i + right in
     global positions; under "ring" each (query chunk, key chunk) pair takes
@@ -580,6 +583,8 @@ def ring_attention(
         comm, layout, is_causal, REGISTRY[strategy], dropout, window, softcap, mask is not None
     )
     bias, keep = (None, mask) if mask is not None and mask.dtype == torch.bool else (mask, None)
+    if mask is not None:
+        ring = replace(ring, masked_out=masked_out(ring, n, (bias, keep)))
     o, lse_, _ = RingAttention.apply(qb, kb, vb, bias, keep, ring, s)  # type: ignore[no-untyped-call]
     out = o.reshape(*shapes.lead, hq, n, shapes.value_dim)
     lse_ = lse_.reshape(*shapes.lead, hq, n)

@@ -46,6 +46,7 @@ __all__ = [
     "circulate",
     "extent",
     "mask_block",
+    "masked_out",
     "rows_of",
 ]
 
@@ -61,7 +62,8 @@ class Ring:
     (``is_causal`` and ``window``), the softcap, the dropout, whether an attn_mask
     is given (its tensors travel as the Function's arguments), and a FlexAttention
     call's score_mod and BlockMask (`attngrad.ring.flex_pairs`; the score_mod's
-    captured tensors travel as the Function's arguments)."""
+    captured tensors travel as the Function's arguments); ``masked_out``: the pairs the
+    attn_mask keeps no score of (`masked_out`), skipped."""
 
     comm: RingComm
     layout: str
@@ -72,6 +74,7 @@ class Ring:
     softcap: float | None = None
     masked: bool = False
     flex: FlexPairs | None = None
+    masked_out: frozenset[tuple[int, int, int, int]] = frozenset()
 
     @property
     def positional(self) -> bool:
@@ -158,6 +161,9 @@ def block_problem(
     band = ring.band(blk)
     if skip and band is not None and band.key_span(slice(0, qb.shape[2]))[0] >= kb.shape[2]:
         return None
+    r, c = qb.shape[2], kb.shape[2]
+    if skip and blk.origin is not None and (*blk.origin, r, c) in ring.masked_out:
+        return None
     pair = block_pair(ring, blk, qb, kb, vb)
     if skip and pair is not None and pair.empty:
         return None
@@ -166,7 +172,6 @@ def block_problem(
         assert blk.origin is not None  # dropout makes the blocks positional
         dropout = dropout.shifted(*blk.origin)
     bias, keep = (mask_block(t, blk) for t in mask)
-    r, c = qb.shape[2], kb.shape[2]
     if pair is None:
         mods = ScoreMods(bias, keep, band, k.shape[1], r, c, ring.softcap, dropout)
         tiles = ring.strategy.tiles(Shapes.of(qb, kb, vb), q.dtype, None, None)
@@ -186,6 +191,26 @@ def block_pair(
         return None
     assert blk.origin is not None  # a flex call makes the blocks positional
     return ring.flex.pair(blk.origin, qb, kb, vb)
+
+
+def masked_out(
+    ring: Ring, seq_local: int, mask: tuple[torch.Tensor | None, torch.Tensor | None]
+) -> frozenset[tuple[int, int, int, int]]:
+    """The pairs of this rank's passes (``seq_local`` rows) in which the attn_mask (bias, keep)
+    keeps no score -- keep all False, or bias all -inf -- keyed (q0, k0, rows, keys): their
+    blocks contribute nothing to any row, so the ring skips them (`block_problem`).  A bias
+    at a finite minimum (``finfo.min``) keeps its scores: such a pair is computed."""
+    bias, keep = mask
+    found = set()
+    for blocks in ring.steps(seq_local):
+        for blk in blocks:
+            assert blk.origin is not None  # a mask makes the blocks positional
+            b, k = mask_block(bias, blk), mask_block(keep, blk)
+            if (k is not None and not bool(k.any())) or (
+                b is not None and bool(torch.isneginf(b).all())
+            ):
+                found.add((*blk.origin, extent(blk.rows), extent(blk.cols)))
+    return frozenset(found)
 
 
 def build_pairs(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
