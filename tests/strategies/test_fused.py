@@ -119,6 +119,28 @@ def test_every_engine_of_the_tile_products(engine, dtype, monkeypatch):
         assert_rule(c, inputs, outputs_and_grads(fn, c, inputs, c.dtype))
 
 
+@pytest.mark.parametrize("engine", build.ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_every_engine_recomputes_the_scores_bit_for_bit(engine, dtype, monkeypatch):
+    """One key per row: P is exactly 1 when backward's scores are forward's, so dv = P^T dO is
+    the two rows' dO added, bit for bit; scores other by one rounding (a BLAS that sums in
+    another order for backward's tile, MKL's dgemm under the aten engine) make P = exp(+-u|S|)
+    and miss it in most draws."""
+    library = build.load()
+    monkeypatch.setattr(
+        build, "_loaded", build.Library(library.path, engine, library.rates, library.peak)
+    )
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        q = (10 * torch.randn(1, 2, 2, 9, generator=gen)).to(dtype)
+        k = (10 * torch.randn(1, 2, 1, 9, generator=gen)).to(dtype)
+        v = torch.randn(1, 2, 1, 1, generator=gen).to(dtype).requires_grad_()
+        dout = torch.randn(1, 2, 2, 1, generator=gen).to(dtype)
+        out = attngrad.attention(q, k, v, strategy="fused")
+        (dv,) = torch.autograd.grad(out, v, dout)
+        assert torch.equal(dv, dout.sum(-2, keepdim=True))
+
+
 def test_fake_kernels_trace_under_torch_compile():
     q, k, v = (torch.randn(1, 2, 50, 16) for _ in range(3))
     args = (None,) * 6

@@ -160,7 +160,7 @@ void forward_impl(const Problem<T>& pb, Engine engine, const T* q, const T* kt, 
           pb.for_each_key_tile(b, h, i0, r, [&](int64_t kb, int64_t a, int64_t c) {
             const int64_t j0 = kb * bk + a;
             T* S = w.s.data();
-            product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk + a, bk, S, bk, false);
+            score_product(engine, r, c, d, w.q.data(), d, kt_h + kb * d * bk + a, bk, S, bk);
             mask_tile(pb, b, h, i0, r, j0, c, S, bk, static_cast<T*>(nullptr), w.run.get(),
                       static_cast<T*>(nullptr), w.mask.get(),
                       w.blocks.empty() ? nullptr : w.blocks.data());
@@ -223,7 +223,7 @@ void tile_gradient(const Problem<T>& pb, Engine engine, const Operands<T>& x, in
                    const T* kt, const T* vt, T* S, T* dS, T* slope, Runner<T>* run, T* raw,
                    Runner<T>* mask, uint8_t* blocks) {
   const int64_t bk = pb.block_k, bh = b * pb.Hq + h;
-  product(engine, r, c, pb.d, qs, pb.d, kt, bk, S, bk, false);
+  score_product(engine, r, c, pb.d, qs, pb.d, kt, bk, S, bk);
   mask_tile(pb, b, h, i0, r, j0, c, S, bk, slope, run, raw, mask, blocks);
   probabilities(r, c, S, bk, x.stats + (bh * pb.Nq + i0) * 2);
   product(engine, r, c, pb.dv, dos, pb.dv, vt, bk, dS, bk, false);

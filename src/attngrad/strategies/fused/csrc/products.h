@@ -9,9 +9,13 @@
 //           (float32 and float64);
 //   ATEN:   at::mm_out / at::addmm_out on views of the tiles (the BLAS torch
 //           was built with; a dispatcher call per product).
-// Each product sums over K in order for every element, whatever N or the
-// tile's offset, so a score recomputed in backward over the same operands is
-// bit for bit forward's.
+// BRGEMM and MICRO sum over K in order for every element, whatever N or the
+// tile's offset; a BLAS may pick its order by shape, alignment or thread (MKL's
+// dgemm on a 2 x 1 tile: another order than on the forward's).  The scores
+// take `score_product`: under ATEN the micro-kernel, so a score recomputed in
+// backward, forward mode or the second-order pass over the same operands is bit
+// for bit forward's (P rebuilt from other scores than the saved statistics' is
+// not normalised).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -147,6 +151,15 @@ inline void product(Engine engine, int64_t M, int64_t N, int64_t K, const T* A, 
   }
   if (engine == Engine::ATEN) aten_product(M, N, K, A, lda, B, ldb, C, ldc, add);
   else micro_product(M, N, K, A, lda, B, ldb, C, ldc, add);
+}
+
+// S[M, N] = A[M, K] B[K, N], a tile of scores: `product` through an engine whose order of
+// summation is fixed (the header's comment), the same in every pass.
+template <typename T>
+inline void score_product(Engine engine, int64_t M, int64_t N, int64_t K, const T* A,
+                          int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
+  product(engine == Engine::ATEN ? Engine::MICRO : engine, M, N, K, A, lda, B, ldb, C, ldc,
+          false);
 }
 
 // C[M, N] (+)= A^T B with A given as [K, M] (leading dimension lda): dV += P^T dO and

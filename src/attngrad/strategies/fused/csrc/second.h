@@ -213,7 +213,7 @@ void first_walk(const Problem<T>& pb, Engine engine, const SecondOperands<T>& x,
     T *G = w.g + n * tile, *Wt = w.w + n * tile;
     T* slope = cap ? w.slope + n * tile : nullptr;
     const T* panel = kt_h + kb * x.rows * bk + ka;
-    product(engine, r, c, pb.d, w.qs.data(), pb.d, panel, bk, P, bk, false);  // forward's S
+    score_product(engine, r, c, pb.d, w.qs.data(), pb.d, panel, bk, P, bk);  // forward's S
     mask_tile(pb, b, h, i0, r, j0, c, P, bk, slope, static_cast<Runner<T>*>(nullptr),
               static_cast<T*>(nullptr), w.mask.get(), static_cast<uint8_t*>(nullptr),
               cap ? w.tanh + n * tile : nullptr);

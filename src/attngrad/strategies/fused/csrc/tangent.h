@@ -237,7 +237,7 @@ void tangent_pass(const Problem<T>& pb, Engine engine, const TangentOperands<T>&
             const int64_t j0 = kb * bk + ka;
             const T* panel = kt_h + kb * x.rows * bk + ka;
             T* P = w.s.data();
-            product(engine, r, c, d, w.q.data(), d, panel, bk, P, bk, false);  // forward's S
+            score_product(engine, r, c, d, w.q.data(), d, panel, bk, P, bk);  // forward's S
             mask_with_slope(pb, b, h, i0, r, j0, c, P, slope, w);
             probabilities(r, c, P, bk, x.stats + row0 * 2);
             tangent_tile(pb, engine, dir, b, h, i0, r, j0, c, a, inner, panel + from * bk, v_h,
@@ -306,7 +306,7 @@ void forward_tangent_pass(const Problem<T>& pb, Engine engine, const TangentOper
             const int64_t j0 = kb * bk + ka;
             const T* panel = kt_h + kb * x.rows * bk + ka;
             T* E = w.s.data();
-            product(engine, r, c, d, w.q.data(), d, panel, bk, E, bk, false);  // forward's S
+            score_product(engine, r, c, d, w.q.data(), d, panel, bk, E, bk);  // forward's S
             mask_with_slope(pb, b, h, i0, r, j0, c, E, slope, w);
             for (int64_t ii = 0; ii < r; ++ii) {
               const T alpha = online_row(E + ii * bk, c, m[ii], l[ii], shift[ii],
