@@ -119,10 +119,14 @@ WORLD = 4
 
 
 def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
-    """torch.func's transforms of f(q, k, v) and of the loss f(...)^2 summed: the jvp, the
-    gradient, a vjp, forward over reverse (an HVP; also of a loss linear in f) and the
-    gradient of a gradient penalty."""
+    """torch.func's transforms of f(q, k, v) -> (out, lse) and of the loss out^2 summed: the
+    jvp, the gradient, a vjp, forward over reverse (an HVP; also of a loss linear in out, and
+    of one of lse alone) and the gradient of a gradient penalty."""
     q, k, v, tq, _, _ = inputs
+    lse_of = f
+
+    def f(q, k, v):
+        return lse_of(q, k, v)[0]
 
     def loss(q, k, v):
         return f(q, k, v).square().sum()
@@ -142,6 +146,9 @@ def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
         "jvp(grad), linear": lambda: torch.func.jvp(
             torch.func.grad(lambda x: (f(x, k, v) * inputs[4]).sum()), (q,), (tq,)
         )[1],
+        "jvp(grad), lse": lambda: torch.func.jvp(
+            torch.func.grad(lambda x: (lse_of(x, k, v)[1] * inputs[4][..., 0]).sum()), (q,), (tq,)
+        )[1],
     }
 
 
@@ -157,8 +164,9 @@ def _torch_func(rank: int, world: int, group) -> dict[str, tuple[str, object]]:
 
     def f(q, k, v):
         return ring_attention(
-            q, k, v, is_causal=True, layout="zigzag", group=group, strategy="fused"
-        )
+            q, k, v, is_causal=True, layout="zigzag", group=group, strategy="fused",
+            return_lse=True,
+        )  # fmt: skip
 
     results = {}
     for name, run in _transforms(f, mine).items():
@@ -235,11 +243,12 @@ def test_ring_derivatives_match_the_single_process_call(ac, ring_run):
 
 
 @pytest.mark.parametrize(
-    "name", ["jvp", "grad", "vjp", "jvp(grad)", "grad(grad)", "jvp(grad), linear"]
+    "name",
+    ["jvp", "grad", "vjp", "jvp(grad)", "grad(grad)", "jvp(grad), linear", "jvp(grad), lse"],
 )
 def test_torch_func_through_the_ring(ring_run, name):
     def f(q, k, v):
-        return attngrad.attention(q, k, v, is_causal=True, strategy="fused")
+        return attngrad.attention(q, k, v, is_causal=True, strategy="fused", return_lse=True)
 
     want = _transforms(f, _func_inputs(2))[name]()
     results = [res["func"][name] for res in ring_run[:2]]

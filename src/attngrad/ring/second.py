@@ -311,8 +311,9 @@ class RingGradients(torch.autograd.Function):
         if moving_input and not moving_cotangent and retrieve_all_functorch_interpreters():
             # under torch.func.jvp, tangents made by the second-order Function alone trip
             # torch's forward-grad check on this Function's outputs (an internal assert);
-            # through the first-order ring too (on zero cotangents) they do not
-            t = (torch.zeros_like(tensors[0]), *t[1:])
+            # through the first-order ring too (on a zero cotangent) they do not
+            at = 0 if tensors[0] is not None else 1  # dout's, or dlse's where only lse is used
+            t = tuple(torch.zeros_like(tensors[at]) if i == at else x for i, x in enumerate(t))
             moving_cotangent = True
         if moving_cotangent:
             first = RingGradients.apply(ring, scale, need, t[0], t[1], *tensors[2:])  # type: ignore[no-untyped-call]
