@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from contextlib import contextmanager
 
@@ -216,6 +217,33 @@ def test_the_engine_is_the_fastest_attention_and_a_tie_goes_to_the_faster_produc
     tied = {"brgemm": 0.1451, "micro": 0.1446, "aten": 0.170}  # 0.3% apart: the rate decides
     assert build._fastest(tied, rates) == "brgemm"
     assert build._fastest({"micro": 0.1, "aten": 0.1}, {"micro": 90.0, "aten": 97.0}) == "aten"
+
+
+def test_one_process_measures_the_engines_while_the_others_wait_for_its_record(
+    tmp_path, monkeypatch
+):
+    """Two loads at once on a new build (two ranks of a job): the second waits on the lock
+    and reads the first one's record instead of measuring beside it."""
+    measuring = threading.Event()
+    calls = []
+
+    def measure(directory):
+        calls.append(directory)
+        measuring.set()
+        time.sleep(0.3)  # the other load arrives meanwhile
+        return {"micro": 100.0, "aten": 90.0}, {"micro": 0.1, "aten": 0.2}
+
+    monkeypatch.setattr(build, "_measure", measure)
+    monkeypatch.setattr(build, "fma_peak", lambda: 110.0)
+    monkeypatch.delenv("ATTNGRAD_FUSED_ENGINE", raising=False)
+    found = []
+    first = threading.Thread(target=lambda: found.append(build._engine(tmp_path)))
+    first.start()
+    assert measuring.wait(10)
+    found.append(build._engine(tmp_path))  # blocks until the first one's record is written
+    first.join()
+    assert len(calls) == 1
+    assert found == [("micro", {"micro": 100.0, "aten": 90.0}, 110.0)] * 2
 
 
 def test_the_fma_peak_bounds_the_tile_products():

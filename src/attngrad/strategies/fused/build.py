@@ -464,6 +464,26 @@ def _fastest(seconds: dict[str, float], rates: dict[str, float]) -> str:
     return max(tied, key=lambda e: rates.get(e, 0.0))
 
 
+@contextlib.contextmanager
+def _alone(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``lock`` (made if missing) while the block runs:
+    other processes entering the block wait.  The OS releases it when its process ends, so a
+    killed measurement leaves nothing to wait on; without ``fcntl`` (Windows) or a writable
+    folder the block runs unlocked."""
+    try:
+        import fcntl
+
+        handle = open(lock, "a")  # noqa: SIM115 -- closed in the finally below
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()  # closing releases the lock
+
+
 def _engine(directory: Path) -> tuple[str, dict[str, float], float]:
     """The engine of the tile products, each engine's product rate and the FMA peak
     (`fma_peak`), measured once per library and kept beside it as JSON.
@@ -471,25 +491,28 @@ def _engine(directory: Path) -> tuple[str, dict[str, float], float]:
     The rates (`product_rate` over `tile_shapes`) are what the products alone reach; the
     engine is the one whose attention (`_attention_seconds`) is fastest, which also counts
     what the rates cannot: a BLAS packing its operands per call, the caches the tiles
-    share; a tie within the noise goes to the higher rate (`_fastest`).
+    share; a tie within the noise goes to the higher rate (`_fastest`).  One process of the
+    machine measures at a time (`_alone`): the ranks of a job that load the kernels together
+    wait for the first one's record, and its timings are not the others' noise.
     """
     record = directory / "engine.json"
-    try:
-        measured = json.loads(record.read_text())
-        rates, seconds = measured["rates"], measured["attention_seconds"]
-        peak = float(measured["fma_peak"])
-        kept = bool(seconds) and set(seconds) <= set(ENGINES)
-    except (OSError, ValueError, KeyError, TypeError):
-        kept = False
-    if not kept:
-        rates, seconds = _measure(directory)
-        peak = fma_peak()
-        partial = record.with_suffix(f".{os.getpid()}.tmp")
-        with contextlib.suppress(OSError):  # a read-only cache measures again next time
-            partial.write_text(
-                json.dumps({"rates": rates, "attention_seconds": seconds, "fma_peak": peak})
-            )
-            os.replace(partial, record)
+    with _alone(directory / "engine.lock"):
+        try:
+            measured = json.loads(record.read_text())
+            rates, seconds = measured["rates"], measured["attention_seconds"]
+            peak = float(measured["fma_peak"])
+            kept = bool(seconds) and set(seconds) <= set(ENGINES)
+        except (OSError, ValueError, KeyError, TypeError):
+            kept = False
+        if not kept:
+            rates, seconds = _measure(directory)
+            peak = fma_peak()
+            partial = record.with_suffix(f".{os.getpid()}.tmp")
+            with contextlib.suppress(OSError):  # a read-only cache measures again next time
+                partial.write_text(
+                    json.dumps({"rates": rates, "attention_seconds": seconds, "fma_peak": peak})
+                )
+                os.replace(partial, record)
     chosen = os.environ.get("ATTNGRAD_FUSED_ENGINE") or _fastest(seconds, rates)
     if chosen not in ENGINES:
         raise BuildError(
