@@ -166,6 +166,8 @@ def _cases() -> list[A2ACase]:
     cases += [
         # P = 3 with 9 query heads over 3 kv heads: dropout in blocks of 2 and 1 heads
         A2ACase(_sized(3, heads=(9, 3), mask="causal", dropout=0.5), 3, order="second"),
+        # 5 heads per rank: entry 0's blocks are 4 + 1 heads, entry 1's (from head 10) 2 + 2 + 1
+        A2ACase(_sized(2, heads=(10, 2), mask="causal", dropout=0.3), 2),
         A2ACase(_sized(2, window=(3, 1)), 2),
         A2ACase(_sized(2, window=(2, 0), dtype=F32), 2, "contiguous"),
         A2ACase(_sized(2, softcap=1.5, mask="float"), 2, order="second"),

@@ -371,7 +371,8 @@ def _attend(
     b, hl = q.shape[:2]
     g = hl // k.shape[1]
     outs, lses = [], []
-    for i in range(b):
+    for i in range(b):  # each entry's blocks: their sizes follow its first global head
+        entry_o, entry_lse = [], []
         for h0, h1 in head_blocks(i * heads_q + head0, hl, g):
             kh = slice(h0 // g, max(h1 // g, h0 // g + 1))
             o, lse = _local_dropout(
@@ -379,12 +380,11 @@ def _attend(
                 k[i : i + 1, kh], v[i : i + 1, kh], _pick(mask, i, slice(h0, h1)),
                 _pick(sinks, i, slice(h0, h1)),
             )  # fmt: skip
-            outs.append(o)
-            lses.append(lse)
-    per_entry = len(outs) // b
-    out = torch.cat([torch.cat(outs[i : i + per_entry], 1) for i in range(0, len(outs), per_entry)])
-    lse = torch.cat([torch.cat(lses[i : i + per_entry], 1) for i in range(0, len(lses), per_entry)])
-    return out, lse
+            entry_o.append(o)
+            entry_lse.append(lse)
+        outs.append(torch.cat(entry_o, 1))
+        lses.append(torch.cat(entry_lse, 1))
+    return torch.cat(outs), torch.cat(lses)
 
 
 def all_to_all_attention(
