@@ -705,6 +705,8 @@ def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     results["dropout_p"] = _error_of(lambda: ring_attention(q, q, q, dropout_p=0.25 * (1 + rank)))[
         :2
     ]
+    sinks = torch.zeros(2) if rank == 0 else None  # per-head sinks on rank 0 alone
+    results["sinks"] = _error_of(lambda: ring_attention(q, q, q, sinks=sinks))[:2]
     if world == 3:  # a ring over a subgroup: ranks 0 and 2 (global ranks differ from group ranks)
         sub = dist.new_group([0, 2])
         if rank != 1:
@@ -779,6 +781,13 @@ def _assert_ring_runs(world: int, tmp_path: Path) -> list[dict]:
         assert kind == "ArgumentError" and "heads_q: rank 0 2, rank 1 4" in message, (r, message)
         kind, message = res["dropout_p"]
         assert kind == "ArgumentError" and "dropout_p: rank 0 0.25, rank 1 0.5" in message, (
+            r,
+            message,
+        )
+        kind, message = res["sinks"]
+        assert (
+            kind == "ArgumentError" and "sinks: rank 0 float32[1, 2, 1], rank 1 None" in message
+        ), (
             r,
             message,
         )

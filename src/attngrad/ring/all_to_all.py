@@ -85,6 +85,8 @@ __all__ = [
     "over_heads",
     "packed_ring_attention",
     "retarget",
+    "sinks_form",
+    "sinks_of",
 ]
 
 # -- the hash's head offset (module docstring) -----------------------------------
@@ -268,7 +270,12 @@ def _to_heads(x: torch.Tensor, comm: RingComm, layout: str, heads: int, n: int) 
     return x
 
 
-def _sinks_form(sink: torch.Tensor | None, shapes: Shapes) -> torch.Tensor | None:
+def sinks_of(sinks: torch.Tensor | None) -> tuple[int, ...]:
+    """`Settings.sinks` of validated sinks in `sinks_form`: (kind, Bs, Hs, rows), or ()."""
+    return () if sinks is None else (tensor_kind(sinks), *sinks.shape[:3])
+
+
+def sinks_form(sink: torch.Tensor | None, shapes: Shapes) -> torch.Tensor | None:
     """validated sinks (broadcastable to [..., Hq, n]) as [Bs, Hs, ns, 1] (`rows_form`)."""
     return None if sink is None else rows_form(sink.unsqueeze(-1), shapes.lead)
 
@@ -408,14 +415,14 @@ def all_to_all_attention(
     """
     p, layout = comm.world, settings.layout
     mask = shard_mask(attn_mask, q, shapes, p, settings.is_causal)
-    sinks = _sinks_form(sink, shapes)
+    sinks = sinks_form(sink, shapes)
     wants = [n for n, t in zip("qkv", (q, k, v), strict=True) if t.requires_grad]
     wants += ["attn_mask"] if mask is not None and mask.requires_grad else []
     wants += ["sinks"] if sinks is not None and sinks.requires_grad else []
     settings = replace(
         settings,
         mask=() if mask is None else (tensor_kind(mask), *mask.shape),
-        sinks=() if sinks is None else (tensor_kind(sinks), *sinks.shape[:3]),
+        sinks=sinks_of(sinks),
         requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
     )
     check_same_shards(comm, q, shapes, settings)

@@ -83,7 +83,7 @@ from attngrad.core.contract import (
 from attngrad.core.keywords import validate_generator, validate_sinks, validate_softcap
 from attngrad.core.ops import compute_dtype, log_normalizer, lse
 from attngrad.core.sinks import merge_sinks
-from attngrad.ring.all_to_all import Keywords, all_to_all_attention
+from attngrad.ring.all_to_all import Keywords, all_to_all_attention, sinks_form, sinks_of
 from attngrad.ring.backward import ring_gradients
 from attngrad.ring.blocks import (
     BLOCK_STRATEGIES,
@@ -568,6 +568,7 @@ def ring_attention(
     settings = replace(
         settings,
         mask=() if mask is None else (tensor_kind(mask), *mask.shape),
+        sinks=sinks_of(sinks_form(sink, shapes)),
         # the second-order path's graph must be one on every rank
         requires_grad=tuple(wants) if torch.is_grad_enabled() else (),
     )
