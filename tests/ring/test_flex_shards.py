@@ -386,10 +386,6 @@ def _block_calls(rank: int, group) -> dict[str, object]:
     finfo.min, whose scores are kept: 4 pairs)."""
     n = 64
     docs = torch.arange(n) // (n // WORLD)
-    masks = {
-        "document": lambda b, h, i, j: docs[i] == docs[j],
-        "causal": lambda b, h, i, j: j <= i,
-    }
     kernel = REGISTRY["flash"]
     calls = {"forward": 0, "backward_into": 0}
 
@@ -402,35 +398,37 @@ def _block_calls(rank: int, group) -> dict[str, object]:
 
         return count
 
-    found = {}
     q = shard(torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(7)), rank, WORLD)
     q.requires_grad_()
-    for name, mask_mod in masks.items():
+
+    def flex(mask_mod):
         blocks = attngrad.create_block_mask(mask_mod, None, None, n, n, BLOCK_SIZE=8)
+        return lambda: flex_ring_attention(q, q, q, None, blocks, group=group, scheme="ring",
+                                           layout="contiguous", strategy="flash")  # fmt: skip
+
+    def masked(mask):
+        return lambda: ring_attention(q, q, q, attn_mask=shard(mask, rank, WORLD), group=group,
+                                      strategy="flash")  # fmt: skip
+
+    same = docs[:, None] == docs[None, :]
+    runs = {
+        "document": flex(lambda b, h, i, j: docs[i] == docs[j]),
+        "causal": flex(lambda b, h, i, j: j <= i),
+        "attn_mask bool": masked(same),
+        "attn_mask -inf": masked(torch.zeros(n, n).masked_fill(~same, -torch.inf)),
+        "attn_mask finfo.min": masked(
+            torch.zeros(n, n).masked_fill(~same, torch.finfo(q.dtype).min)
+        ),
+    }
+    found = {}
+    for name, run in runs.items():
         calls.update(forward=0, backward_into=0)
         kernel.forward, kernel.backward_into = counted("forward"), counted("backward_into")
         try:
-            out = flex_ring_attention(q, q, q, None, blocks, group=group, scheme="ring",
-                                      layout="contiguous", strategy="flash")  # fmt: skip
+            out = run()
             out.sum().backward()
         finally:
             del kernel.forward, kernel.backward_into  # the class's methods again
-        found[name] = (calls["forward"], calls["backward_into"])
-    same = docs[:, None] == docs[None, :]
-    low = torch.finfo(q.dtype).min
-    for name, mask in {
-        "attn_mask bool": same,
-        "attn_mask -inf": torch.zeros(n, n).masked_fill(~same, -torch.inf),
-        "attn_mask finfo.min": torch.zeros(n, n).masked_fill(~same, low),
-    }.items():
-        calls.update(forward=0, backward_into=0)
-        kernel.forward, kernel.backward_into = counted("forward"), counted("backward_into")
-        try:
-            out = ring_attention(q, q, q, attn_mask=shard(mask, rank, WORLD), group=group,
-                                 strategy="flash")  # fmt: skip
-            out.sum().backward()
-        finally:
-            del kernel.forward, kernel.backward_into
         found[name] = (calls["forward"], calls["backward_into"])
         found[name + " out"] = out.detach()
     return found

@@ -118,15 +118,14 @@ TIMEOUT = 20.0
 WORLD = 4
 
 
-def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
-    """torch.func's transforms of f(q, k, v) -> (out, lse) and of the loss out^2 summed: the
-    jvp, the gradient, a vjp, forward over reverse (an HVP; also of a loss linear in out, and
-    of one of lse alone) and the gradient of a gradient penalty."""
+def _transforms(out_and_lse, inputs: list[torch.Tensor]) -> dict[str, object]:
+    """torch.func's transforms of f(q, k, v), the out of ``out_and_lse(q, k, v)``, and of the
+    loss f(...)^2 summed: the jvp, the gradient, a vjp, forward over reverse (an HVP; also of
+    a loss linear in f, and of one of lse alone) and the gradient of a gradient penalty."""
     q, k, v, tq, _, _ = inputs
-    lse_of = f
 
     def f(q, k, v):
-        return lse_of(q, k, v)[0]
+        return out_and_lse(q, k, v)[0]
 
     def loss(q, k, v):
         return f(q, k, v).square().sum()
@@ -147,7 +146,9 @@ def _transforms(f, inputs: list[torch.Tensor]) -> dict[str, object]:
             torch.func.grad(lambda x: (f(x, k, v) * inputs[4]).sum()), (q,), (tq,)
         )[1],
         "jvp(grad), lse": lambda: torch.func.jvp(
-            torch.func.grad(lambda x: (lse_of(x, k, v)[1] * inputs[4][..., 0]).sum()), (q,), (tq,)
+            torch.func.grad(lambda x: (out_and_lse(x, k, v)[1] * inputs[4][..., 0]).sum()),
+            (q,),
+            (tq,),
         )[1],
     }
 

@@ -106,13 +106,18 @@ def test_dropout_mask_is_the_hash_bit_for_bit(p):
         assert torch.equal(dv.transpose(-2, -1) != 0, expected != 0), strategy
 
 
-@pytest.mark.parametrize("engine", build.ENGINES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-def test_every_engine_of_the_tile_products(engine, dtype, monkeypatch):
+def _use_engine(engine: str, monkeypatch) -> None:
+    """Calls run the tile products through ``engine`` until the test ends."""
     library = build.load()
     monkeypatch.setattr(
         build, "_loaded", build.Library(library.path, engine, library.rates, library.peak)
     )
+
+
+@pytest.mark.parametrize("engine", build.ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_every_engine_of_the_tile_products(engine, dtype, monkeypatch):
+    _use_engine(engine, monkeypatch)
     c = case((1,), 4, 2, 97, 130, 40, 24, "float", dtype=dtype, window=(None, 3))
     inputs = make_inputs(c)
     for tiles in ((None, None), (7, 5)):
@@ -127,10 +132,7 @@ def test_every_engine_recomputes_the_scores_bit_for_bit(engine, dtype, monkeypat
     the two rows' dO added, bit for bit; scores other by one rounding (a BLAS that sums in
     another order for backward's tile, MKL's dgemm under the aten engine) make P = exp(+-u|S|)
     and miss it in most draws."""
-    library = build.load()
-    monkeypatch.setattr(
-        build, "_loaded", build.Library(library.path, engine, library.rates, library.peak)
-    )
+    _use_engine(engine, monkeypatch)
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
         q = (10 * torch.randn(1, 2, 2, 9, generator=gen)).to(dtype)
